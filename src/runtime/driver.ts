@@ -1,0 +1,56 @@
+// The MachineDriver seam: everything about how a machine is isolated and kept alive lives behind it.
+// Code above this file never branches on which driver (or OCI runtime) it has.
+
+export interface MachineSpec {
+  /** Kiln machine id (`mch_…`); drivers use it to name their runtime objects. */
+  id: string;
+  /** Read-only template layer directories, lowest first, already shifted into the mapped uid range. */
+  layers: string[];
+  hostname: string;
+  vcpus: number;
+  memoryMb: number;
+  /** Outbound network through NAT; false leaves the machine with loopback only. */
+  internet: boolean;
+  /** Host directories bind-mounted read-write into the machine (volumes). */
+  mounts: { hostPath: string; guestPath: string }[];
+}
+
+export type LiveState = "running" | "paused";
+
+export interface LiveMachine {
+  id: string;
+  state: LiveState;
+  /** Host path of the unix socket the guest agent listens on. */
+  agentSocket: string;
+  /** Host pid of the machine's first process. */
+  pid: number;
+}
+
+/** What the host can enforce, reported as-is by GET /v1/ready. */
+export interface DriverReadiness {
+  driver: string;
+  runtime: string;
+  ready: boolean;
+  detail: string;
+  cgroup: { version: "v1" | "v2" | "hybrid" | "none"; enforced: string[] };
+  network: string;
+}
+
+export interface MachineDriver {
+  readonly name: string;
+  readiness(): Promise<DriverReadiness>;
+  /** Prepares the machine's root and bundle and starts it; resolves once the guest agent answers. */
+  create(spec: MachineSpec): Promise<LiveMachine>;
+  /** Stops the machine's processes but keeps its root (a later start reboots it). */
+  stop(id: string): Promise<void>;
+  start(id: string): Promise<LiveMachine>;
+  /** Freezes every process of the machine in place. */
+  hibernate(id: string): Promise<void>;
+  resume(id: string): Promise<LiveMachine>;
+  /** Leaves no process, mount or directory behind. Idempotent. */
+  destroy(id: string): Promise<void>;
+  /** Machines this driver still has alive on the host (used to adopt them after a restart). */
+  listLive(): Promise<LiveMachine[]>;
+  /** Releases host resources the driver holds open (not the machines). */
+  close(): Promise<void>;
+}
