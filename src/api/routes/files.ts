@@ -1,0 +1,119 @@
+// Files of a machine: read and write bytes, list, metadata (SPEC.md's POST …/files/info), mkdir, remove, move.
+// Relative paths resolve by SPEC.md's rule in the file service, never here.
+
+import { Type } from "typebox";
+import type { Readable } from "node:stream";
+import type { App } from "../server.ts";
+import type { Services } from "../../services/index.ts";
+import { errors, FileMetadata, Id, MachinePath, OctalMode, UserName } from "../schemas.ts";
+import { KilnError } from "../errors.ts";
+
+const Params = Type.Object({ id: Id });
+const PathQuery = Type.Object({ path: MachinePath, user: Type.Optional(UserName) }, { additionalProperties: false });
+
+export async function fileRoutes(app: App, opts: { services: Services }) {
+  const { files } = opts.services;
+  const tags = ["Files"];
+  const fileErrors = errors(400, 404, 409);
+
+  app.post(
+    "/v1/machines/:id/files/info",
+    {
+      schema: {
+        tags,
+        summary: "File metadata (lstat) of a machine path",
+        params: Params,
+        body: Type.Object({ path: MachinePath, user: Type.Optional(UserName) }, { additionalProperties: false }),
+        response: { 200: FileMetadata, ...fileErrors },
+      },
+    },
+    async (req) => files.info(req.params.id, req.body),
+  );
+
+  app.get(
+    "/v1/machines/:id/files",
+    { schema: { tags, summary: "Read a file's bytes", params: Params, querystring: PathQuery, response: { ...fileErrors } } },
+    async (req, reply) => {
+      const stream = await files.read(req.params.id, req.query);
+      return reply.type("application/octet-stream").send(stream);
+    },
+  );
+
+  app.put(
+    "/v1/machines/:id/files",
+    {
+      schema: {
+        tags,
+        summary: "Write a file from the request body (application/octet-stream); parents are created",
+        params: Params,
+        querystring: Type.Object({ path: MachinePath, user: Type.Optional(UserName), mode: Type.Optional(OctalMode) }, { additionalProperties: false }),
+        response: { 200: FileMetadata, ...errors(400, 404, 409, 413, 415) },
+      },
+    },
+    async (req) => {
+      const body = req.body as Readable | Buffer | string | undefined;
+      if (body === undefined || body === null) throw new KilnError("invalid_request", "Send the file's bytes as the request body (Content-Type: application/octet-stream)");
+      const data = typeof body === "string" ? Buffer.from(body) : body;
+      return files.write(req.params.id, req.query, data);
+    },
+  );
+
+  app.get(
+    "/v1/machines/:id/files/list",
+    {
+      schema: {
+        tags,
+        summary: "List a directory",
+        params: Params,
+        querystring: Type.Object({ path: MachinePath, user: Type.Optional(UserName), depth: Type.Optional(Type.Integer({ minimum: 1, maximum: 10, default: 1 })) }, { additionalProperties: false }),
+        response: { 200: Type.Object({ entries: Type.Array(FileMetadata) }), ...fileErrors },
+      },
+    },
+    async (req) => files.list(req.params.id, req.query),
+  );
+
+  app.delete(
+    "/v1/machines/:id/files",
+    {
+      schema: {
+        tags,
+        summary: "Remove a file or directory",
+        params: Params,
+        querystring: Type.Object({ path: MachinePath, user: Type.Optional(UserName), recursive: Type.Optional(Type.Boolean({ default: false })) }, { additionalProperties: false }),
+        response: { 204: Type.Null(), ...fileErrors },
+      },
+    },
+    async (req, reply) => {
+      await files.remove(req.params.id, req.query);
+      return reply.code(204).send();
+    },
+  );
+
+  app.post(
+    "/v1/machines/:id/files/mkdir",
+    {
+      schema: {
+        tags,
+        summary: "Make a directory and its parents",
+        params: Params,
+        body: Type.Object({ path: MachinePath, user: Type.Optional(UserName), mode: Type.Optional(OctalMode) }, { additionalProperties: false }),
+        response: { 200: FileMetadata, ...fileErrors },
+      },
+    },
+    async (req) => files.mkdir(req.params.id, req.body),
+  );
+
+  app.post(
+    "/v1/machines/:id/files/move",
+    {
+      schema: {
+        tags,
+        summary: "Move or rename a file or directory",
+        params: Params,
+        body: Type.Object({ src: MachinePath, dest: MachinePath, user: Type.Optional(UserName) }, { additionalProperties: false }),
+        response: { 200: FileMetadata, ...fileErrors },
+      },
+    },
+    async (req) => files.move(req.params.id, req.body),
+  );
+}

@@ -1,0 +1,51 @@
+// API Keys: create (the key is shown once), list (prefixes only), revoke.
+
+import { Type } from "typebox";
+import type { App } from "../server.ts";
+import type { Services } from "../../services/index.ts";
+import { errors, Id } from "../schemas.ts";
+
+const KeySummary = Type.Object({
+  id: Type.String(),
+  name: Type.String(),
+  prefix: Type.String(),
+  created_at: Type.String(),
+  last_used_at: Type.Union([Type.String(), Type.Null()]),
+  revoked_at: Type.Union([Type.String(), Type.Null()]),
+});
+
+export async function keyRoutes(app: App, opts: { services: Services }) {
+  const { keys } = opts.services;
+
+  app.post(
+    "/v1/keys",
+    {
+      schema: {
+        tags: ["API Keys"],
+        summary: "Create an API key; the key is in this response only",
+        body: Type.Object({ name: Type.String({ minLength: 1, maxLength: 100 }) }, { additionalProperties: false }),
+        response: { 201: Type.Intersect([KeySummary, Type.Object({ key: Type.String() })]), ...errors(400) },
+      },
+    },
+    async (req, reply) => reply.code(201).send(await keys.create(req.body.name)),
+  );
+
+  app.get(
+    "/v1/keys",
+    { schema: { tags: ["API Keys"], summary: "List API keys", response: { 200: Type.Object({ keys: Type.Array(KeySummary) }), ...errors() } } },
+    async () => ({ keys: await keys.list() }),
+  );
+
+  app.delete(
+    "/v1/keys/:id",
+    {
+      schema: {
+        tags: ["API Keys"],
+        summary: "Revoke an API key",
+        params: Type.Object({ id: Id }),
+        response: { 200: KeySummary, ...errors(404, 409) },
+      },
+    },
+    async (req) => keys.revoke(req.params.id),
+  );
+}

@@ -1,0 +1,124 @@
+// Machines: create from a template, list, inspect, update, hibernate, resume, destroy, and one-shot exec.
+
+import { Type } from "typebox";
+import type { App } from "../server.ts";
+import type { Services } from "../../services/index.ts";
+import { MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES } from "../../services/machines.ts";
+import { errors, Cursor, Id, Limit, Machine, MachinePath, StringMap, UserName } from "../schemas.ts";
+import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
+import { KilnError } from "../errors.ts";
+
+const TimeoutS = Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxTimeoutS });
+const Params = Type.Object({ id: Id });
+
+const CreateMachine = Type.Object(
+  {
+    template: Type.Optional(Type.String({ minLength: 1, maxLength: 256, description: "Template ref (`local/base`, `base`, `base:tag`) or artifact id; default `local/base`" })),
+    name: Type.Optional(Type.String({ minLength: 1, maxLength: 128 })),
+    cwd: Type.Optional(Type.String({ minLength: 1, maxLength: 4096, pattern: "^/" })),
+    user: Type.Optional(UserName),
+    envs: Type.Optional(StringMap),
+    metadata: Type.Optional(StringMap),
+    timeout_s: Type.Optional({ ...TimeoutS, default: MACHINE_DEFAULTS.timeoutS }),
+    vcpus: Type.Optional(Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxVcpus })),
+    memory_mb: Type.Optional(Type.Integer({ minimum: MACHINE_LIMITS.minMemoryMb, maximum: MACHINE_LIMITS.maxMemoryMb })),
+    internet: Type.Optional(Type.Boolean({ default: true })),
+  },
+  { additionalProperties: false },
+);
+
+const UpdateMachine = Type.Object(
+  { name: Type.Optional(Type.String({ minLength: 1, maxLength: 128 })), timeout_s: Type.Optional(TimeoutS), metadata: Type.Optional(StringMap) },
+  { additionalProperties: false, minProperties: 1 },
+);
+
+const ExecRequest = Type.Object(
+  {
+    cmd: Type.String({ minLength: 1, maxLength: 131072, description: "Shell line for /bin/sh -c, or the program when args is given" }),
+    args: Type.Optional(Type.Array(Type.String({ maxLength: 131072 }), { maxItems: 4096 })),
+    cwd: Type.Optional(MachinePath),
+    envs: Type.Optional(StringMap),
+    user: Type.Optional(UserName),
+    stdin: Type.Optional(Type.String({ maxLength: 16 * 1024 * 1024 })),
+    timeout_s: Type.Optional(Type.Integer({ minimum: 1, maximum: 3600 })),
+  },
+  { additionalProperties: false },
+);
+
+const ExecResult = Type.Object({
+  exit_code: Type.Union([Type.Integer(), Type.Null()]),
+  signal: Type.Union([Type.String(), Type.Null()]),
+  stdout: Type.String(),
+  stderr: Type.String(),
+  duration_ms: Type.Number(),
+});
+
+export async function machineRoutes(app: App, opts: { services: Services }) {
+  const { machines, exec } = opts.services;
+  const tags = ["Machines"];
+
+  app.post(
+    "/v1/machines",
+    { schema: { tags, summary: "Create a machine from a template", body: CreateMachine, response: { 201: Machine, ...errors(400, 404, 503) } } },
+    async (req, reply) => reply.code(201).send(await machines.create(req.body)),
+  );
+
+  app.get(
+    "/v1/machines",
+    {
+      schema: {
+        tags,
+        summary: "List machines, newest first (destroyed ones only when asked by status)",
+        querystring: Type.Object(
+          { limit: Type.Optional(Limit), cursor: Type.Optional(Cursor), status: Type.Optional(Type.Union(MACHINE_STATUSES.map((s) => Type.Literal(s)))) },
+          { additionalProperties: false },
+        ),
+        response: { 200: Type.Object({ machines: Type.Array(Machine), next_cursor: Type.Union([Type.String(), Type.Null()]) }), ...errors(400) },
+      },
+    },
+    async (req) => {
+      let after: string | undefined;
+      if (req.query.cursor) {
+        try {
+          after = decodeCursor(req.query.cursor);
+        } catch {
+          throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
+        }
+      }
+      const page = await machines.list({ limit: req.query.limit ?? 50, after, status: req.query.status });
+      return { machines: page.machines, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
+    },
+  );
+
+  app.get("/v1/machines/:id", { schema: { tags, summary: "Get a machine", params: Params, response: { 200: Machine, ...errors(404) } } }, async (req) =>
+    machines.get(req.params.id),
+  );
+
+  app.patch(
+    "/v1/machines/:id",
+    { schema: { tags, summary: "Update a machine; timeout_s restarts its clock from now", params: Params, body: UpdateMachine, response: { 200: Machine, ...errors(400, 404, 409) } } },
+    async (req) => machines.update(req.params.id, req.body),
+  );
+
+  app.delete("/v1/machines/:id", { schema: { tags, summary: "Destroy a machine", params: Params, response: { 200: Machine, ...errors(404) } } }, async (req) =>
+    machines.destroy(req.params.id),
+  );
+
+  app.post(
+    "/v1/machines/:id/hibernate",
+    { schema: { tags, summary: "Freeze every process of a running machine", params: Params, response: { 200: Machine, ...errors(404, 409) } } },
+    async (req) => machines.hibernate(req.params.id),
+  );
+
+  app.post(
+    "/v1/machines/:id/resume",
+    { schema: { tags, summary: "Resume a hibernated machine", params: Params, response: { 200: Machine, ...errors(404, 409) } } },
+    async (req) => machines.resume(req.params.id),
+  );
+
+  app.post(
+    "/v1/machines/:id/exec",
+    { schema: { tags, summary: "Run a command and wait for it", params: Params, body: ExecRequest, response: { 200: ExecResult, ...errors(400, 404, 409, 504) } } },
+    async (req) => exec.exec(req.params.id, req.body),
+  );
+}

@@ -1,0 +1,71 @@
+// Schemas shared by several routes. Each is at once the validator, the TypeScript type and the OpenAPI entry.
+// Enums come from the services that own them, never restated here.
+
+import { Type } from "typebox";
+import type { Static, TSchema } from "typebox";
+import { MACHINE_STATUSES } from "../services/machines.ts";
+
+export const ErrorEnvelope = Type.Object(
+  {
+    error: Type.String(),
+    code: Type.String(),
+    request_id: Type.String(),
+    error_detail: Type.Optional(Type.Object({}, { additionalProperties: true })),
+    build_id: Type.Optional(Type.String()),
+  },
+  { $id: "ErrorEnvelope" },
+);
+
+/** Standard error responses for an authenticated route, so the OpenAPI document lists them. */
+export function errors(...statuses: number[]): Record<number, TSchema> {
+  const out: Record<number, TSchema> = { 401: ErrorEnvelope };
+  for (const s of statuses) out[s] = ErrorEnvelope;
+  return out;
+}
+
+export const StringMap = Type.Record(Type.String(), Type.String());
+
+export const Id = Type.String({ minLength: 1, maxLength: 64, pattern: "^[A-Za-z0-9_-]+$" });
+
+export const Limit = Type.Integer({ minimum: 1, maximum: 100, default: 50 });
+export const Cursor = Type.String({ minLength: 1, maxLength: 512 });
+
+export const Machine = Type.Object({
+  id: Type.String(),
+  template_id: Type.String(),
+  artifact_id: Type.String(),
+  name: Type.Union([Type.String(), Type.Null()]),
+  status: Type.Union(MACHINE_STATUSES.map((s) => Type.Literal(s))),
+  cwd: Type.Union([Type.String(), Type.Null()]),
+  user: Type.String(),
+  vcpus: Type.Integer(),
+  memory_mb: Type.Integer(),
+  internet: Type.Boolean(),
+  timeout_s: Type.Integer(),
+  created_at: Type.String({ format: "date-time" }),
+  updated_at: Type.String({ format: "date-time" }),
+  expires_at: Type.String({ format: "date-time" }),
+  destroyed_at: Type.Union([Type.String({ format: "date-time" }), Type.Null()]),
+  failure_reason: Type.Union([Type.String(), Type.Null()]),
+  metadata: StringMap,
+});
+
+export const FileMetadata = Type.Object({
+  name: Type.String(),
+  path: Type.String(),
+  is_dir: Type.Boolean(),
+  size: Type.Integer(),
+  type: Type.Union([Type.Literal("file"), Type.Literal("directory"), Type.Literal("symlink")]),
+  mode: Type.String(),
+  permissions: Type.String(),
+  owner: Type.String(),
+  group: Type.String(),
+  modified_time: Type.String({ format: "date-time" }),
+  symlink_target: Type.Optional(Type.String()),
+});
+
+export const MachinePath = Type.String({ minLength: 1, maxLength: 4096 });
+export const UserName = Type.String({ minLength: 1, maxLength: 64, pattern: "^[A-Za-z0-9_][A-Za-z0-9_.-]*\\$?$" });
+export const OctalMode = Type.String({ pattern: "^[0-7]{3,4}$" });
+
+export type MachineT = Static<typeof Machine>;

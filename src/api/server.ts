@@ -1,0 +1,112 @@
+// The HTTP front door: Fastify with TypeBox schemas, bearer auth on /v1, the error envelope on every failure,
+// x-request-id on every response and the OpenAPI document built from the same schemas that validate requests.
+
+import Fastify from "fastify";
+import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
+import swagger from "@fastify/swagger";
+import type { TypeBoxTypeProvider } from "@fastify/type-provider-typebox";
+import { KilnError, toEnvelope } from "./errors.ts";
+import { newId } from "../store/ids.ts";
+import type { Logger } from "../log.ts";
+import type { Services } from "../services/index.ts";
+import { healthRoutes } from "./routes/health.ts";
+import { keyRoutes } from "./routes/keys.ts";
+import { machineRoutes } from "./routes/machines.ts";
+import { fileRoutes } from "./routes/files.ts";
+
+export type App = FastifyInstance<any, any, any, Logger, TypeBoxTypeProvider>;
+
+declare module "fastify" {
+  interface FastifyRequest {
+    apiKeyId?: string;
+  }
+  interface FastifyContextConfig {
+    /** Routes under /v1 that need no bearer key. */
+    public?: boolean;
+  }
+}
+
+export interface ServerOptions {
+  log: Logger;
+  services: Services;
+  bodyLimitBytes: number;
+}
+
+export async function buildServer(opts: ServerOptions): Promise<App> {
+  const app = Fastify({
+    loggerInstance: opts.log,
+    genReqId: () => newId("req"),
+    requestIdHeader: false,
+    bodyLimit: opts.bodyLimitBytes,
+    return503OnClosing: true,
+    ajv: { customOptions: { removeAdditional: false, coerceTypes: "array", useDefaults: true, allErrors: false } },
+    routerOptions: { ignoreTrailingSlash: true },
+  }).withTypeProvider<TypeBoxTypeProvider>() as unknown as App;
+
+  // Byte bodies (file uploads) reach their handler as a stream; the handler enforces its own limit.
+  app.addContentTypeParser("application/octet-stream", (_req, payload, done) => done(null, payload));
+
+  await app.register(swagger, {
+    openapi: {
+      openapi: "3.1.0",
+      info: { title: "Kiln", version: "0.1.0", license: { name: "Apache-2.0" } },
+      components: { securitySchemes: { bearer: { type: "http", scheme: "bearer" } } },
+      security: [{ bearer: [] }],
+    },
+  });
+
+  const routePatterns: { method: string; pattern: RegExp }[] = [];
+  app.addHook("onRoute", (route) => {
+    const methods = Array.isArray(route.method) ? route.method : [route.method];
+    const pattern = new RegExp("^" + route.url.replace(/[.*+?^${}()|[\]\\]/g, "\\$&").replace(/:[A-Za-z_]+/g, "[^/]+") + "/?$");
+    for (const m of methods) routePatterns.push({ method: m, pattern });
+  });
+
+  app.addHook("onRequest", async (req, reply) => {
+    reply.header("x-request-id", req.id);
+    if (!req.url.startsWith("/v1/") && req.url !== "/v1") return;
+    if (req.routeOptions.config?.public) return;
+    const keyId = await authenticate(req, opts.services);
+    req.apiKeyId = keyId;
+  });
+
+  app.setErrorHandler((err, req, reply) => {
+    const { status, body } = toEnvelope(err, req.id);
+    if (status >= 500) req.log.error({ err }, "request failed");
+    else req.log.info({ code: body.code, status }, "request refused");
+    return sendEnvelope(reply, status, body);
+  });
+
+  app.setNotFoundHandler((req, reply) => {
+    const path = req.url.split("?")[0];
+    const allowed = routePatterns.filter((r) => r.pattern.test(path)).map((r) => r.method);
+    if (allowed.length > 0) {
+      reply.header("allow", [...new Set(allowed)].join(", "));
+      const { status, body } = toEnvelope(new KilnError("method_not_allowed", `${req.method} is not allowed on ${path}`), req.id);
+      return sendEnvelope(reply, status, body);
+    }
+    const { status, body } = toEnvelope(new KilnError("not_found", `No route ${req.method} ${path}`), req.id);
+    return sendEnvelope(reply, status, body);
+  });
+
+  await app.register(healthRoutes, { services: opts.services });
+  await app.register(keyRoutes, { services: opts.services });
+  await app.register(machineRoutes, { services: opts.services });
+  await app.register(fileRoutes, { services: opts.services });
+
+  app.get("/v1/openapi.json", { schema: { hide: true } }, async () => app.swagger());
+  return app;
+}
+
+function sendEnvelope(reply: FastifyReply, status: number, body: unknown) {
+  return reply.code(status).type("application/json; charset=utf-8").send(body);
+}
+
+async function authenticate(req: FastifyRequest, services: Services): Promise<string> {
+  const header = req.headers.authorization;
+  const match = typeof header === "string" ? /^Bearer\s+(\S+)\s*$/i.exec(header) : null;
+  if (!match) throw new KilnError("unauthorized", "Missing bearer credential: send Authorization: Bearer <key>", { detail: { code: "unauthorized", phase: "auth" } });
+  const keyId = await services.keys.verify(match[1]);
+  if (!keyId) throw new KilnError("unauthorized", "Invalid or revoked API key", { detail: { code: "unauthorized", phase: "auth" } });
+  return keyId;
+}

@@ -1,0 +1,71 @@
+// Composition and lifecycle of a Kiln server: config → logger → store → keys → guest runtime → driver →
+// services → HTTP. Start adopts live machines; shutdown stops taking requests, finishes in-flight ones, closes the store.
+
+import { join } from "node:path";
+import type { Config } from "./config.ts";
+import { createLogger } from "./log.ts";
+import type { Logger } from "./log.ts";
+import { openStore } from "./store/db.ts";
+import type { Store } from "./store/db.ts";
+import { createServices } from "./services/index.ts";
+import type { Services } from "./services/index.ts";
+import { buildServer } from "./api/server.ts";
+import type { App } from "./api/server.ts";
+import { createOciDriver } from "./runtime/oci/driver.ts";
+import { prepareGuestRuntime } from "./runtime/guest-runtime.ts";
+import { bundleAgent } from "./agent/bundle.ts";
+import { ensureBaseTemplate } from "./builder/base-template.ts";
+
+export interface Kiln {
+  app: App;
+  services: Services;
+  log: Logger;
+  /** Resolves when the base template is recorded (at once when it was already cached). */
+  baseReady: Promise<void>;
+  url: string;
+  close(): Promise<void>;
+}
+
+export async function openStoreFor(config: Config, log?: Logger): Promise<Store> {
+  return openStore({ databaseUrl: config.databaseUrl, dataDir: config.dataDir, log });
+}
+
+export async function startKiln(config: Config, opts: { log?: Logger; listen?: boolean } = {}): Promise<Kiln> {
+  const log = opts.log ?? createLogger({ level: config.logLevel });
+  const store = await openStoreFor(config, log);
+  const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.dataDir, "guest-runtime"), agentBundle: bundleAgent });
+  const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
+  const services = createServices({ store, driver, log });
+  await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });
+
+  const adoption = await services.machines.adopt();
+  if (adoption.adopted + adoption.lost + adoption.removed > 0) log.info(adoption, "machines reconciled after start");
+  services.machines.startSweeper();
+
+  const baseReady = ensureBaseTemplate({ cacheDir: config.cacheDir, mirror: config.debianMirror, log, onProgress: (line) => log.info({ phase: "base-template" }, line) })
+    .then(async ({ layerDir, digest }) => {
+      await services.templates.registerBase(layerDir, digest);
+      services.templates.setPending(null);
+    })
+    .catch((err: unknown) => {
+      services.templates.setPending(`the base template could not be made: ${(err as Error).message}`);
+      log.error({ err }, "making the base template failed");
+    });
+  services.templates.setPending("the base template is being made (first start); try again in a minute");
+
+  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes });
+  let url = "";
+  if (opts.listen !== false) url = await app.listen({ host: config.host, port: config.port });
+
+  let closing: Promise<void> | undefined;
+  async function close() {
+    closing ??= (async () => {
+      await app.close();
+      await services.machines.close();
+      await driver.close();
+      await store.close();
+    })();
+    return closing;
+  }
+  return { app, services, log, baseReady, url, close };
+}

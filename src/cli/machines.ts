@@ -1,0 +1,111 @@
+// `kiln machines create|ls|get|rm|exec|hibernate|resume`: the machine API for people, over HTTP.
+
+import type { Command } from "commander";
+import { apiClient } from "./client.ts";
+import type { MachineView } from "../services/machines.ts";
+
+function parseKv(list: string[] | undefined): Record<string, string> | undefined {
+  if (!list || list.length === 0) return undefined;
+  return Object.fromEntries(
+    list.map((kv) => {
+      const i = kv.indexOf("=");
+      return i < 0 ? [kv, ""] : [kv.slice(0, i), kv.slice(i + 1)];
+    }),
+  );
+}
+
+const collect = (v: string, prev: string[] = []) => [...prev, v];
+
+export function machineCommands(program: Command) {
+  const machines = program.command("machines").alias("m").description("Create and use machines (talks to a running server)");
+
+  machines
+    .command("create")
+    .description("Create a machine and print its id")
+    .option("-t, --template <ref>", "template ref or artifact id", "local/base")
+    .option("--name <name>")
+    .option("--timeout <seconds>", "destroy after this many seconds", (v) => Number(v))
+    .option("-e, --env <KEY=VALUE>", "environment variable (repeatable)", collect)
+    .option("--no-internet", "no outbound network")
+    .option("--json", "print the whole record")
+    .action(async (opts: { template: string; name?: string; timeout?: number; env?: string[]; internet: boolean; json?: boolean }) => {
+      const m = await apiClient().call<MachineView>("POST", "/v1/machines", {
+        template: opts.template,
+        name: opts.name,
+        timeout_s: opts.timeout,
+        envs: parseKv(opts.env),
+        internet: opts.internet,
+      });
+      process.stdout.write(opts.json ? JSON.stringify(m, null, 2) + "\n" : m.id + "\n");
+    });
+
+  machines
+    .command("ls")
+    .alias("list")
+    .description("List machines")
+    .option("--all", "include destroyed machines")
+    .action(async (opts: { all?: boolean }) => {
+      const client = apiClient();
+      const statuses = opts.all ? [undefined, "destroyed", "failed"] : [undefined];
+      for (const status of statuses) {
+        let cursor: string | null = null;
+        do {
+          const q = new URLSearchParams({ limit: "100" });
+          if (status) q.set("status", status);
+          if (cursor) q.set("cursor", cursor);
+          const page: { machines: MachineView[]; next_cursor: string | null } = await client.call("GET", `/v1/machines?${q}`);
+          for (const m of page.machines) process.stdout.write(`${m.id}\t${m.status}\t${m.name ?? "-"}\t${m.created_at}\texpires ${m.expires_at}\n`);
+          cursor = page.next_cursor;
+        } while (cursor);
+      }
+    });
+
+  machines
+    .command("get <id>")
+    .description("Print a machine's record")
+    .action(async (id: string) => {
+      process.stdout.write(JSON.stringify(await apiClient().call("GET", `/v1/machines/${id}`), null, 2) + "\n");
+    });
+
+  machines
+    .command("rm <ids...>")
+    .description("Destroy machines")
+    .action(async (ids: string[]) => {
+      const client = apiClient();
+      for (const id of ids) {
+        await client.call("DELETE", `/v1/machines/${id}`);
+        process.stdout.write(`${id} destroyed\n`);
+      }
+    });
+
+  for (const op of ["hibernate", "resume"] as const) {
+    machines
+      .command(`${op} <id>`)
+      .description(op === "hibernate" ? "Freeze a machine's processes" : "Resume a hibernated machine")
+      .action(async (id: string) => {
+        const m = await apiClient().call<MachineView>("POST", `/v1/machines/${id}/${op}`);
+        process.stdout.write(`${m.id} ${m.status}\n`);
+      });
+  }
+
+  machines
+    .command("exec <id> <cmd...>")
+    .description("Run a command (one word: a shell line; several: program and arguments) and print its output")
+    .option("-u, --user <user>")
+    .option("-w, --cwd <dir>")
+    .option("-e, --env <KEY=VALUE>", "environment variable (repeatable)", collect)
+    .option("--timeout <seconds>", "kill after this many seconds", (v) => Number(v))
+    .action(async (id: string, cmd: string[], opts: { user?: string; cwd?: string; env?: string[]; timeout?: number }) => {
+      const r = await apiClient().call<{ exit_code: number | null; stdout: string; stderr: string }>("POST", `/v1/machines/${id}/exec`, {
+        cmd: cmd[0],
+        args: cmd.length > 1 ? cmd.slice(1) : undefined,
+        user: opts.user,
+        cwd: opts.cwd,
+        envs: parseKv(opts.env),
+        timeout_s: opts.timeout,
+      });
+      process.stdout.write(r.stdout);
+      process.stderr.write(r.stderr);
+      process.exitCode = r.exit_code ?? 1;
+    });
+}

@@ -1,0 +1,28 @@
+// The services the API stands on, made once at start and handed to the routes.
+
+import type { Store } from "../store/db.ts";
+import type { MachineDriver } from "../runtime/driver.ts";
+import type { Logger } from "../log.ts";
+import { createKeyService } from "./keys.ts";
+import { createTemplateService, BASE_TEMPLATE_REF } from "./templates.ts";
+import { createMachineService } from "./machines.ts";
+import { createExecService } from "./exec.ts";
+import { createFileService } from "./files.ts";
+
+export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger }) {
+  const { store, driver, log } = deps;
+  const keys = createKeyService(store.db);
+  const templates = createTemplateService(store.db);
+  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF });
+  return {
+    store,
+    driver,
+    keys,
+    templates,
+    machines,
+    exec: createExecService(machines),
+    files: createFileService(machines),
+  };
+}
+
+export type Services = ReturnType<typeof createServices>;

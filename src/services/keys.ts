@@ -1,0 +1,118 @@
+// API keys: made as `kiln_<random>`, stored only as SHA-256 hashes, checked in constant time.
+// Also seeds the first key on a fresh data dir (written to $KILN_DATA_DIR/api-key, never logged).
+
+import { createHash, randomBytes, timingSafeEqual } from "node:crypto";
+import { chmod, mkdir, writeFile } from "node:fs/promises";
+import { join } from "node:path";
+import type { Db } from "../store/schema.ts";
+import { newId } from "../store/ids.ts";
+import { KilnError } from "../api/errors.ts";
+import type { Logger } from "../log.ts";
+
+const ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
+
+export function generateKey(): string {
+  // 40 base62 chars ≈ 238 bits; rejection sampling keeps every character uniform.
+  let out = "";
+  while (out.length < 40) {
+    for (const b of randomBytes(64)) {
+      if (b < 248 && out.length < 40) out += ALPHABET[b % 62];
+    }
+  }
+  return `kiln_${out}`;
+}
+
+export function hashKey(key: string): string {
+  return createHash("sha256").update(key).digest("hex");
+}
+
+export interface KeySummary {
+  id: string;
+  name: string;
+  prefix: string;
+  created_at: string;
+  last_used_at: string | null;
+  revoked_at: string | null;
+}
+
+export function createKeyService(db: Db) {
+  // Verified hashes are remembered briefly so the hot path does not hit the store on every request.
+  const verified = new Map<string, { id: string; until: number }>();
+  const lastUsedWritten = new Map<string, number>();
+
+  async function create(name: string, key: string = generateKey()): Promise<KeySummary & { key: string }> {
+    const row = {
+      id: newId("key"),
+      name,
+      prefix: key.slice(0, 9),
+      hash: hashKey(key),
+      created_at: new Date().toISOString(),
+      last_used_at: null,
+      revoked_at: null,
+    };
+    await db.insertInto("api_keys").values(row).execute();
+    const { hash: _hash, ...summary } = row;
+    return { ...summary, key };
+  }
+
+  async function list(): Promise<KeySummary[]> {
+    return db
+      .selectFrom("api_keys")
+      .select(["id", "name", "prefix", "created_at", "last_used_at", "revoked_at"])
+      .orderBy("id", "asc")
+      .execute();
+  }
+
+  async function revoke(id: string): Promise<KeySummary> {
+    const now = new Date().toISOString();
+    const res = await db.updateTable("api_keys").set({ revoked_at: now }).where("id", "=", id).where("revoked_at", "is", null).executeTakeFirst();
+    const row = await db.selectFrom("api_keys").select(["id", "name", "prefix", "created_at", "last_used_at", "revoked_at"]).where("id", "=", id).executeTakeFirst();
+    if (!row) throw new KilnError("not_found", `No API key ${id}`);
+    if (Number(res.numUpdatedRows) === 0 && row.revoked_at === null) throw new KilnError("conflict", `API key ${id} could not be revoked`);
+    for (const [hash, v] of verified) if (v.id === id) verified.delete(hash);
+    return row;
+  }
+
+  /** Returns the key's id when the presented key is active; null otherwise. */
+  async function verify(presented: string): Promise<string | null> {
+    const hash = hashKey(presented);
+    const now = Date.now();
+    const hit = verified.get(hash);
+    if (hit && hit.until > now) return hit.id;
+    const row = await db.selectFrom("api_keys").select(["id", "hash"]).where("hash", "=", hash).where("revoked_at", "is", null).executeTakeFirst();
+    if (!row || !timingSafeEqual(Buffer.from(row.hash, "hex"), Buffer.from(hash, "hex"))) {
+      verified.delete(hash);
+      return null;
+    }
+    verified.set(hash, { id: row.id, until: now + 5_000 });
+    if ((lastUsedWritten.get(row.id) ?? 0) < now - 60_000) {
+      lastUsedWritten.set(row.id, now);
+      await db.updateTable("api_keys").set({ last_used_at: new Date(now).toISOString() }).where("id", "=", row.id).execute();
+    }
+    return row.id;
+  }
+
+  /**
+   * Makes sure the server can be reached: KILN_API_KEY is stored (hashed) when given; with no active key at all,
+   * a new one is written to <dataDir>/api-key (0600) and only that path is logged.
+   */
+  async function seed(opts: { apiKey?: string; dataDir: string; log: Logger }): Promise<void> {
+    if (opts.apiKey) {
+      const exists = await db.selectFrom("api_keys").select("id").where("hash", "=", hashKey(opts.apiKey)).executeTakeFirst();
+      if (!exists) await create("KILN_API_KEY", opts.apiKey);
+      return;
+    }
+    const active = await db.selectFrom("api_keys").select("id").where("revoked_at", "is", null).limit(1).executeTakeFirst();
+    if (active) return;
+    const made = await create("first-start");
+    await mkdir(opts.dataDir, { recursive: true });
+    const file = join(opts.dataDir, "api-key");
+    await writeFile(file, made.key + "\n", { mode: 0o600 });
+    await chmod(file, 0o600);
+    opts.log.info({ file, key_id: made.id }, "no API key was configured: wrote a new one to the file");
+  }
+
+  return { create, list, revoke, verify, seed };
+}
+
+export type KeyService = ReturnType<typeof createKeyService>;

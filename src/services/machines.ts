@@ -1,0 +1,291 @@
+// Machine lifecycle: create from a template, hibernate, resume, update, destroy, expire — each state change
+// written with its lifecycle event in one transaction — and adoption of live machines after a restart.
+
+import type { Db, MachineRow, MachineUpdate } from "../store/schema.ts";
+import { newId } from "../store/ids.ts";
+import { KilnError } from "../api/errors.ts";
+import type { LiveMachine, MachineDriver } from "../runtime/driver.ts";
+import { createAgentClient, AgentError } from "../runtime/agent-client.ts";
+import type { AgentClient } from "../runtime/agent-client.ts";
+import type { TemplateService } from "./templates.ts";
+import type { Logger } from "../log.ts";
+
+export const MACHINE_STATUSES = ["creating", "running", "hibernated", "destroyed", "failed"] as const;
+export type MachineStatus = (typeof MACHINE_STATUSES)[number];
+export const LIFECYCLE_OPERATIONS = ["create", "update", "hibernate", "resume", "destroy"] as const;
+export type LifecycleOperation = (typeof LIFECYCLE_OPERATIONS)[number];
+
+export const MACHINE_DEFAULTS = { user: "user", timeoutS: 300, vcpus: 1, memoryMb: 1024, internet: true } as const;
+export const MACHINE_LIMITS = { maxTimeoutS: 7 * 24 * 3600, maxVcpus: 64, minMemoryMb: 64, maxMemoryMb: 262_144 } as const;
+
+export interface CreateMachineInput {
+  template?: string;
+  name?: string;
+  cwd?: string;
+  user?: string;
+  envs?: Record<string, string>;
+  metadata?: Record<string, string>;
+  timeout_s?: number;
+  vcpus?: number;
+  memory_mb?: number;
+  internet?: boolean;
+}
+
+export interface UpdateMachineInput {
+  name?: string;
+  timeout_s?: number;
+  metadata?: Record<string, string>;
+}
+
+/** The machine record as the API shows it (envs are never part of it). */
+export function machineView(row: MachineRow) {
+  return {
+    id: row.id,
+    template_id: row.template_id,
+    artifact_id: row.artifact_id,
+    name: row.name,
+    status: row.status as MachineStatus,
+    cwd: row.cwd,
+    user: row.user,
+    vcpus: row.vcpus,
+    memory_mb: row.memory_mb,
+    internet: row.internet === 1,
+    timeout_s: row.timeout_s,
+    created_at: row.created_at,
+    updated_at: row.updated_at,
+    expires_at: row.expires_at,
+    destroyed_at: row.destroyed_at,
+    failure_reason: row.failure_reason,
+    metadata: JSON.parse(row.metadata_json) as Record<string, string>,
+  };
+}
+export type MachineView = ReturnType<typeof machineView>;
+
+export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string }) {
+  const { db, driver, templates, log } = deps;
+  const agents = new Map<string, AgentClient>();
+  const locks = new Map<string, Promise<unknown>>();
+  let sweeper: NodeJS.Timeout | undefined;
+
+  /** Serialises lifecycle operations on one machine so hibernate/destroy/expiry never interleave. */
+  function withLock<T>(id: string, fn: () => Promise<T>): Promise<T> {
+    const prev = locks.get(id) ?? Promise.resolve();
+    const next = prev.then(fn, fn);
+    const settled = next.catch(() => undefined);
+    locks.set(id, settled);
+    void settled.then(() => {
+      if (locks.get(id) === settled) locks.delete(id);
+    });
+    return next;
+  }
+
+  async function load(id: string): Promise<MachineRow> {
+    const row = await db.selectFrom("machines").selectAll().where("id", "=", id).executeTakeFirst();
+    if (!row) throw new KilnError("not_found", `No machine ${id}`);
+    return row;
+  }
+
+  /** Applies a state change and records its lifecycle event in the same transaction. */
+  async function transition(id: string, set: MachineUpdate, operation: LifecycleOperation | null): Promise<MachineRow> {
+    const now = new Date().toISOString();
+    return db.transaction().execute(async (tx) => {
+      await tx.updateTable("machines").set({ ...set, updated_at: now }).where("id", "=", id).execute();
+      const row = await tx.selectFrom("machines").selectAll().where("id", "=", id).executeTakeFirstOrThrow();
+      if (operation) {
+        const eventId = newId("evt");
+        const payload = { id: eventId, operation, occurred_at: now, machine: machineView(row) };
+        await tx.insertInto("events").values({ id: eventId, operation, machine_id: id, payload_json: JSON.stringify(payload), occurred_at: now }).execute();
+      }
+      return row;
+    });
+  }
+
+  function attach(live: LiveMachine): AgentClient {
+    agents.get(live.id)?.close();
+    const client = createAgentClient(live.agentSocket);
+    agents.set(live.id, client);
+    return client;
+  }
+
+  async function detach(id: string) {
+    const client = agents.get(id);
+    agents.delete(id);
+    await client?.close().catch(() => undefined);
+  }
+
+  async function create(input: CreateMachineInput): Promise<MachineView> {
+    const resolved = await templates.resolve(input.template ?? deps.baseTemplateRef);
+    const now = new Date();
+    const timeoutS = input.timeout_s ?? MACHINE_DEFAULTS.timeoutS;
+    const row = {
+      id: newId("mch"),
+      template_id: resolved.template.id,
+      artifact_id: resolved.artifact.id,
+      name: input.name ?? null,
+      status: "creating",
+      cwd: input.cwd ?? null,
+      user: input.user ?? MACHINE_DEFAULTS.user,
+      metadata_json: JSON.stringify(input.metadata ?? {}),
+      vcpus: input.vcpus ?? MACHINE_DEFAULTS.vcpus,
+      memory_mb: input.memory_mb ?? MACHINE_DEFAULTS.memoryMb,
+      internet: input.internet === false ? 0 : 1,
+      timeout_s: timeoutS,
+      expires_at: new Date(now.getTime() + timeoutS * 1000).toISOString(),
+      created_at: now.toISOString(),
+      updated_at: now.toISOString(),
+      destroyed_at: null,
+      failure_reason: null,
+    };
+    await db.insertInto("machines").values(row).execute();
+    return withLock(row.id, async () => {
+      try {
+        const live = await driver.create({
+          id: row.id,
+          layers: resolved.layers,
+          hostname: row.id.replaceAll("_", "-"),
+          vcpus: row.vcpus,
+          memoryMb: row.memory_mb,
+          internet: row.internet === 1,
+          mounts: [],
+        });
+        const agent = attach(live);
+        // The user must exist in the machine's own /etc/passwd; envs live in the agent, never in a record.
+        await agent.user(row.user).catch((err: unknown) => {
+          throw err instanceof AgentError && err.code === "not_found" ? new KilnError("invalid_request", `No user ${JSON.stringify(row.user)} in template ${resolved.template.canonical_ref}`) : err;
+        });
+        if (input.envs && Object.keys(input.envs).length > 0) await agent.setEnvs(input.envs);
+        return machineView(await transition(row.id, { status: "running" }, "create"));
+      } catch (err) {
+        await detach(row.id);
+        await driver.destroy(row.id).catch((e: unknown) => log.error({ err: e, machine_id: row.id }, "cleanup after a failed create failed"));
+        const reason = err instanceof KilnError ? err.message : "the machine failed to start";
+        await transition(row.id, { status: "failed", failure_reason: reason, destroyed_at: new Date().toISOString() }, null);
+        if (err instanceof KilnError) throw err;
+        log.error({ err, machine_id: row.id }, "machine create failed");
+        throw new KilnError("internal", "The machine failed to start", { cause: err });
+      }
+    });
+  }
+
+  async function get(id: string): Promise<MachineView> {
+    return machineView(await load(id));
+  }
+
+  async function list(opts: { limit: number; after?: string; status?: MachineStatus }): Promise<{ machines: MachineView[]; last?: string; more: boolean }> {
+    let q = db.selectFrom("machines").selectAll().orderBy("id", "desc").limit(opts.limit + 1);
+    if (opts.after) q = q.where("id", "<", opts.after);
+    q = opts.status ? q.where("status", "=", opts.status) : q.where("status", "not in", ["destroyed", "failed"]);
+    const rows = await q.execute();
+    const more = rows.length > opts.limit;
+    const page = rows.slice(0, opts.limit);
+    return { machines: page.map(machineView), last: page.at(-1)?.id, more };
+  }
+
+  async function update(id: string, input: UpdateMachineInput): Promise<MachineView> {
+    return withLock(id, async () => {
+      const row = await load(id);
+      if (row.status === "destroyed" || row.status === "failed") throw new KilnError("conflict", `Machine ${id} is ${row.status}`);
+      const set: MachineUpdate = {};
+      if (input.name !== undefined) set.name = input.name;
+      if (input.metadata !== undefined) set.metadata_json = JSON.stringify(input.metadata);
+      if (input.timeout_s !== undefined) {
+        set.timeout_s = input.timeout_s;
+        set.expires_at = new Date(Date.now() + input.timeout_s * 1000).toISOString();
+      }
+      return machineView(await transition(id, set, "update"));
+    });
+  }
+
+  async function hibernate(id: string): Promise<MachineView> {
+    return withLock(id, async () => {
+      const row = await load(id);
+      if (row.status === "hibernated") return machineView(row);
+      if (row.status !== "running") throw new KilnError("machine_not_running", `Machine ${id} is ${row.status}`);
+      await driver.hibernate(id);
+      return machineView(await transition(id, { status: "hibernated" }, "hibernate"));
+    });
+  }
+
+  async function resume(id: string): Promise<MachineView> {
+    return withLock(id, async () => {
+      const row = await load(id);
+      if (row.status === "running") return machineView(row);
+      if (row.status !== "hibernated") throw new KilnError("conflict", `Machine ${id} is ${row.status} and cannot be resumed`);
+      const live = await driver.resume(id);
+      attach(live);
+      return machineView(await transition(id, { status: "running" }, "resume"));
+    });
+  }
+
+  async function destroy(id: string, reason?: string): Promise<MachineView> {
+    return withLock(id, async () => {
+      const row = await load(id);
+      if (row.status === "destroyed" || row.status === "failed") return machineView(row);
+      await detach(id);
+      await driver.destroy(id);
+      const set: MachineUpdate = { status: "destroyed", destroyed_at: new Date().toISOString() };
+      if (reason) set.failure_reason = reason;
+      return machineView(await transition(id, set, "destroy"));
+    });
+  }
+
+  /** The guest agent of a running machine; 409 machine_not_running for any other state. */
+  async function agentOf(id: string): Promise<{ row: MachineRow; agent: AgentClient }> {
+    const row = await load(id);
+    const agent = agents.get(id);
+    if (row.status !== "running" || !agent) throw new KilnError("machine_not_running", `Machine ${id} is ${row.status}`);
+    return { row, agent };
+  }
+
+  /** Destroys machines whose timeout has passed. Runs every second; cheap because of the status index. */
+  async function sweepExpired(): Promise<void> {
+    const now = new Date().toISOString();
+    const due = await db.selectFrom("machines").select("id").where("status", "in", ["running", "hibernated"]).where("expires_at", "<=", now).execute();
+    for (const { id } of due) {
+      await destroy(id, "timeout").catch((err: unknown) => log.error({ err, machine_id: id }, "destroying an expired machine failed"));
+    }
+  }
+
+  /**
+   * After a restart: machines still alive are adopted, the ones that are gone are marked destroyed, and runtime
+   * containers with no record (or a destroyed one) are removed, so nothing leaks.
+   */
+  async function adopt(): Promise<{ adopted: number; lost: number; removed: number }> {
+    const live = new Map((await driver.listLive()).map((m) => [m.id, m]));
+    const rows = await db.selectFrom("machines").selectAll().where("status", "in", ["creating", "running", "hibernated"]).execute();
+    let adopted = 0;
+    let lost = 0;
+    for (const row of rows) {
+      const m = live.get(row.id);
+      live.delete(row.id);
+      if (m && row.status !== "creating") {
+        attach(m);
+        const status = m.state === "paused" ? "hibernated" : "running";
+        if (status !== row.status) await transition(row.id, { status }, status === "running" ? "resume" : "hibernate");
+        adopted++;
+        continue;
+      }
+      await driver.destroy(row.id).catch(() => undefined);
+      const reason = row.status === "creating" ? "the server stopped while the machine was being created" : "the machine was gone after a restart";
+      await transition(row.id, { status: row.status === "creating" ? "failed" : "destroyed", destroyed_at: new Date().toISOString(), failure_reason: reason }, row.status === "creating" ? null : "destroy");
+      lost++;
+    }
+    for (const orphan of live.keys()) await driver.destroy(orphan).catch((err: unknown) => log.error({ err, machine_id: orphan }, "removing an orphan machine failed"));
+    return { adopted, lost, removed: live.size };
+  }
+
+  function startSweeper(intervalMs = 1000) {
+    sweeper = setInterval(() => void sweepExpired().catch((err: unknown) => log.error({ err }, "expiry sweep failed")), intervalMs);
+    sweeper.unref();
+  }
+
+  async function close() {
+    if (sweeper) clearInterval(sweeper);
+    await Promise.all([...locks.values()]);
+    for (const id of [...agents.keys()]) await detach(id);
+  }
+
+  return { create, get, list, update, hibernate, resume, destroy, agentOf, adopt, sweepExpired, startSweeper, close };
+}
+
+export type MachineService = ReturnType<typeof createMachineService>;

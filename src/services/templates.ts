@@ -1,0 +1,96 @@
+// Logical templates and their artifacts: resolving what a machine asks for (`local/base`, `base`, `base:tag`,
+// `art_…`) to the read-only layers the driver mounts, and recording the base template made at first start.
+
+import type { Db, ArtifactRow, TemplateRow } from "../store/schema.ts";
+import { newId } from "../store/ids.ts";
+import { KilnError } from "../api/errors.ts";
+
+export const DEFAULT_NAMESPACE = "local";
+export const BASE_TEMPLATE_REF = "local/base";
+
+export interface ResolvedTemplate {
+  template: TemplateRow;
+  artifact: ArtifactRow;
+  layers: string[];
+}
+
+/** Splits `ns/name:tag`, `name:tag`, `name` into canonical ref and tag (default tag `default`). */
+export function parseTemplateRef(ref: string): { canonicalRef: string; tag: string } {
+  const m = /^(?:([a-z0-9][a-z0-9._-]*)\/)?([a-z0-9][a-z0-9._-]*)(?::([A-Za-z0-9][A-Za-z0-9._-]*))?$/.exec(ref);
+  if (!m) throw new KilnError("invalid_request", `Not a template reference: ${JSON.stringify(ref)} (use name, namespace/name, name:tag or an art_ id)`);
+  return { canonicalRef: `${m[1] ?? DEFAULT_NAMESPACE}/${m[2]}`, tag: m[3] ?? "default" };
+}
+
+export function createTemplateService(db: Db) {
+  // While the base template is still being made, asking for it is "try again later", not "no such template".
+  let pending: string | null = null;
+
+  async function resolve(ref: string): Promise<ResolvedTemplate> {
+    let artifact: ArtifactRow | undefined;
+    if (ref.startsWith("art_")) {
+      artifact = await db.selectFrom("artifacts").selectAll().where("id", "=", ref).executeTakeFirst();
+    } else {
+      const { canonicalRef, tag } = parseTemplateRef(ref);
+      const template =
+        (await db.selectFrom("templates").selectAll().where("canonical_ref", "=", canonicalRef).executeTakeFirst()) ??
+        (await db
+          .selectFrom("template_aliases")
+          .innerJoin("templates", "templates.id", "template_aliases.template_id")
+          .selectAll("templates")
+          .where("template_aliases.alias_ref", "=", canonicalRef)
+          .executeTakeFirst());
+      if (template) {
+        artifact = await db
+          .selectFrom("artifact_tags")
+          .innerJoin("artifacts", "artifacts.id", "artifact_tags.artifact_id")
+          .selectAll("artifacts")
+          .where("artifact_tags.template_id", "=", template.id)
+          .where("artifact_tags.tag", "=", tag)
+          .executeTakeFirst();
+      }
+    }
+    if (!artifact) {
+      if (pending && !ref.startsWith("art_") && parseTemplateRef(ref).canonicalRef === BASE_TEMPLATE_REF) throw new KilnError("unavailable", pending);
+      throw new KilnError("not_found", `No template ${JSON.stringify(ref)}`);
+    }
+    const template = await db.selectFrom("templates").selectAll().where("id", "=", artifact.template_id).executeTakeFirstOrThrow();
+    return { template, artifact, layers: JSON.parse(artifact.layers_json) as string[] };
+  }
+
+  /** Records (once) the logical template local/base and its artifact tagged `default` for a built base layer. */
+  async function registerBase(layerDir: string, digest: string): Promise<ResolvedTemplate> {
+    const now = new Date().toISOString();
+    await db.transaction().execute(async (tx) => {
+      let template = await tx.selectFrom("templates").selectAll().where("canonical_ref", "=", BASE_TEMPLATE_REF).executeTakeFirst();
+      if (!template) {
+        template = { id: newId("tpl"), namespace: DEFAULT_NAMESPACE, name: "base", canonical_ref: BASE_TEMPLATE_REF, created_at: now, updated_at: now };
+        await tx.insertInto("templates").values(template).execute();
+      }
+      const tagged = await tx
+        .selectFrom("artifact_tags")
+        .innerJoin("artifacts", "artifacts.id", "artifact_tags.artifact_id")
+        .select(["artifacts.digest", "artifacts.layers_json"])
+        .where("artifact_tags.template_id", "=", template.id)
+        .where("artifact_tags.tag", "=", "default")
+        .executeTakeFirst();
+      if (tagged && tagged.digest === digest && tagged.layers_json === JSON.stringify([layerDir])) return;
+      const artifactId = newId("art");
+      await tx.insertInto("artifacts").values({ id: artifactId, template_id: template.id, build_id: null, layers_json: JSON.stringify([layerDir]), digest, created_at: now }).execute();
+      if (tagged) {
+        await tx.updateTable("artifact_tags").set({ artifact_id: artifactId, updated_at: now }).where("template_id", "=", template.id).where("tag", "=", "default").execute();
+      } else {
+        await tx.insertInto("artifact_tags").values({ template_id: template.id, tag: "default", artifact_id: artifactId, updated_at: now }).execute();
+      }
+      await tx.updateTable("templates").set({ updated_at: now }).where("id", "=", template.id).execute();
+    });
+    return resolve(BASE_TEMPLATE_REF);
+  }
+
+  function setPending(message: string | null) {
+    pending = message;
+  }
+
+  return { resolve, registerBase, setPending };
+}
+
+export type TemplateService = ReturnType<typeof createTemplateService>;

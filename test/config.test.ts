@@ -1,0 +1,34 @@
+// Configuration: defaults from DESIGN.md §2, and a clear message naming the variable for a bad value.
+
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { ConfigError, loadConfig } from "../src/config.ts";
+
+test("defaults", () => {
+  const c = loadConfig({});
+  assert.equal(c.host, "127.0.0.1");
+  assert.equal(c.port, 8080);
+  assert.match(c.dataDir, /\.kiln$/);
+  assert.equal(c.databaseUrl, undefined);
+  assert.equal(c.driver, "oci");
+  assert.equal(c.ociRuntime, "runc");
+  assert.equal(c.machineHostAccess, false);
+  assert.equal(c.wsPingIntervalMs, 15_000);
+});
+
+for (const [name, value, pattern] of [
+  ["KILN_PORT", "eighty", /KILN_PORT/],
+  ["KILN_PORT", "70000", /KILN_PORT/],
+  ["KILN_OCI_RUNTIME", "crun", /KILN_OCI_RUNTIME must be one of runc, runsc/],
+  ["KILN_DATABASE_URL", "mysql://x", /KILN_DATABASE_URL/],
+  ["KILN_MACHINE_HOST_ACCESS", "maybe", /KILN_MACHINE_HOST_ACCESS/],
+  ["KILN_API_KEY", "short", /KILN_API_KEY/],
+] as const) {
+  test(`${name}=${value} is refused with a message naming it`, () => {
+    assert.throws(() => loadConfig({ [name]: value }), (err: unknown) => err instanceof ConfigError && pattern.test(err.message));
+  });
+}
+
+test("a bad database URL never echoes its password", () => {
+  assert.throws(() => loadConfig({ KILN_DATABASE_URL: "mysql://u:hunter2@db/x" }), (err: unknown) => !(err as Error).message.includes("hunter2"));
+});
