@@ -4,6 +4,7 @@
 import Fastify from "fastify";
 import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
 import swagger from "@fastify/swagger";
+import websocket from "@fastify/websocket";
 import type { TypeBoxTypeProvider } from "@fastify/type-provider-typebox";
 import { KilnError, toEnvelope } from "./errors.ts";
 import { newId } from "../store/ids.ts";
@@ -13,6 +14,7 @@ import { healthRoutes } from "./routes/health.ts";
 import { keyRoutes } from "./routes/keys.ts";
 import { machineRoutes } from "./routes/machines.ts";
 import { fileRoutes } from "./routes/files.ts";
+import { machineWsRoutes } from "./routes/machine-ws.ts";
 
 export type App = FastifyInstance<any, any, any, Logger, TypeBoxTypeProvider>;
 
@@ -30,6 +32,7 @@ export interface ServerOptions {
   log: Logger;
   services: Services;
   bodyLimitBytes: number;
+  wsPingIntervalMs: number;
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
@@ -93,6 +96,8 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(keyRoutes, { services: opts.services });
   await app.register(machineRoutes, { services: opts.services });
   await app.register(fileRoutes, { services: opts.services });
+  await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
+  await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
 
   app.get("/v1/openapi.json", { schema: { hide: true } }, async () => app.swagger());
   return app;

@@ -2,6 +2,7 @@
 
 import type { Command } from "commander";
 import { apiClient } from "./client.ts";
+import { openShell } from "./shell.ts";
 import type { MachineView } from "../services/machines.ts";
 
 function parseKv(list: string[] | undefined): Record<string, string> | undefined {
@@ -87,6 +88,15 @@ export function machineCommands(program: Command) {
         process.stdout.write(`${m.id} ${m.status}\n`);
       });
   }
+
+  machines
+    .command("shell <id>")
+    .description("Open an interactive terminal in a machine (reconnects after a dropped connection)")
+    .option("-u, --user <user>")
+    .option("-c, --cmd <cmd>", "program to run instead of the user's login shell")
+    .action(async (id: string, opts: { user?: string; cmd?: string }) => {
+      process.exitCode = await openShell(apiClient(), id, opts);
+    });
 
   machines
     .command("exec <id> <cmd...>")

@@ -1,6 +1,7 @@
 // Machine lifecycle: create from a template, hibernate, resume, update, destroy, expire — each state change
 // written with its lifecycle event in one transaction — and adoption of live machines after a restart.
 
+import { EventEmitter } from "node:events";
 import type { Db, MachineRow, MachineUpdate } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../api/errors.ts";
@@ -66,6 +67,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   const agents = new Map<string, AgentClient>();
   const locks = new Map<string, Promise<unknown>>();
   let sweeper: NodeJS.Timeout | undefined;
+  // Tells streams (WebSockets) attached to a machine that its execution changed under them.
+  const statusChanges = new EventEmitter<{ status: [id: string, status: MachineStatus] }>();
+  statusChanges.setMaxListeners(0);
 
   /** Serialises lifecycle operations on one machine so hibernate/destroy/expiry never interleave. */
   function withLock<T>(id: string, fn: () => Promise<T>): Promise<T> {
@@ -97,7 +101,15 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
         await tx.insertInto("events").values({ id: eventId, operation, machine_id: id, payload_json: JSON.stringify(payload), occurred_at: now }).execute();
       }
       return row;
+    }).then((row) => {
+      if (set.status) statusChanges.emit("status", id, set.status as MachineStatus);
+      return row;
     });
+  }
+
+  function onStatus(listener: (id: string, status: MachineStatus) => void): () => void {
+    statusChanges.on("status", listener);
+    return () => statusChanges.off("status", listener);
   }
 
   function attach(live: LiveMachine): AgentClient {
@@ -285,7 +297,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     for (const id of [...agents.keys()]) await detach(id);
   }
 
-  return { create, get, list, update, hibernate, resume, destroy, agentOf, adopt, sweepExpired, startSweeper, close };
+  return { create, get, list, update, hibernate, resume, destroy, agentOf, adopt, sweepExpired, startSweeper, onStatus, close };
 }
 
 export type MachineService = ReturnType<typeof createMachineService>;

@@ -2,6 +2,7 @@
 // Relative paths resolve by SPEC.md's rule in the file service, never here.
 
 import { Type } from "typebox";
+import { Transform } from "node:stream";
 import type { Readable } from "node:stream";
 import type { App } from "../server.ts";
 import type { Services } from "../../services/index.ts";
@@ -53,7 +54,10 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
     async (req) => {
       const body = req.body as Readable | Buffer | string | undefined;
       if (body === undefined || body === null) throw new KilnError("invalid_request", "Send the file's bytes as the request body (Content-Type: application/octet-stream)");
-      const data = typeof body === "string" ? Buffer.from(body) : body;
+      const limit = app.initialConfig.bodyLimit ?? 1024 * 1024;
+      const declared = Number(req.headers["content-length"] ?? 0);
+      if (declared > limit) throw new KilnError("payload_too_large", `The file is larger than the ${limit}-byte limit`);
+      const data = typeof body === "string" ? Buffer.from(body) : Buffer.isBuffer(body) ? body : limitBytes(body, limit);
       return files.write(req.params.id, req.query, data);
     },
   );
@@ -116,4 +120,18 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
     },
     async (req) => files.move(req.params.id, req.body),
   );
+}
+
+/** Passes a byte stream through, failing it with payload_too_large once it exceeds `limit` (chunked uploads). */
+function limitBytes(source: Readable, limit: number): Readable {
+  let seen = 0;
+  const counter = new Transform({
+    transform(chunk: Buffer, _enc, cb) {
+      seen += chunk.length;
+      if (seen > limit) cb(new KilnError("payload_too_large", `The file is larger than the ${limit}-byte limit`));
+      else cb(null, chunk);
+    },
+  });
+  source.on("error", (err) => counter.destroy(err));
+  return source.pipe(counter);
 }

@@ -1,0 +1,61 @@
+// Benchmark results and the docs/BENCHMARKS.md they are written to: each result is a median beside a baseline
+// measured in the same run, and the ratio between them.
+
+import { writeFile } from "node:fs/promises";
+import { cpus, totalmem } from "node:os";
+
+export interface BenchResult {
+  name: string;
+  unit: string;
+  /** Lower is better for latencies and memory; higher for throughput. */
+  better: "lower" | "higher";
+  median: number;
+  p99?: number;
+  baseline?: { name: string; median: number; p99?: number };
+  goal?: string;
+  note?: string;
+}
+
+export function median(xs: number[]): number {
+  const s = [...xs].sort((a, b) => a - b);
+  const m = s.length >> 1;
+  return s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;
+}
+
+export function percentile(xs: number[], p: number): number {
+  const s = [...xs].sort((a, b) => a - b);
+  return s[Math.min(s.length - 1, Math.ceil((p / 100) * s.length) - 1)];
+}
+
+function fmt(n: number | undefined): string {
+  if (n === undefined) return "–";
+  if (Math.abs(n) >= 100) return n.toFixed(0);
+  if (Math.abs(n) >= 10) return n.toFixed(1);
+  return n.toFixed(2);
+}
+
+/** Kiln ÷ baseline for throughput, baseline ÷ Kiln for latency: ≥ 1 always means "as good as the baseline or better". */
+export function ratio(r: BenchResult): number | undefined {
+  if (!r.baseline || r.baseline.median === 0 || r.median === 0) return undefined;
+  return r.better === "higher" ? r.median / r.baseline.median : r.baseline.median / r.median;
+}
+
+export async function writeReport(path: string, results: BenchResult[]) {
+  const when = new Date().toISOString();
+  const lines = [
+    "# Benchmarks",
+    "",
+    `Measured by \`npm run bench\` on ${when} — ${cpus().length} cores (${cpus()[0]?.model ?? "?"}), ${(totalmem() / 2 ** 30).toFixed(0)} GiB, Node ${process.version}.`,
+    "Every number is a median over the run (p99 where shown). **ratio** compares Kiln with the baseline measured in the same run,",
+    "oriented so that 1.0 means as good as the baseline and higher is better (throughput: kiln ÷ baseline; latency: baseline ÷ kiln).",
+    "",
+    "| benchmark | kiln median | kiln p99 | baseline | baseline median | ratio | goal | note |",
+    "|---|---|---|---|---|---|---|---|",
+    ...results.map((r) => {
+      const q = ratio(r);
+      return `| ${r.name} | ${fmt(r.median)} ${r.unit} | ${r.p99 === undefined ? "–" : fmt(r.p99) + " " + r.unit} | ${r.baseline?.name ?? "–"} | ${r.baseline ? fmt(r.baseline.median) + " " + r.unit : "–"} | ${q === undefined ? "–" : q.toFixed(2)} | ${r.goal ?? "–"} | ${r.note ?? ""} |`;
+    }),
+    "",
+  ];
+  await writeFile(path, lines.join("\n"));
+}

@@ -1,0 +1,119 @@
+// GET /v1/machines/{id}/ws: the exec/PTY stream. Auth and "is the machine running" are answered as HTTP
+// envelopes before any upgrade; after it, frames are checked here and relayed to the machine's guest agent,
+// which owns processes and PTY sessions (so sessions outlive this socket). Keepalive and backpressure live here.
+
+import type { WebSocket, RawData } from "ws";
+import { Type } from "typebox";
+import type { App } from "../server.ts";
+import type { Services } from "../../services/index.ts";
+import { errors, Id } from "../schemas.ts";
+import { checkClientFrame } from "../ws-frames.ts";
+
+/** Stop reading the machine's output while the client has this much unsent; read again below the low mark. */
+const HIGH_WATER = 4 * 1024 * 1024;
+const LOW_WATER = 512 * 1024;
+const MISSED_PONGS_BEFORE_CLOSE = 2;
+
+export async function machineWsRoutes(app: App, opts: { services: Services; pingIntervalMs: number }) {
+  const { machines } = opts.services;
+
+  app.get(
+    "/v1/machines/:id/ws",
+    {
+      websocket: true,
+      schema: {
+        tags: ["WebSocket"],
+        summary: "Exec and PTY streams (WebSocket upgrade); frames per DESIGN.md §5",
+        params: Type.Object({ id: Id }),
+        response: { ...errors(404, 409) },
+      },
+      // Refuse before the upgrade, with the HTTP envelope, when the machine is unknown or not running.
+      preValidation: async (req) => {
+        await machines.agentOf((req.params as { id: string }).id);
+      },
+    },
+    async (client: WebSocket, req) => {
+      const id = (req.params as { id: string }).id;
+      const log = req.log.child({ machine_id: id });
+      let agentWs: WebSocket;
+      try {
+        agentWs = (await machines.agentOf(id)).agent.openStream();
+      } catch (err) {
+        client.close(1011, "machine not running");
+        return;
+      }
+      const pending: string[] = [];
+      let closed = false;
+
+      const sendError = (error: string, request_id?: string, code = "invalid_request") => {
+        if (client.readyState === client.OPEN) client.send(JSON.stringify({ type: "error", code, error, ...(request_id ? { request_id } : {}) }));
+      };
+
+      const shutdown = (code: number, reason: string) => {
+        if (closed) return;
+        closed = true;
+        clearInterval(pinger);
+        offStatus();
+        if (agentWs.readyState === agentWs.OPEN || agentWs.readyState === agentWs.CONNECTING) agentWs.terminate();
+        if (client.readyState === client.OPEN) client.close(code, reason);
+      };
+
+      // Client → machine: only frames that pass the schema and the exactly-one rules are relayed.
+      client.on("message", (data: RawData, isBinary: boolean) => {
+        if (isBinary) return sendError("Frames are JSON text");
+        const check = checkClientFrame(data.toString());
+        if (!check.ok) return sendError(check.error, check.request_id);
+        const text = JSON.stringify(check.frame);
+        if (agentWs.readyState === agentWs.OPEN) agentWs.send(text);
+        else pending.push(text);
+      });
+
+      // Machine → client, with backpressure: a slow reader pauses the agent link, which pauses the PTY/pipes.
+      let paused = false;
+      agentWs.on("message", (data: RawData) => {
+        if (client.readyState !== client.OPEN) return;
+        client.send(data.toString(), { binary: false }, () => {
+          if (paused && client.bufferedAmount < LOW_WATER) {
+            paused = false;
+            agentWs.resume();
+          }
+        });
+        if (!paused && client.bufferedAmount > HIGH_WATER) {
+          paused = true;
+          agentWs.pause();
+        }
+      });
+      agentWs.on("open", () => {
+        for (const text of pending.splice(0)) agentWs.send(text);
+      });
+      agentWs.on("close", () => shutdown(1011, "the machine's agent went away"));
+      agentWs.on("error", (err) => {
+        log.warn({ err }, "agent stream failed");
+        shutdown(1011, "the machine's agent failed");
+      });
+      client.on("close", () => shutdown(1000, "closed"));
+      client.on("error", () => shutdown(1011, "client error"));
+
+      // Keepalive: a Ping every interval; two unanswered in a row close the socket.
+      let missed = 0;
+      client.on("pong", () => {
+        missed = 0;
+      });
+      const pinger = setInterval(() => {
+        if (missed >= MISSED_PONGS_BEFORE_CLOSE) {
+          log.info("closing a machine socket after missed pongs");
+          client.terminate();
+          shutdown(1001, "missed pongs");
+          return;
+        }
+        missed++;
+        client.ping();
+      }, opts.pingIntervalMs);
+
+      // A hibernate or destroy ends this execution's streams.
+      const offStatus = machines.onStatus((changed, status) => {
+        if (changed === id && status !== "running") shutdown(1001, `machine ${status}`);
+      });
+    },
+  );
+}
