@@ -1,0 +1,121 @@
+// Machine latencies a user feels: create → first exec answered (beside a bare `runc run /bin/true` on the same
+// rootfs), the exec round trip of `true` (beside a plain HTTP round trip to the same server), and idle machines' memory.
+
+import { execFileSync } from "node:child_process";
+import { mkdtemp, rm, writeFile, mkdir } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { request } from "undici";
+import { median, percentile } from "./report.ts";
+import type { BenchResult } from "./report.ts";
+import type { BenchContext } from "./run.ts";
+
+const CREATES = Number(process.env.KILN_BENCH_CREATES ?? 50);
+const EXECS = 300;
+const IDLE = Number(process.env.KILN_BENCH_IDLE ?? 50);
+
+async function json(ctx: BenchContext, method: string, path: string, body?: unknown) {
+  const res = await request(ctx.kiln.url + path, {
+    method: method as "POST",
+    headers: { authorization: `Bearer ${ctx.key}`, ...(body === undefined ? {} : { "content-type": "application/json" }) },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const parsed = (await res.body.json()) as any;
+  if (res.statusCode >= 400) throw new Error(`${method} ${path}: ${res.statusCode} ${JSON.stringify(parsed)}`);
+  return parsed;
+}
+
+/** A bare `runc run` of /bin/true on a plain copy-free bind of the base layer: the floor any runc-based machine pays. */
+async function bareRunc(layer: string, n: number): Promise<number[]> {
+  const dir = await mkdtemp(join(tmpdir(), "kiln-bench-runc-"));
+  try {
+    execFileSync("runc", ["spec", "--bundle", dir]);
+    const spec = JSON.parse(execFileSync("cat", [join(dir, "config.json")], { encoding: "utf8" }));
+    spec.root = { path: layer, readonly: true };
+    spec.process.args = ["/bin/true"];
+    spec.process.terminal = false;
+    await writeFile(join(dir, "config.json"), JSON.stringify(spec));
+    await mkdir(join(dir, "state"), { recursive: true });
+    const times: number[] = [];
+    for (let i = 0; i < n; i++) {
+      const t0 = performance.now();
+      execFileSync("runc", ["--root", join(dir, "state"), "run", "--bundle", dir, `kiln-bench-${process.pid}-${i}`], { stdio: "ignore" });
+      times.push(performance.now() - t0);
+    }
+    return times;
+  } finally {
+    await rm(dir, { recursive: true, force: true });
+  }
+}
+
+export async function run(ctx: BenchContext): Promise<BenchResult[]> {
+  const results: BenchResult[] = [];
+  const base = await ctx.kiln.kiln.services.templates.resolve("local/base");
+
+  // create → first exec answered
+  const createTimes: number[] = [];
+  const ids: string[] = [];
+  for (let i = 0; i < CREATES; i++) {
+    const t0 = performance.now();
+    const m = await json(ctx, "POST", "/v1/machines", { template: "local/base" });
+    await json(ctx, "POST", `/v1/machines/${m.id}/exec`, { cmd: "true", args: [] });
+    createTimes.push(performance.now() - t0);
+    ids.push(m.id);
+    if (ids.length > 10) await json(ctx, "DELETE", `/v1/machines/${ids.shift()}`);
+  }
+  const runcTimes = await bareRunc(base.layers[base.layers.length - 1], Math.min(CREATES, 30));
+  results.push({
+    name: `machine create → first exec answered (${CREATES} machines)`,
+    unit: "ms",
+    better: "lower",
+    median: median(createTimes),
+    p99: percentile(createTimes, 99),
+    baseline: { name: "bare `runc run /bin/true`, same rootfs", median: median(runcTimes), p99: percentile(runcTimes, 99) },
+    goal: "p50 ≤ 50 ms",
+  });
+
+  // exec round trip of `true`
+  const id = ids[ids.length - 1];
+  for (let i = 0; i < 20; i++) await json(ctx, "POST", `/v1/machines/${id}/exec`, { cmd: "true", args: [] });
+  const execTimes: number[] = [];
+  for (let i = 0; i < EXECS; i++) {
+    const t0 = performance.now();
+    await json(ctx, "POST", `/v1/machines/${id}/exec`, { cmd: "true", args: [] });
+    execTimes.push(performance.now() - t0);
+  }
+  const readyTimes: number[] = [];
+  for (let i = 0; i < EXECS; i++) {
+    const t0 = performance.now();
+    await json(ctx, "GET", `/v1/machines/${id}`);
+    readyTimes.push(performance.now() - t0);
+  }
+  results.push({
+    name: "exec round trip of `true` on a running machine",
+    unit: "ms",
+    better: "lower",
+    median: median(execTimes),
+    p99: percentile(execTimes, 99),
+    baseline: { name: "GET /v1/machines/{id} (HTTP + auth + store, no machine work)", median: median(readyTimes), p99: percentile(readyTimes, 99) },
+    goal: "p50 ≤ 5 ms",
+  });
+  for (const left of ids) await json(ctx, "DELETE", `/v1/machines/${left}`);
+
+  // idle machines: memory each costs
+  const memAvailable = () => Number(/MemAvailable:\s+(\d+)/.exec(execFileSync("cat", ["/proc/meminfo"], { encoding: "utf8" }))![1]) * 1024;
+  const before = memAvailable();
+  const idle: string[] = [];
+  for (let i = 0; i < IDLE; i++) idle.push((await json(ctx, "POST", "/v1/machines", { template: "local/base" })).id);
+  await new Promise((r) => setTimeout(r, 2000));
+  const perMachine = (before - memAvailable()) / IDLE / 2 ** 20;
+  for (const m of idle) await json(ctx, "DELETE", `/v1/machines/${m}`);
+  const hostGiB = Number(/MemTotal:\s+(\d+)/.exec(execFileSync("cat", ["/proc/meminfo"], { encoding: "utf8" }))![1]) / 2 ** 20;
+  results.push({
+    name: `memory per idle machine (${IDLE} held)`,
+    unit: "MiB",
+    better: "lower",
+    median: perMachine,
+    goal: "≥ 300 machines on 24 GiB (≤ ~80 MiB each)",
+    note: `≈ ${Math.floor((hostGiB * 1024 * 0.9) / perMachine)} idle machines fit in 90% of this host's ${hostGiB.toFixed(0)} GiB`,
+  });
+  return results;
+}
