@@ -13,7 +13,7 @@ import { buildServer } from "./api/server.ts";
 import type { App } from "./api/server.ts";
 import { createOciDriver } from "./runtime/oci/driver.ts";
 import { prepareGuestRuntime } from "./runtime/guest-runtime.ts";
-import { bundleAgent } from "./agent/bundle.ts";
+import { bundleAgent, AGENT_SOURCES } from "./agent/bundle.ts";
 import { ensureBaseTemplate } from "./builder/base-template.ts";
 
 export interface Kiln {
@@ -33,7 +33,7 @@ export async function openStoreFor(config: Config, log?: Logger): Promise<Store>
 export async function startKiln(config: Config, opts: { log?: Logger; listen?: boolean } = {}): Promise<Kiln> {
   const log = opts.log ?? createLogger({ level: config.logLevel });
   const store = await openStoreFor(config, log);
-  const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.dataDir, "guest-runtime"), agentBundle: bundleAgent });
+  const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
   const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
   const services = createServices({ store, driver, log });
   await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });

@@ -35,7 +35,7 @@ export const Machine = Type.Object({
   template_id: Type.String(),
   artifact_id: Type.String(),
   name: Type.Union([Type.String(), Type.Null()]),
-  status: Type.Union(MACHINE_STATUSES.map((s) => Type.Literal(s))),
+  status: Type.Enum(MACHINE_STATUSES),
   cwd: Type.Union([Type.String(), Type.Null()]),
   user: Type.String(),
   vcpus: Type.Integer(),

@@ -4,7 +4,7 @@
 import { KilnError } from "../api/errors.ts";
 import type { MachineService } from "./machines.ts";
 import { viaAgent } from "./agent-errors.ts";
-import { resolveMachinePath, DEFAULT_WORKDIR } from "./paths.ts";
+import { resolveMachinePath, needsUserHome, DEFAULT_WORKDIR } from "./paths.ts";
 
 export interface ExecInput {
   cmd: string;
@@ -22,8 +22,12 @@ export function createExecService(machines: MachineService) {
   async function exec(id: string, input: ExecInput) {
     const { row, agent } = await machines.agentOf(id);
     const user = input.user ?? row.user;
-    const home = input.cwd?.startsWith("/") || row.cwd ? null : (await userOf(agent, user)).home;
-    const cwd = input.cwd ? resolveMachinePath(input.cwd, { machineCwd: row.cwd, userHome: home }) : (row.cwd ?? home ?? DEFAULT_WORKDIR);
+    // Default cwd: the machine's cwd, else /workspace; a relative cwd resolves by the same rule as file paths.
+    let cwd = row.cwd ?? DEFAULT_WORKDIR;
+    if (input.cwd !== undefined) {
+      const home = needsUserHome(input.cwd, row.cwd, input.user) ? (await userOf(agent, user)).home : null;
+      cwd = resolveMachinePath(input.cwd, { machineCwd: row.cwd, userHome: home });
+    }
     const result = await viaAgent(() =>
       agent.exec({
         cmd: input.cmd,

@@ -89,7 +89,7 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
     },
     async (req, reply) => {
       await files.remove(req.params.id, req.query);
-      return reply.code(204).send();
+      return reply.code(204).send(null);
     },
   );
 

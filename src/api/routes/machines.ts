@@ -70,7 +70,7 @@ export async function machineRoutes(app: App, opts: { services: Services }) {
         tags,
         summary: "List machines, newest first (destroyed ones only when asked by status)",
         querystring: Type.Object(
-          { limit: Type.Optional(Limit), cursor: Type.Optional(Cursor), status: Type.Optional(Type.Union(MACHINE_STATUSES.map((s) => Type.Literal(s)))) },
+          { limit: Type.Optional(Limit), cursor: Type.Optional(Cursor), status: Type.Optional(Type.Enum(MACHINE_STATUSES)) },
           { additionalProperties: false },
         ),
         response: { 200: Type.Object({ machines: Type.Array(Machine), next_cursor: Type.Union([Type.String(), Type.Null()]) }), ...errors(400) },

@@ -1,0 +1,33 @@
+// Bundles the guest agent into one file (esbuild) for injection into machines, with the node-pty prebuilt
+// binary beside it: the bundle needs nothing from the project's node_modules at run time.
+
+import { build } from "esbuild";
+import { cp, mkdir, rm } from "node:fs/promises";
+import { createRequire } from "node:module";
+import { dirname, join } from "node:path";
+
+const require = createRequire(import.meta.url);
+
+/** Directories whose files the bundle is made from; a change in any of them means a new bundle. */
+export const AGENT_SOURCES = [import.meta.dirname];
+
+export async function bundleAgent(outDir: string): Promise<void> {
+  await rm(outDir, { recursive: true, force: true });
+  await mkdir(outDir, { recursive: true });
+  await build({
+    entryPoints: [join(import.meta.dirname, "main.ts")],
+    outfile: join(outDir, "agent.mjs"),
+    bundle: true,
+    platform: "node",
+    format: "esm",
+    target: "node24",
+    external: ["@lydell/node-pty", "bufferutil", "utf-8-validate"],
+    banner: { js: "import { createRequire as __kilnCreateRequire } from 'node:module'; const require = __kilnCreateRequire(import.meta.url);" },
+    logLevel: "warning",
+    legalComments: "none",
+  });
+  for (const pkg of ["@lydell/node-pty", "@lydell/node-pty-linux-x64"]) {
+    const from = dirname(require.resolve(`${pkg}/package.json`));
+    await cp(from, join(outDir, "node_modules", pkg), { recursive: true, filter: (src) => !/\.(md|d\.ts|map)$/.test(src) });
+  }
+}

@@ -1,0 +1,164 @@
+// The guest agent: the first real process of every machine (under tini). It serves the protocol of protocol.ts
+// over HTTP on a unix socket that the driver binds into the machine, and streams on /ws.
+
+import { createServer } from "node:http";
+import type { IncomingMessage, ServerResponse } from "node:http";
+import { chmodSync, unlinkSync, existsSync } from "node:fs";
+import { randomUUID } from "node:crypto";
+import { isAbsolute } from "node:path";
+import { WebSocketServer } from "ws";
+import { AgentFailure } from "./errors.ts";
+import { execOnce, resolveUser, setMachineEnvs } from "./process.ts";
+import { fileInfo, listDir, makeDirs, move, remove, writeFileAtomic } from "./files.ts";
+import { handleStream, resetSessions } from "./streams.ts";
+import { lookupUser } from "./users.ts";
+import { createReadStream } from "node:fs";
+import { lstat } from "node:fs/promises";
+import type { AgentHealth, ExecRequest } from "./protocol.ts";
+
+const bootId = randomUUID();
+const startedAt = Date.now();
+
+function socketPath(): string {
+  const i = process.argv.indexOf("--socket");
+  return i > 0 && process.argv[i + 1] ? process.argv[i + 1] : "/run/kiln/agent.sock";
+}
+
+function send(res: ServerResponse, status: number, body: unknown) {
+  const text = JSON.stringify(body);
+  res.writeHead(status, { "content-type": "application/json", "content-length": Buffer.byteLength(text) });
+  res.end(text);
+}
+
+async function readJson(req: IncomingMessage): Promise<Record<string, any>> {
+  const chunks: Buffer[] = [];
+  for await (const c of req) chunks.push(c as Buffer);
+  if (chunks.length === 0) return {};
+  try {
+    const v = JSON.parse(Buffer.concat(chunks).toString("utf8"));
+    if (typeof v !== "object" || v === null) throw new Error();
+    return v;
+  } catch {
+    throw new AgentFailure("invalid_request", "The body must be a JSON object");
+  }
+}
+
+function absolutePath(p: unknown, what = "path"): string {
+  if (typeof p !== "string" || !isAbsolute(p)) throw new AgentFailure("invalid_request", `${what} must be an absolute path`);
+  return p;
+}
+
+function ownerOf(name: unknown) {
+  return name === undefined || name === null ? undefined : resolveUser(String(name));
+}
+
+function octal(mode: unknown): number | undefined {
+  if (mode === undefined || mode === null || mode === "") return undefined;
+  if (typeof mode !== "string" || !/^[0-7]{3,4}$/.test(mode)) throw new AgentFailure("invalid_request", "mode must be an octal string like 0644");
+  return parseInt(mode, 8);
+}
+
+async function route(req: IncomingMessage, res: ServerResponse) {
+  const url = new URL(req.url ?? "/", "http://agent");
+  const q = url.searchParams;
+  const key = `${req.method} ${url.pathname}`;
+  switch (key) {
+    case "GET /health": {
+      const body: AgentHealth = { ok: true, boot_id: bootId, pid: process.pid, uptime_ms: Date.now() - startedAt };
+      return send(res, 200, body);
+    }
+    case "PUT /envs": {
+      const body = await readJson(req);
+      const envs = body.envs ?? {};
+      if (typeof envs !== "object" || Object.values(envs).some((v) => typeof v !== "string")) throw new AgentFailure("invalid_request", "envs must map names to strings");
+      setMachineEnvs(envs);
+      return send(res, 200, { ok: true });
+    }
+    case "POST /sessions/reset":
+      return send(res, 200, { ended: resetSessions() });
+    case "POST /exec": {
+      const body = (await readJson(req)) as ExecRequest;
+      if (typeof body.cmd !== "string" || !body.cmd) throw new AgentFailure("invalid_request", "cmd is required");
+      return send(res, 200, await execOnce(body));
+    }
+    case "GET /files": {
+      const path = absolutePath(q.get("path"));
+      const st = await lstat(path).catch(() => undefined);
+      if (!st) throw new AgentFailure("not_found", `No such file: ${path}`);
+      if (st.isDirectory()) throw new AgentFailure("invalid_request", `${path} is a directory (use files/list)`);
+      const stream = createReadStream(path);
+      await new Promise<void>((resolve, reject) => {
+        stream.once("open", () => resolve());
+        stream.once("error", reject);
+      }).catch((err: NodeJS.ErrnoException) => {
+        throw err.code === "EACCES" ? new AgentFailure("forbidden", `Permission denied: ${path}`) : new AgentFailure("not_found", `Cannot read ${path}`);
+      });
+      res.writeHead(200, { "content-type": "application/octet-stream" });
+      stream.pipe(res);
+      return;
+    }
+    case "PUT /files": {
+      const path = absolutePath(q.get("path"));
+      const info = await writeFileAtomic(path, req, { mode: octal(q.get("mode")), owner: ownerOf(q.get("user")) });
+      return send(res, 200, info);
+    }
+    case "POST /files/info": {
+      const body = await readJson(req);
+      return send(res, 200, await fileInfo(absolutePath(body.path)));
+    }
+    case "GET /files/list": {
+      const depth = Number(q.get("depth") ?? 1);
+      if (!Number.isInteger(depth) || depth < 1 || depth > 20) throw new AgentFailure("invalid_request", "depth must be an integer from 1 to 20");
+      return send(res, 200, { entries: await listDir(absolutePath(q.get("path")), depth) });
+    }
+    case "POST /files/mkdir": {
+      const body = await readJson(req);
+      const path = absolutePath(body.path);
+      await makeDirs(path, ownerOf(body.user), octal(body.mode) ?? 0o755);
+      return send(res, 200, await fileInfo(path));
+    }
+    case "DELETE /files": {
+      await remove(absolutePath(q.get("path")), q.get("recursive") === "true");
+      return send(res, 200, { removed: true });
+    }
+    case "POST /files/move": {
+      const body = await readJson(req);
+      return send(res, 200, await move(absolutePath(body.src, "src"), absolutePath(body.dest, "dest"), ownerOf(body.user)));
+    }
+  }
+  if (req.method === "GET" && url.pathname.startsWith("/users/")) {
+    const user = lookupUser(decodeURIComponent(url.pathname.slice("/users/".length)));
+    if (!user) throw new AgentFailure("not_found", "No such user");
+    return send(res, 200, user);
+  }
+  throw new AgentFailure("not_found", `No agent route ${key}`);
+}
+
+const server = createServer((req, res) => {
+  route(req, res).catch((err: unknown) => {
+    const failure = err instanceof AgentFailure ? err : new AgentFailure("internal", (err as Error)?.message ?? "internal error");
+    if (res.headersSent) return res.destroy();
+    // Drain what is left of the body so the connection can be reused.
+    req.resume();
+    send(res, failure.status, { code: failure.code, error: failure.message });
+  });
+});
+server.keepAliveTimeout = 60_000;
+
+const wss = new WebSocketServer({ noServer: true, maxPayload: 32 * 1024 * 1024 });
+server.on("upgrade", (req, socket, head) => {
+  if (new URL(req.url ?? "/", "http://agent").pathname !== "/ws") return socket.destroy();
+  wss.handleUpgrade(req, socket, head, (ws) => handleStream(ws));
+});
+
+const path = socketPath();
+if (existsSync(path)) unlinkSync(path);
+server.listen(path, () => chmodSync(path, 0o600));
+
+const stop = () => {
+  resetSessions();
+  server.close(() => process.exit(0));
+  setTimeout(() => process.exit(0), 500).unref();
+};
+process.on("SIGTERM", stop);
+process.on("SIGINT", stop);

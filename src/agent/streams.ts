@@ -1,0 +1,171 @@
+// The agent's stream socket (/ws): one JSON frame router per connection for exec streams and PTY sessions.
+// Exec processes belong to the socket that started them; PTY sessions live in the agent and outlive sockets.
+// New stream features (file watches, kernels, port connects) add frame types here.
+
+import type { WebSocket } from "ws";
+import type { ChildProcess } from "node:child_process";
+import { PtySession } from "./pty.ts";
+import type { PtySink } from "./pty.ts";
+import { spawnAs, killGroup, isSignal } from "./process.ts";
+import { AgentFailure } from "./errors.ts";
+
+const HIGH_WATER = 1024 * 1024;
+const LOW_WATER = 256 * 1024;
+
+/** Every live PTY session of this boot, by session id. */
+const sessions = new Map<string, PtySession>();
+
+function findSession(f: { session_id?: unknown; pid?: unknown }): PtySession | undefined {
+  if (typeof f.session_id === "string") return sessions.get(f.session_id);
+  if (typeof f.pid === "number") for (const s of sessions.values()) if (s.pid === f.pid) return s;
+  return undefined;
+}
+
+/** Ends every PTY session: a resumed machine starts a new execution (SPEC: sessions do not survive resume). */
+export function resetSessions(): number {
+  const n = sessions.size;
+  for (const s of [...sessions.values()]) s.end();
+  return n;
+}
+
+function exactlyOne(f: Record<string, unknown>, a: string, b: string): boolean {
+  return (f[a] !== undefined) !== (f[b] !== undefined);
+}
+
+function bytesOf(f: Record<string, unknown>): Buffer {
+  if (typeof f.data_base64 === "string") return Buffer.from(f.data_base64, "base64");
+  if (typeof f.data === "string") return Buffer.from(f.data, "utf8");
+  return Buffer.alloc(0);
+}
+
+export function handleStream(ws: WebSocket) {
+  const procs = new Map<number, ChildProcess>();
+  const attached = new Set<PtySession>();
+  const pausedPipes = new Set<NodeJS.ReadableStream>();
+
+  const send = (frame: object) => {
+    if (ws.readyState === ws.OPEN) ws.send(JSON.stringify(frame), relieve);
+  };
+  const sink: PtySink = { send, backlog: () => ws.bufferedAmount };
+
+  // When the socket has flushed enough, let paused producers go again.
+  function relieve() {
+    if (ws.bufferedAmount > LOW_WATER) return;
+    for (const p of pausedPipes) p.resume();
+    pausedPipes.clear();
+    for (const s of attached) s.applyBackpressure(HIGH_WATER, LOW_WATER);
+  }
+
+  const fail = (code: string, error: string, requestId?: unknown) => send({ type: "error", code, error, ...(typeof requestId === "string" ? { request_id: requestId } : {}) });
+
+  function pipeOut(child: ChildProcess, stream: NodeJS.ReadableStream, type: "exec.stdout" | "exec.stderr") {
+    stream.on("data", (b: Buffer) => {
+      send({ type, pid: child.pid, data_base64: b.toString("base64") });
+      if (ws.bufferedAmount > HIGH_WATER) {
+        stream.pause();
+        pausedPipes.add(stream);
+      }
+    });
+  }
+
+  function execStart(f: Record<string, unknown>) {
+    const child = spawnAs(
+      { cmd: f.cmd as string, args: f.args as string[] | undefined, cwd: f.cwd as string | undefined, envs: f.envs as Record<string, string> | undefined, user: f.user as string | undefined },
+      { stdin: f.stdin === true },
+    );
+    let started = false;
+    child.on("spawn", () => {
+      started = true;
+      procs.set(child.pid!, child);
+      send({ type: "exec.started", request_id: f.request_id, pid: child.pid });
+    });
+    child.on("error", (err: NodeJS.ErrnoException) => {
+      if (!started) fail(err.code === "ENOENT" ? "invalid_request" : "internal", `Cannot start ${JSON.stringify(f.cmd)}: ${err.code ?? err.message}`, f.request_id);
+    });
+    child.stdin?.on("error", () => undefined);
+    pipeOut(child, child.stdout!, "exec.stdout");
+    pipeOut(child, child.stderr!, "exec.stderr");
+    child.on("close", (code, signal) => {
+      if (!started) return;
+      procs.delete(child.pid!);
+      send({ type: "exec.exit", pid: child.pid, exit_code: code, signal });
+    });
+  }
+
+  function handle(f: Record<string, unknown>) {
+    switch (f.type) {
+      case "exec.start":
+        if (typeof f.cmd !== "string" || !f.cmd) return fail("invalid_request", "exec.start needs cmd", f.request_id);
+        return execStart(f);
+      case "exec.stdin": {
+        const child = procs.get(f.pid as number);
+        if (!child) return fail("not_found", `No process ${f.pid} on this socket`, f.request_id);
+        if (!child.stdin) return fail("invalid_request", `Process ${f.pid} was started without stdin (send stdin: true)`, f.request_id);
+        const data = bytesOf(f);
+        if (data.length) child.stdin.write(data);
+        if (f.eof) child.stdin.end();
+        return;
+      }
+      case "exec.signal": {
+        const child = procs.get(f.pid as number);
+        if (!child) return fail("not_found", `No process ${f.pid} on this socket`, f.request_id);
+        const sig = String(f.signal);
+        if (!isSignal(sig)) return fail("invalid_request", `Unknown signal ${sig}`, f.request_id);
+        return killGroup(child, (sig.startsWith("SIG") ? sig : `SIG${sig}`) as NodeJS.Signals);
+      }
+      case "pty.start": {
+        const session = new PtySession(
+          { cmd: f.cmd as string | undefined, args: f.args as string[] | undefined, cwd: f.cwd as string | undefined, envs: f.envs as Record<string, string> | undefined, user: f.user as string | undefined, cols: Number(f.cols) || 80, rows: Number(f.rows) || 24 },
+          () => {
+            sessions.delete(session.id);
+            attached.delete(session);
+          },
+        );
+        sessions.set(session.id, session);
+        session.attach(sink);
+        attached.add(session);
+        return send({ type: "pty.started", request_id: f.request_id, session_id: session.id, pid: session.pid });
+      }
+      case "pty.input":
+      case "pty.resize":
+      case "pty.kill":
+      case "pty.reconnect": {
+        if (!exactlyOne(f, "session_id", "pid")) return fail("invalid_request", `${f.type} takes exactly one of session_id or pid`, f.request_id);
+        if (f.type === "pty.input" && !exactlyOne(f, "data_base64", "data")) return fail("invalid_request", "pty.input takes exactly one of data_base64 or data", f.request_id);
+        const session = findSession(f);
+        if (!session) return fail("not_found", `No PTY session ${f.session_id ?? `with pid ${f.pid}`} in this machine's current execution`, f.request_id);
+        if (f.type === "pty.input") return session.input(bytesOf(f));
+        if (f.type === "pty.resize") return session.resize(Number(f.cols), Number(f.rows));
+        if (f.type === "pty.kill") return session.kill(typeof f.signal === "string" ? (f.signal.startsWith("SIG") ? f.signal : `SIG${f.signal}`) : "SIGHUP");
+        session.attach(sink);
+        attached.add(session);
+        return session.replay(sink, typeof f.offset === "number" ? f.offset : undefined, f.request_id as string | undefined);
+      }
+      default:
+        return fail("invalid_request", `Unknown frame type ${JSON.stringify(f.type)}`, f.request_id);
+    }
+  }
+
+  ws.on("message", (raw) => {
+    let f: Record<string, unknown>;
+    try {
+      f = JSON.parse(raw.toString());
+      if (typeof f !== "object" || f === null) throw new Error();
+    } catch {
+      return fail("invalid_request", "A frame must be a JSON object");
+    }
+    try {
+      handle(f);
+    } catch (err) {
+      if (err instanceof AgentFailure) fail(err.code, err.message, f.request_id);
+      else fail("internal", (err as Error).message, f.request_id);
+    }
+  });
+
+  ws.on("close", () => {
+    for (const child of procs.values()) killGroup(child);
+    procs.clear();
+    for (const s of attached) s.detach(sink);
+    attached.clear();
+  });
+}

@@ -1,0 +1,123 @@
+// The OCI runtime spec (config.json) of a machine: the guest agent as its first process under tini, a user
+// namespace mapping machine ids onto an unprivileged host range, Docker's default capabilities, no_new_privileges,
+// seccomp, masked /proc paths, cgroup limits, and the binds the platform injects (/opt/kiln, /run/kiln, /etc files).
+
+import { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
+import { defaultSeccomp } from "./seccomp.ts";
+
+export const GUEST_RUNTIME_PATH = "/opt/kiln";
+export const GUEST_RUN_DIR = "/run/kiln";
+export const AGENT_SOCKET_NAME = "agent.sock";
+
+const CAPS = [
+  "CAP_CHOWN",
+  "CAP_DAC_OVERRIDE",
+  "CAP_FSETID",
+  "CAP_FOWNER",
+  "CAP_MKNOD",
+  "CAP_NET_RAW",
+  "CAP_SETGID",
+  "CAP_SETUID",
+  "CAP_SETFCAP",
+  "CAP_SETPCAP",
+  "CAP_NET_BIND_SERVICE",
+  "CAP_SYS_CHROOT",
+  "CAP_KILL",
+  "CAP_AUDIT_WRITE",
+];
+
+const MASKED = [
+  "/proc/acpi",
+  "/proc/asound",
+  "/proc/kcore",
+  "/proc/keys",
+  "/proc/latency_stats",
+  "/proc/timer_list",
+  "/proc/timer_stats",
+  "/proc/sched_debug",
+  "/proc/scsi",
+  "/sys/firmware",
+  "/sys/devices/virtual/powercap",
+];
+const READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"];
+
+export interface SpecInput {
+  id: string;
+  hostname: string;
+  rootfs: string;
+  guestRuntimeDir: string;
+  runDir: string;
+  etc: { hosts: string; hostname: string; resolv: string };
+  mounts: { hostPath: string; guestPath: string }[];
+  vcpus: number;
+  memoryMb: number;
+  pidsLimit: number;
+  cgroupsPath: string;
+  /** runsc wants a plain spec: it has its own syscall filter and kernel, and handles some fields differently. */
+  runtime: "runc" | "runsc";
+}
+
+function bind(source: string, destination: string, readonly: boolean) {
+  return { destination, type: "bind", source, options: ["rbind", "nosuid", "nodev", readonly ? "ro" : "rw"] };
+}
+
+export function machineSpec(input: SpecInput) {
+  const idMap = [{ containerID: 0, hostID: HOST_ID_BASE, size: ID_RANGE }];
+  return {
+    ociVersion: "1.0.2",
+    process: {
+      terminal: false,
+      user: { uid: 0, gid: 0 },
+      args: [
+        `${GUEST_RUNTIME_PATH}/bin/tini`,
+        "-s",
+        "-g",
+        "--",
+        `${GUEST_RUNTIME_PATH}/lib/ld-linux.so`,
+        "--library-path",
+        `${GUEST_RUNTIME_PATH}/lib`,
+        `${GUEST_RUNTIME_PATH}/bin/node`,
+        "--max-old-space-size=96",
+        `${GUEST_RUNTIME_PATH}/agent/agent.mjs`,
+        "--socket",
+        `${GUEST_RUN_DIR}/${AGENT_SOCKET_NAME}`,
+      ],
+      env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8"],
+      cwd: "/",
+      capabilities: { bounding: CAPS, effective: CAPS, permitted: CAPS },
+      noNewPrivileges: true,
+    },
+    root: { path: input.rootfs, readonly: false },
+    hostname: input.hostname,
+    mounts: [
+      { destination: "/proc", type: "proc", source: "proc" },
+      { destination: "/dev", type: "tmpfs", source: "tmpfs", options: ["nosuid", "strictatime", "mode=755", "size=65536k"] },
+      { destination: "/dev/pts", type: "devpts", source: "devpts", options: ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"] },
+      { destination: "/dev/shm", type: "tmpfs", source: "shm", options: ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"] },
+      { destination: "/dev/mqueue", type: "mqueue", source: "mqueue", options: ["nosuid", "noexec", "nodev"] },
+      { destination: "/sys", type: "sysfs", source: "sysfs", options: ["nosuid", "noexec", "nodev", "ro"] },
+      { destination: "/sys/fs/cgroup", type: "cgroup", source: "cgroup", options: ["nosuid", "noexec", "nodev", "relatime", "ro"] },
+      bind(input.guestRuntimeDir, GUEST_RUNTIME_PATH, true),
+      bind(input.runDir, GUEST_RUN_DIR, false),
+      bind(input.etc.hosts, "/etc/hosts", true),
+      bind(input.etc.hostname, "/etc/hostname", true),
+      bind(input.etc.resolv, "/etc/resolv.conf", true),
+      ...input.mounts.map((m) => bind(m.hostPath, m.guestPath, false)),
+    ],
+    linux: {
+      uidMappings: idMap,
+      gidMappings: idMap,
+      namespaces: [{ type: "pid" }, { type: "ipc" }, { type: "uts" }, { type: "mount" }, { type: "network" }, { type: "user" }, ...(input.runtime === "runc" ? [{ type: "cgroup" }] : [])],
+      cgroupsPath: input.cgroupsPath,
+      resources: {
+        devices: [{ allow: false, access: "rwm" }],
+        memory: { limit: input.memoryMb * 1024 * 1024 },
+        cpu: { quota: Math.round(input.vcpus * 100_000), period: 100_000 },
+        pids: { limit: input.pidsLimit },
+      },
+      ...(input.runtime === "runc" ? { seccomp: defaultSeccomp() } : {}),
+      maskedPaths: MASKED,
+      readonlyPaths: READONLY,
+    },
+  };
+}
