@@ -6,11 +6,9 @@ import type { IncomingMessage, ServerResponse } from "node:http";
 import { chmodSync, unlinkSync, existsSync } from "node:fs";
 import { randomUUID } from "node:crypto";
 import { isAbsolute } from "node:path";
-import { WebSocketServer } from "ws";
 import { AgentFailure } from "./errors.ts";
 import { execOnce, resolveUser, setMachineEnvs } from "./process.ts";
 import { fileInfo, listDir, makeDirs, move, remove, writeFileAtomic } from "./files.ts";
-import { handleStream, resetSessions } from "./streams.ts";
 import { lookupUser } from "./users.ts";
 import { createReadStream } from "node:fs";
 import { lstat } from "node:fs/promises";
@@ -75,7 +73,7 @@ async function route(req: IncomingMessage, res: ServerResponse) {
       return send(res, 200, { ok: true });
     }
     case "POST /sessions/reset":
-      return send(res, 200, { ended: resetSessions() });
+      return send(res, 200, { ended: streams ? (await streams).resetSessions() : 0 });
     case "POST /exec": {
       const body = (await readJson(req)) as ExecRequest;
       if (typeof body.cmd !== "string" || !body.cmd) throw new AgentFailure("invalid_request", "cmd is required");
@@ -145,10 +143,22 @@ const server = createServer((req, res) => {
 });
 server.keepAliveTimeout = 60_000;
 
-const wss = new WebSocketServer({ noServer: true, maxPayload: 32 * 1024 * 1024 });
+// Streams (ws, node-pty) load on first use: a machine that never opens a terminal never pays for them at boot.
+let streams: Promise<{ wss: import("ws").WebSocketServer; handleStream: typeof import("./streams.ts").handleStream; resetSessions: () => number }> | undefined;
+function loadStreams() {
+  streams ??= Promise.all([import("ws"), import("./streams.ts")]).then(([ws, mod]) => ({
+    wss: new ws.WebSocketServer({ noServer: true, maxPayload: 32 * 1024 * 1024 }),
+    handleStream: mod.handleStream,
+    resetSessions: mod.resetSessions,
+  }));
+  return streams;
+}
 server.on("upgrade", (req, socket, head) => {
   if (new URL(req.url ?? "/", "http://agent").pathname !== "/ws") return socket.destroy();
-  wss.handleUpgrade(req, socket, head, (ws) => handleStream(ws));
+  loadStreams().then(
+    ({ wss, handleStream }) => wss.handleUpgrade(req, socket, head, (ws) => handleStream(ws)),
+    () => socket.destroy(),
+  );
 });
 
 const path = socketPath();
@@ -156,7 +166,7 @@ if (existsSync(path)) unlinkSync(path);
 server.listen(path, () => chmodSync(path, 0o600));
 
 const stop = () => {
-  resetSessions();
+  void streams?.then((s) => s.resetSessions());
   server.close(() => process.exit(0));
   setTimeout(() => process.exit(0), 500).unref();
 };

@@ -3,7 +3,7 @@
 
 import { execFile, spawn } from "node:child_process";
 import { connect } from "node:net";
-import { existsSync, openSync, closeSync, statSync, chmodSync } from "node:fs";
+import { existsSync, openSync, closeSync, statSync, chmodSync, watch } from "node:fs";
 import { chown, mkdir, readFile, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
@@ -44,6 +44,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       etc: join(dir, "etc"),
       socket: join(dir, "run", AGENT_SOCKET_NAME),
       log: join(dir, "runtime.log"),
+      pidFile: join(dir, "runtime.pid"),
       slirpPid: join(dir, "slirp.pid"),
       slirpLog: join(dir, "slirp.log"),
     };
@@ -90,26 +91,35 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     await writeFile(join(p.etc, "resolv.conf"), spec.internet ? `nameserver ${SLIRP_DNS}\n` : "");
   }
 
-  async function waitForAgent(p: ReturnType<typeof paths>, id: string): Promise<void> {
-    const deadline = Date.now() + AGENT_WAIT_MS;
-    for (let delay = 1; ; delay = Math.min(delay * 2, 20)) {
-      if (existsSync(p.socket)) {
-        const ok = await new Promise<boolean>((resolve) => {
-          const s = connect(p.socket);
-          s.once("connect", () => {
-            s.destroy();
-            resolve(true);
-          });
-          s.once("error", () => resolve(false));
-        });
-        if (ok) return;
-      }
-      if (Date.now() > deadline) {
+  /** Resolves once the agent accepts connections; woken by inotify when the socket appears, not by polling. */
+  function waitForAgent(p: ReturnType<typeof paths>, id: string): Promise<void> {
+    return new Promise<void>((resolve, reject) => {
+      let done = false;
+      const watcher = watch(p.run, () => void attempt());
+      const retry = setInterval(() => void attempt(), 50);
+      const timer = setTimeout(async () => {
+        finish();
         const tail = await readFile(p.log, "utf8").catch(() => "");
-        throw new Error(`the guest agent of ${id} did not answer within ${AGENT_WAIT_MS} ms${tail ? `: ${tail.slice(-600)}` : ""}`);
+        reject(new Error(`the guest agent of ${id} did not answer within ${AGENT_WAIT_MS} ms${tail ? `: ${tail.slice(-600)}` : ""}`));
+      }, AGENT_WAIT_MS);
+      function finish() {
+        done = true;
+        watcher.close();
+        clearInterval(retry);
+        clearTimeout(timer);
       }
-      await new Promise((r) => setTimeout(r, delay));
-    }
+      function attempt() {
+        if (done || !existsSync(p.socket)) return;
+        const s = connect(p.socket);
+        s.once("connect", () => {
+          s.destroy();
+          if (done) return;
+          finish();
+          resolve();
+        });
+        s.once("error", () => s.destroy());
+      }
+    });
   }
 
   async function state(id: string): Promise<{ pid: number; status: string } | undefined> {
@@ -122,13 +132,17 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   }
 
   async function boot(spec: MachineSpec): Promise<LiveMachine> {
+    const t0 = performance.now();
     const p = paths(spec.id);
     await rm(p.socket, { force: true });
+    // Watch for the agent's socket from before the machine starts, so its first moment is not missed.
+    const agentReady = waitForAgent(p, spec.id);
+    agentReady.catch(() => undefined);
     const log = openSync(p.log, "a");
     try {
       // `run --detach` returns once the container's first process is started; its stdio goes to the log.
       await new Promise<void>((resolve, reject) => {
-        const child = spawn(opts.runtime, [...runtimeArgs(), "run", "--detach", "--bundle", p.bundle, CONTAINER_PREFIX + spec.id], { stdio: ["ignore", log, log] });
+        const child = spawn(opts.runtime, [...runtimeArgs(), "run", "--detach", "--pid-file", p.pidFile, "--bundle", p.bundle, CONTAINER_PREFIX + spec.id], { stdio: ["ignore", log, log] });
         child.once("error", reject);
         child.once("exit", (code) => (code === 0 ? resolve() : reject(new Error(`${opts.runtime} run exited ${code}`))));
       });
@@ -138,13 +152,16 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     } finally {
       closeSync(log);
     }
-    const st = await state(spec.id);
-    if (!st) throw new Error(`${opts.runtime} lost machine ${spec.id} right after starting it`);
-    await Promise.all([waitForAgent(p, spec.id), spec.internet ? startSlirp({ pid: st.pid, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog }) : undefined]);
-    return { id: spec.id, state: "running", agentSocket: p.socket, pid: st.pid };
+    const tRun = performance.now();
+    const pid = Number(await readFile(p.pidFile, "utf8"));
+    await Promise.all([agentReady, spec.internet ? startSlirp({ pid, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog }) : undefined]);
+    const ms = (a: number, b: number) => Math.round((b - a) * 10) / 10;
+    opts.log.debug({ machine_id: spec.id, run_ms: ms(t0, tRun), ready_ms: ms(tRun, performance.now()) }, "machine booted");
+    return { id: spec.id, state: "running", agentSocket: p.socket, pid };
   }
 
   async function create(spec: MachineSpec): Promise<LiveMachine> {
+    const t0 = performance.now();
     await mkdir(machinesDir, { recursive: true });
     await mkdir(stateRoot, { recursive: true });
     ensureTraversable(opts.dataDir);
@@ -171,6 +188,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     });
     await writeFile(join(p.bundle, "config.json"), JSON.stringify(config));
     await writeFile(join(p.dir, "machine.json"), JSON.stringify(spec));
+    opts.log.debug({ machine_id: spec.id, prepare_ms: Math.round((performance.now() - t0) * 10) / 10 }, "machine bundle prepared");
     return boot(spec);
   }
 
