@@ -166,6 +166,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
           throw err instanceof AgentError && err.code === "not_found" ? new KilnError("invalid_request", `No user ${JSON.stringify(row.user)} in template ${resolved.template.canonical_ref}`) : err;
         });
         if (input.envs && Object.keys(input.envs).length > 0) await agent.setEnvs(input.envs);
+        // The machine's cwd is where its commands start: make sure it exists, owned by the machine's user.
+        if (row.cwd) await agent.mkdir(row.cwd, { user: row.user });
         return machineView(await transition(row.id, { status: "running" }, "create"));
       } catch (err) {
         await detach(row.id);
@@ -224,7 +226,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       if (row.status === "running") return machineView(row);
       if (row.status !== "hibernated") throw new KilnError("conflict", `Machine ${id} is ${row.status} and cannot be resumed`);
       const live = await driver.resume(id);
-      attach(live);
+      const agent = attach(live);
+      // A resumed machine is a new execution: PTY sessions of the old one are not reconnectable (SPEC.md).
+      await agent.resetSessions();
       return machineView(await transition(id, { status: "running" }, "resume"));
     });
   }

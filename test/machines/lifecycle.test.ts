@@ -75,7 +75,7 @@ test("isolation: own pid 1 and hostname, no host processes or files, root is an 
 test("two machines from one template do not see each other's writes, and the template is untouched", async () => {
   const a = await create();
   const b = await create();
-  await sh(a.id, "echo from-a > /etc/kiln-marker; echo a > /workspace/a.txt");
+  await sh(a.id, "echo from-a > /etc/kiln-marker; echo a > /workspace/a.txt", { user: "root" });
   assert.equal((await sh(a.id, "cat /etc/kiln-marker")).stdout, "from-a\n");
   assert.notEqual((await sh(b.id, "cat /etc/kiln-marker")).exit_code, 0);
   assert.notEqual((await sh(b.id, "cat /workspace/a.txt")).exit_code, 0);

@@ -3,21 +3,26 @@
 
 import { execFile, spawn } from "node:child_process";
 import { connect } from "node:net";
-import { existsSync, openSync, closeSync, statSync, chmodSync, watch } from "node:fs";
+import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync } from "node:fs";
 import { chown, mkdir, readFile, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import type { DriverReadiness, LiveMachine, MachineDriver, MachineSpec } from "../driver.ts";
 import type { Logger } from "../../log.ts";
+import { guestRuntimeComplete } from "../guest-runtime.ts";
 import { HOST_ID_BASE } from "./idmap.ts";
 import { AGENT_SOCKET_NAME, machineSpec } from "./spec.ts";
 import { detectCgroups } from "./cgroups.ts";
 import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, startSlirp, stopSlirp } from "./network.ts";
 
-const run = promisify(execFile);
-const CONTAINER_PREFIX = "kiln-";
+export { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
+
+const exec = promisify(execFile);
+export const CONTAINER_PREFIX = "kiln-";
 const AGENT_WAIT_MS = 15_000;
 const PIDS_LIMIT = 4096;
+/** Machine ids become path components and runtime ids: nothing but these characters. */
+const SAFE_ID = /^[A-Za-z0-9][A-Za-z0-9_-]{0,100}$/;
 
 export interface OciDriverOptions {
   dataDir: string;
@@ -27,28 +32,76 @@ export interface OciDriverOptions {
   guestRuntimeDir: string;
 }
 
+type Paths = ReturnType<typeof machinePaths>;
+
+function machinePaths(machinesDir: string, id: string) {
+  if (!SAFE_ID.test(id)) throw new Error(`invalid machine id ${JSON.stringify(id)}`);
+  const dir = join(machinesDir, id);
+  return {
+    dir,
+    rootfs: join(dir, "rootfs"),
+    upper: join(dir, "upper"),
+    work: join(dir, "work"),
+    run: join(dir, "run"),
+    etc: join(dir, "etc"),
+    socket: join(dir, "run", AGENT_SOCKET_NAME),
+    spec: join(dir, "machine.json"),
+    log: join(dir, "runtime.log"),
+    pidFile: join(dir, "runtime.pid"),
+    slirpPid: join(dir, "slirp.pid"),
+    slirpLog: join(dir, "slirp.log"),
+  };
+}
+
+/** The host's open-file hard limit: machine root cannot be given more than the process that starts it has. */
+function hostNofile(): number {
+  const m = /^Max open files\s+\S+\s+(\S+)/m.exec(readFileSync("/proc/self/limits", "utf8"));
+  const hard = m && m[1] !== "unlimited" ? Number(m[1]) : 1_048_576;
+  return Math.min(hard, 1_048_576);
+}
+
+function isMounted(path: string): boolean {
+  const escaped = path.replace(/[ \t\n\\]/g, (c) => "\\" + c.charCodeAt(0).toString(8).padStart(3, "0"));
+  return readFileSync("/proc/self/mountinfo", "utf8").split("\n").some((line) => line.split(" ")[4] === escaped);
+}
+
+async function tail(file: string, chars = 800): Promise<string> {
+  const text = await readFile(file, "utf8").catch(() => "");
+  return text.trim().slice(-chars);
+}
+
+function canConnect(socket: string): Promise<boolean> {
+  return new Promise((resolve) => {
+    const s = connect(socket);
+    s.once("connect", () => {
+      s.destroy();
+      resolve(true);
+    });
+    s.once("error", () => {
+      s.destroy();
+      resolve(false);
+    });
+  });
+}
+
+function alive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (err) {
+    return (err as NodeJS.ErrnoException).code === "EPERM";
+  }
+}
+
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
 export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   const machinesDir = join(opts.dataDir, "machines");
   const stateRoot = join(opts.dataDir, "oci-state", opts.runtime);
   const cgroups = detectCgroups();
+  const nofile = hostNofile();
+  const paths = (id: string) => machinePaths(machinesDir, id);
   let readinessCache: { at: number; value: DriverReadiness } | undefined;
-  const paths = (id: string) => {
-    const dir = join(machinesDir, id);
-    return {
-      dir,
-      bundle: dir,
-      rootfs: join(dir, "rootfs"),
-      upper: join(dir, "upper"),
-      work: join(dir, "work"),
-      run: join(dir, "run"),
-      etc: join(dir, "etc"),
-      socket: join(dir, "run", AGENT_SOCKET_NAME),
-      log: join(dir, "runtime.log"),
-      pidFile: join(dir, "runtime.pid"),
-      slirpPid: join(dir, "slirp.pid"),
-      slirpLog: join(dir, "slirp.log"),
-    };
-  };
 
   function runtimeArgs(): string[] {
     const base = ["--root", stateRoot];
@@ -56,122 +109,88 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     return base;
   }
 
+  /** Every runtime call but `run` goes through here, so every failure names the command and says why. */
   async function runtime(args: string[], timeoutMs = 30_000): Promise<string> {
     try {
-      const { stdout } = await run(opts.runtime, [...runtimeArgs(), ...args], { timeout: timeoutMs, maxBuffer: 16 * 1024 * 1024 });
+      const { stdout } = await exec(opts.runtime, [...runtimeArgs(), ...args], { timeout: timeoutMs, maxBuffer: 16 * 1024 * 1024 });
       return stdout;
     } catch (err) {
-      const e = err as { stderr?: string; message: string };
-      throw new Error(`${opts.runtime} ${args[0]} failed: ${(e.stderr || e.message).trim().slice(-600)}`);
+      const e = err as { stderr?: string; message: string; killed?: boolean };
+      const why = e.killed ? `timed out after ${timeoutMs} ms` : (e.stderr || e.message).trim().slice(-600);
+      throw new Error(`${opts.runtime} ${args.join(" ")} failed: ${why}`);
     }
-  }
-
-  /** Machine users (host uid 100000+) must be able to reach the bundle: give the data dir o+x if it lacks it. */
-  function ensureTraversable(dir: string) {
-    const st = statSync(dir);
-    if ((st.mode & 0o001) === 0) chmodSync(dir, st.mode | 0o711);
-  }
-
-  async function mountRoot(spec: MachineSpec, p: ReturnType<typeof paths>) {
-    await mkdir(p.rootfs, { recursive: true });
-    await mkdir(p.upper, { recursive: true });
-    await mkdir(p.work, { recursive: true });
-    // The merged root takes its owner from the upper dir: machine root, not host root.
-    await chown(p.upper, HOST_ID_BASE, HOST_ID_BASE);
-    const lower = [...spec.layers].reverse().join(":"); // overlayfs lists the highest layer first
-    await run("mount", ["-t", "overlay", "overlay", "-o", `lowerdir=${lower},upperdir=${p.upper},workdir=${p.work}`, p.rootfs]);
-  }
-
-  async function writeEtc(spec: MachineSpec, p: ReturnType<typeof paths>) {
-    await mkdir(p.etc, { recursive: true });
-    const hosts = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback", `127.0.1.1\t${spec.hostname}`];
-    if (opts.hostAccess && spec.internet) hosts.push(`${SLIRP_GATEWAY}\t${HOST_ALIAS}`);
-    await writeFile(join(p.etc, "hosts"), hosts.join("\n") + "\n");
-    await writeFile(join(p.etc, "hostname"), spec.hostname + "\n");
-    await writeFile(join(p.etc, "resolv.conf"), spec.internet ? `nameserver ${SLIRP_DNS}\n` : "");
-  }
-
-  /** Resolves once the agent accepts connections; woken by inotify when the socket appears, not by polling. */
-  function waitForAgent(p: ReturnType<typeof paths>, id: string): Promise<void> {
-    return new Promise<void>((resolve, reject) => {
-      let done = false;
-      const watcher = watch(p.run, () => void attempt());
-      const retry = setInterval(() => void attempt(), 50);
-      const timer = setTimeout(async () => {
-        finish();
-        const tail = await readFile(p.log, "utf8").catch(() => "");
-        reject(new Error(`the guest agent of ${id} did not answer within ${AGENT_WAIT_MS} ms${tail ? `: ${tail.slice(-600)}` : ""}`));
-      }, AGENT_WAIT_MS);
-      function finish() {
-        done = true;
-        watcher.close();
-        clearInterval(retry);
-        clearTimeout(timer);
-      }
-      function attempt() {
-        if (done || !existsSync(p.socket)) return;
-        const s = connect(p.socket);
-        s.once("connect", () => {
-          s.destroy();
-          if (done) return;
-          finish();
-          resolve();
-        });
-        s.once("error", () => s.destroy());
-      }
-    });
   }
 
   async function state(id: string): Promise<{ pid: number; status: string } | undefined> {
     try {
-      const s = JSON.parse(await runtime(["state", CONTAINER_PREFIX + id], 10_000)) as { pid: number; status: string };
-      return s;
-    } catch {
-      return undefined;
+      return JSON.parse(await runtime(["state", CONTAINER_PREFIX + id], 10_000)) as { pid: number; status: string };
+    } catch (err) {
+      if (/does not exist|not found|no such/i.test((err as Error).message)) return undefined;
+      throw err;
     }
   }
 
+  /** Machine root (host uid 100000+) must be able to reach its bundle: give the data dirs o+x if they lack it. */
+  function ensureTraversable(dir: string) {
+    const st = statSync(dir);
+    if ((st.mode & 0o001) === 0) chmodSync(dir, st.mode | 0o111);
+  }
+
+  async function mountRoot(spec: MachineSpec, p: Paths) {
+    if (isMounted(p.rootfs)) return;
+    await Promise.all([mkdir(p.rootfs, { recursive: true }), mkdir(p.upper, { recursive: true }), mkdir(p.work, { recursive: true })]);
+    // The merged root's top directory takes its owner from the upper dir: machine root, not host root.
+    await chown(p.upper, HOST_ID_BASE, HOST_ID_BASE);
+    for (const layer of spec.layers) if (!existsSync(layer)) throw new Error(`template layer ${layer} is missing`);
+    const lower = [...spec.layers].reverse().join(":"); // overlayfs lists the highest layer first
+    try {
+      await exec("mount", ["-t", "overlay", "overlay", "-o", `lowerdir=${lower},upperdir=${p.upper},workdir=${p.work}`, p.rootfs]);
+    } catch (err) {
+      throw new Error(`mounting the root of ${spec.id} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
+    }
+  }
+
+  async function unmountRoot(p: Paths) {
+    if (!existsSync(p.rootfs) || !isMounted(p.rootfs)) return;
+    await exec("umount", [p.rootfs]).catch(() => exec("umount", ["-l", p.rootfs]));
+    if (isMounted(p.rootfs)) throw new Error(`${p.rootfs} is still mounted`);
+  }
+
+  async function writeEtc(spec: MachineSpec, p: Paths) {
+    await mkdir(p.etc, { recursive: true });
+    const hosts = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback", `127.0.1.1\t${spec.hostname}`];
+    if (opts.hostAccess && spec.internet) hosts.push(`${SLIRP_GATEWAY}\t${HOST_ALIAS}`);
+    await Promise.all([
+      writeFile(join(p.etc, "hosts"), hosts.join("\n") + "\n"),
+      writeFile(join(p.etc, "hostname"), spec.hostname + "\n"),
+      writeFile(join(p.etc, "resolv.conf"), spec.internet ? `nameserver ${SLIRP_DNS}\noptions edns0\n` : ""),
+    ]);
+  }
+
+  /**
+   * Resolves once the agent accepts a connection. Polls every millisecond (a connect to a missing socket costs
+   * microseconds) because startup latency is the point; gives up early, with the runtime's log, if pid 1 dies.
+   */
+  async function waitForAgent(p: Paths, id: string, pid: () => number | undefined): Promise<void> {
+    const deadline = performance.now() + AGENT_WAIT_MS;
+    let nextLivenessCheck = performance.now() + 50;
+    for (;;) {
+      if (await canConnect(p.socket)) return;
+      const now = performance.now();
+      const first = pid();
+      if (first && now > nextLivenessCheck) {
+        nextLivenessCheck = now + 50;
+        if (!alive(first)) throw new Error(`the first process of ${id} exited before its agent answered: ${await tail(p.log)}`);
+      }
+      if (now > deadline) throw new Error(`the guest agent of ${id} did not answer within ${AGENT_WAIT_MS} ms: ${await tail(p.log)}`);
+      await sleep(1);
+    }
+  }
+
+  /** Writes the bundle's config.json afresh (the guest runtime may have been rebuilt since) and runs it. */
   async function boot(spec: MachineSpec): Promise<LiveMachine> {
     const t0 = performance.now();
     const p = paths(spec.id);
-    await rm(p.socket, { force: true });
-    // Watch for the agent's socket from before the machine starts, so its first moment is not missed.
-    const agentReady = waitForAgent(p, spec.id);
-    agentReady.catch(() => undefined);
-    const log = openSync(p.log, "a");
-    try {
-      // `run --detach` returns once the container's first process is started; its stdio goes to the log.
-      await new Promise<void>((resolve, reject) => {
-        const child = spawn(opts.runtime, [...runtimeArgs(), "run", "--detach", "--pid-file", p.pidFile, "--bundle", p.bundle, CONTAINER_PREFIX + spec.id], { stdio: ["ignore", log, log] });
-        child.once("error", reject);
-        child.once("exit", (code) => (code === 0 ? resolve() : reject(new Error(`${opts.runtime} run exited ${code}`))));
-      });
-    } catch (err) {
-      const tail = await readFile(p.log, "utf8").catch(() => "");
-      throw new Error(`${(err as Error).message}: ${tail.slice(-800)}`);
-    } finally {
-      closeSync(log);
-    }
-    const tRun = performance.now();
-    const pid = Number(await readFile(p.pidFile, "utf8"));
-    await Promise.all([agentReady, spec.internet ? startSlirp({ pid, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog }) : undefined]);
-    const ms = (a: number, b: number) => Math.round((b - a) * 10) / 10;
-    opts.log.debug({ machine_id: spec.id, run_ms: ms(t0, tRun), ready_ms: ms(tRun, performance.now()) }, "machine booted");
-    return { id: spec.id, state: "running", agentSocket: p.socket, pid };
-  }
-
-  async function create(spec: MachineSpec): Promise<LiveMachine> {
-    const t0 = performance.now();
-    await mkdir(machinesDir, { recursive: true });
-    await mkdir(stateRoot, { recursive: true });
-    ensureTraversable(opts.dataDir);
-    ensureTraversable(machinesDir);
-    const p = paths(spec.id);
-    await mkdir(p.dir, { recursive: true, mode: 0o711 });
-    await mkdir(p.run, { recursive: true });
-    await chown(p.run, HOST_ID_BASE, HOST_ID_BASE);
-    await writeEtc(spec, p);
-    await mountRoot(spec, p);
     const config = machineSpec({
       id: spec.id,
       hostname: spec.hostname,
@@ -183,63 +202,125 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       vcpus: spec.vcpus,
       memoryMb: spec.memoryMb,
       pidsLimit: PIDS_LIMIT,
+      nofile,
       cgroupsPath: `/kiln/${spec.id}`,
       runtime: opts.runtime,
     });
-    await writeFile(join(p.bundle, "config.json"), JSON.stringify(config));
-    await writeFile(join(p.dir, "machine.json"), JSON.stringify(spec));
-    opts.log.debug({ machine_id: spec.id, prepare_ms: Math.round((performance.now() - t0) * 10) / 10 }, "machine bundle prepared");
+    await Promise.all([writeFile(join(p.dir, "config.json"), JSON.stringify(config)), rm(p.socket, { force: true }), rm(p.pidFile, { force: true }), mountRoot(spec, p)]);
+
+    let pid: number | undefined;
+    // Poll for the agent from the moment the runtime starts: `run --detach` returns after the first process is exec'd.
+    const agentReady = waitForAgent(p, spec.id, () => pid);
+    agentReady.catch(() => undefined);
+    const log = openSync(p.log, "a");
+    try {
+      await new Promise<void>((resolve, reject) => {
+        const args = [...runtimeArgs(), "run", "--detach", "--pid-file", p.pidFile, "--bundle", p.dir, CONTAINER_PREFIX + spec.id];
+        const child = spawn(opts.runtime, args, { stdio: ["ignore", log, log] });
+        child.once("error", (err) => reject(new Error(`${opts.runtime} could not be started: ${err.message}`)));
+        child.once("exit", (code, signal) => (code === 0 ? resolve() : reject(new Error(`${opts.runtime} run of ${spec.id} exited ${code ?? signal}`))));
+      });
+      pid = Number(await readFile(p.pidFile, "utf8"));
+    } catch (err) {
+      throw new Error(`${(err as Error).message}: ${await tail(p.log)}`);
+    } finally {
+      closeSync(log);
+    }
+    const tRun = performance.now();
+    // The agent and the network come up in parallel; a machine is handed out only once both are there.
+    await Promise.all([
+      agentReady,
+      spec.internet ? startSlirp({ pid, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog }) : undefined,
+    ]);
+    const ms = (a: number, b: number) => Math.round((b - a) * 10) / 10;
+    opts.log.debug({ machine_id: spec.id, run_ms: ms(t0, tRun), agent_ms: ms(tRun, performance.now()) }, "machine booted");
+    return { id: spec.id, state: "running", agentSocket: p.socket, pid };
+  }
+
+  async function create(spec: MachineSpec): Promise<LiveMachine> {
+    const t0 = performance.now();
+    const p = paths(spec.id);
+    if (existsSync(p.dir)) throw new Error(`machine ${spec.id} already exists on this host`);
+    await Promise.all([mkdir(machinesDir, { recursive: true }), mkdir(stateRoot, { recursive: true })]);
+    ensureTraversable(opts.dataDir);
+    ensureTraversable(machinesDir);
+    await mkdir(p.dir, { mode: 0o711 });
+    await mkdir(p.run);
+    // The agent (machine root) creates its socket here; host root can connect to it regardless.
+    await chown(p.run, HOST_ID_BASE, HOST_ID_BASE);
+    await Promise.all([writeEtc(spec, p), writeFile(p.spec, JSON.stringify(spec))]);
+    opts.log.debug({ machine_id: spec.id, prepare_ms: Math.round((performance.now() - t0) * 10) / 10 }, "machine prepared");
     return boot(spec);
+  }
+
+  /** Kills and deletes the container; also clears a runtime state left by a crash (delete --force). */
+  async function removeContainer(id: string) {
+    const name = CONTAINER_PREFIX + id;
+    const gone = (err: Error) => /does not exist|not found|no such/i.test(err.message);
+    try {
+      await runtime(["delete", "--force", name], 20_000);
+    } catch (err) {
+      if (gone(err as Error)) return;
+      // A frozen container cannot be killed on cgroup v1 until it is thawed.
+      await runtime(["resume", name], 10_000).catch(() => undefined);
+      await runtime(["delete", "--force", name], 20_000).catch((again: Error) => {
+        if (!gone(again)) throw again;
+      });
+    }
   }
 
   async function destroy(id: string): Promise<void> {
     const p = paths(id);
-    const name = CONTAINER_PREFIX + id;
-    await runtime(["kill", name, "KILL"], 10_000).catch(() => undefined);
-    await runtime(["delete", "--force", name], 20_000).catch(() => undefined);
+    await removeContainer(id);
     await stopSlirp(p.slirpPid);
-    if (existsSync(p.rootfs)) {
-      await run("umount", [p.rootfs]).catch(() => run("umount", ["-l", p.rootfs]).catch(() => undefined));
-    }
+    await unmountRoot(p);
+    // Only once nothing is mounted under it: rm -r through a live overlay would write whiteouts, not free space.
     await rm(p.dir, { recursive: true, force: true });
+  }
+
+  async function readiness(): Promise<DriverReadiness> {
+    if (readinessCache && Date.now() - readinessCache.at < 10_000) return readinessCache.value;
+    const problems: string[] = [];
+    let version = "";
+    try {
+      version = (await exec(opts.runtime, ["--version"])).stdout.split("\n")[0];
+    } catch {
+      problems.push(`${opts.runtime} is not installed`);
+    }
+    if (!(await guestRuntimeComplete(opts.guestRuntimeDir))) problems.push(`the guest runtime at ${opts.guestRuntimeDir} is incomplete`);
+    const slirp = existsSync("/usr/bin/slirp4netns");
+    const value: DriverReadiness = {
+      driver: "oci",
+      runtime: opts.runtime,
+      ready: problems.length === 0,
+      detail: problems.length ? problems.join("; ") : version,
+      cgroup: opts.runtime === "runsc" ? { version: cgroups.version, enforced: [] } : cgroups,
+      network: slirp ? "slirp4netns (user-mode NAT per machine); loopback only when internet is off" : "loopback only: slirp4netns is not installed",
+    };
+    readinessCache = { at: Date.now(), value };
+    return value;
   }
 
   return {
     name: "oci",
-
-    async readiness(): Promise<DriverReadiness> {
-      if (readinessCache && Date.now() - readinessCache.at < 10_000) return readinessCache.value;
-      let ready = true;
-      let detail = "";
-      try {
-        detail = (await run(opts.runtime, ["--version"])).stdout.split("\n")[0];
-      } catch {
-        ready = false;
-        detail = `${opts.runtime} is not installed`;
-      }
-      const value: DriverReadiness = {
-        driver: "oci",
-        runtime: opts.runtime,
-        ready,
-        detail,
-        cgroup: cgroups,
-        network: existsSync("/usr/bin/slirp4netns") ? "slirp4netns (user-mode NAT per machine)" : "none: slirp4netns is not installed",
-      };
-      readinessCache = { at: Date.now(), value };
-      return value;
-    },
-
+    readiness,
     create,
 
     async stop(id) {
-      const name = CONTAINER_PREFIX + id;
-      await runtime(["kill", name, "KILL"], 10_000).catch(() => undefined);
-      await runtime(["delete", "--force", name], 20_000).catch(() => undefined);
-      await stopSlirp(paths(id).slirpPid);
+      const p = paths(id);
+      await removeContainer(id);
+      await stopSlirp(p.slirpPid);
+      await unmountRoot(p);
     },
 
     async start(id) {
-      const spec = JSON.parse(await readFile(join(paths(id).dir, "machine.json"), "utf8")) as MachineSpec;
+      const p = paths(id);
+      const spec = JSON.parse(await readFile(p.spec, "utf8").catch(() => {
+        throw new Error(`machine ${id} does not exist on this host`);
+      })) as MachineSpec;
+      // A start after a crash may find the old container still registered (stopped): clear it first.
+      await removeContainer(id);
+      await stopSlirp(p.slirpPid);
       return boot(spec);
     },
 
@@ -250,7 +331,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     async resume(id) {
       await runtime(["resume", CONTAINER_PREFIX + id]);
       const st = await state(id);
-      if (!st) throw new Error(`machine ${id} is gone`);
+      if (!st || st.status !== "running") throw new Error(`machine ${id} is ${st?.status ?? "gone"} after resume`);
       return { id, state: "running", agentSocket: paths(id).socket, pid: st.pid };
     },
 
@@ -258,17 +339,19 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
 
     async listLive() {
       if (!existsSync(stateRoot)) return [];
-      const list = JSON.parse((await runtime(["list", "--format", "json"], 20_000)) || "null") as { id: string; pid: number; status: string }[] | null;
-      return (list ?? [])
-        .filter((c) => c.id.startsWith(CONTAINER_PREFIX) && (c.status === "running" || c.status === "paused"))
-        .map((c) => {
-          const id = c.id.slice(CONTAINER_PREFIX.length);
-          return { id, state: c.status === "paused" ? ("paused" as const) : ("running" as const), agentSocket: paths(id).socket, pid: c.pid };
-        });
+      const list = JSON.parse((await runtime(["list", "--format", "json"], 20_000)).trim() || "null") as { id: string; pid: number; status: string }[] | null;
+      const live: LiveMachine[] = [];
+      for (const c of list ?? []) {
+        if (!c.id.startsWith(CONTAINER_PREFIX) || (c.status !== "running" && c.status !== "paused")) continue;
+        const id = c.id.slice(CONTAINER_PREFIX.length);
+        if (!SAFE_ID.test(id)) continue;
+        live.push({ id, state: c.status === "paused" ? "paused" : "running", agentSocket: paths(id).socket, pid: c.pid });
+      }
+      return live;
     },
 
     async close() {
-      // Machines outlive the control plane on purpose; nothing to release here.
+      // Machines (and their slirp4netns) outlive the control plane on purpose; nothing to release here.
     },
   };
 }

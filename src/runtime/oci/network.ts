@@ -4,7 +4,7 @@
 
 import { spawn } from "node:child_process";
 import { openSync, closeSync } from "node:fs";
-import { readFile, writeFile } from "node:fs/promises";
+import { readFile, rm, writeFile } from "node:fs/promises";
 
 export const SLIRP_GATEWAY = "10.0.2.2";
 export const SLIRP_DNS = "10.0.2.3";
@@ -40,9 +40,14 @@ export async function startSlirp(opts: { pid: number; hostAccess: boolean; pidFi
 export async function stopSlirp(pidFile: string): Promise<void> {
   const pid = Number(await readFile(pidFile, "utf8").catch(() => ""));
   if (!pid) return;
-  try {
-    process.kill(pid, "SIGTERM");
-  } catch {
-    // already gone
+  // The pid was recorded maybe long ago (across restarts): only signal it if it is still a slirp4netns.
+  const cmdline = await readFile(`/proc/${pid}/cmdline`, "utf8").catch(() => "");
+  if (cmdline.startsWith("slirp4netns\0")) {
+    try {
+      process.kill(pid, "SIGKILL");
+    } catch {
+      // already gone
+    }
   }
+  await rm(pidFile, { force: true });
 }

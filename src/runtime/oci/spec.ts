@@ -4,6 +4,7 @@
 
 import { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
 import { defaultSeccomp } from "./seccomp.ts";
+import { GUEST_LOADER } from "../guest-runtime.ts";
 
 export const GUEST_RUNTIME_PATH = "/opt/kiln";
 export const GUEST_RUN_DIR = "/run/kiln";
@@ -52,6 +53,8 @@ export interface SpecInput {
   vcpus: number;
   memoryMb: number;
   pidsLimit: number;
+  /** Open-file limit: machine root cannot raise it past the host's, so the driver passes what the host allows. */
+  nofile: number;
   cgroupsPath: string;
   /** runsc wants a plain spec: it has its own syscall filter and kernel, and handles some fields differently. */
   runtime: "runc" | "runsc";
@@ -71,13 +74,11 @@ export function machineSpec(input: SpecInput) {
       args: [
         `${GUEST_RUNTIME_PATH}/bin/tini`,
         "-s",
-        "-g",
         "--",
-        `${GUEST_RUNTIME_PATH}/lib/ld-linux.so`,
+        `${GUEST_RUNTIME_PATH}/lib/${GUEST_LOADER}`,
         "--library-path",
         `${GUEST_RUNTIME_PATH}/lib`,
         `${GUEST_RUNTIME_PATH}/bin/node`,
-        "--max-old-space-size=96",
         `${GUEST_RUNTIME_PATH}/agent/agent.mjs`,
         "--socket",
         `${GUEST_RUN_DIR}/${AGENT_SOCKET_NAME}`,
@@ -85,7 +86,11 @@ export function machineSpec(input: SpecInput) {
       env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8"],
       cwd: "/",
       capabilities: { bounding: CAPS, effective: CAPS, permitted: CAPS },
+      // Without a limit here the machine inherits the control plane's, which may be anything.
+      rlimits: [{ type: "RLIMIT_NOFILE", hard: input.nofile, soft: Math.min(input.nofile, 65_536) }],
       noNewPrivileges: true,
+      // Under memory pressure on the host, a machine goes before the control plane that serves all of them.
+      oomScoreAdj: 500,
     },
     root: { path: input.rootfs, readonly: false },
     hostname: input.hostname,

@@ -1,0 +1,258 @@
+// The oci driver on the real runtime (runc unless KILN_OCI_RUNTIME says runsc) over the real base template:
+// isolation, copy-on-write roots, limits, network modes, hibernate/resume, destroy and adoption after a restart.
+
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { execFile, execFileSync } from "node:child_process";
+import { existsSync, readFileSync } from "node:fs";
+import { mkdtemp, mkdir, rm, writeFile } from "node:fs/promises";
+import { createServer } from "node:net";
+import type { Server } from "node:net";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { promisify } from "node:util";
+import { createOciDriver, CONTAINER_PREFIX, HOST_ID_BASE } from "../../src/runtime/oci/driver.ts";
+import type { LiveMachine, MachineDriver, MachineSpec } from "../../src/runtime/driver.ts";
+import { prepareGuestRuntime } from "../../src/runtime/guest-runtime.ts";
+import { ensureBaseTemplate } from "../../src/builder/base-template.ts";
+import { bundleAgent, AGENT_SOURCES } from "../../src/agent/bundle.ts";
+import { createLogger } from "../../src/log.ts";
+import { TEST_CACHE_DIR } from "../support/paths.ts";
+
+const exec = promisify(execFile);
+const runtime = (process.env.KILN_OCI_RUNTIME as "runc" | "runsc" | undefined) ?? "runc";
+
+function skipReason(): string | undefined {
+  if (process.getuid?.() !== 0) return "the oci driver needs root (mounts, user namespaces, cgroups)";
+  try {
+    execFileSync(runtime, ["--version"], { stdio: "ignore" });
+  } catch {
+    return `${runtime} is not installed`;
+  }
+  return undefined;
+}
+const skip = skipReason();
+if (skip) process.stderr.write(`skipping the oci driver tests: ${skip}\n`);
+
+const log = createLogger({ level: "warn", pretty: false });
+let dataDir: string;
+let layer: string;
+let guestRuntimeDir: string;
+let driver: MachineDriver;
+const created = new Set<string>();
+
+before(async () => {
+  if (skip) return;
+  layer = (await ensureBaseTemplate({ cacheDir: TEST_CACHE_DIR, log })).layerDir;
+  guestRuntimeDir = await prepareGuestRuntime({ dir: join(TEST_CACHE_DIR, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
+  dataDir = await mkdtemp(join(tmpdir(), "kiln-oci-"));
+  driver = newDriver();
+});
+
+after(async () => {
+  if (skip) return;
+  for (const id of created) await driver.destroy(id).catch(() => undefined);
+  await rm(dataDir, { recursive: true, force: true });
+});
+
+function newDriver(extra: { hostAccess?: boolean; guestRuntimeDir?: string } = {}) {
+  return createOciDriver({ dataDir, runtime, hostAccess: extra.hostAccess ?? false, log, guestRuntimeDir: extra.guestRuntimeDir ?? guestRuntimeDir });
+}
+
+let seq = 0;
+async function machine(over: Partial<MachineSpec> = {}, d = driver): Promise<LiveMachine> {
+  const id = `mch_t${process.pid}x${++seq}`;
+  created.add(id);
+  return d.create({ id, layers: [layer], hostname: id.replaceAll("_", "-"), vcpus: 1, memoryMb: 256, internet: false, mounts: [], ...over });
+}
+
+/** Runs a shell line in the machine through the runtime itself (no agent involved). */
+async function sh(id: string, line: string): Promise<string> {
+  const { stdout } = await exec(runtime, ["--root", join(dataDir, "oci-state", runtime), "exec", CONTAINER_PREFIX + id, "/bin/sh", "-c", line], { timeout: 20_000 });
+  return stdout;
+}
+
+const opt = { skip };
+
+test("a machine has its own pid 1 (tini), hostname and process table", opt, async () => {
+  const m = await machine();
+  const pid1 = (await sh(m.id, "tr '\\0' ' ' < /proc/1/cmdline")).trim();
+  assert.match(pid1, /^\/opt\/kiln\/bin\/tini -s -- \/opt\/kiln\/lib\/ld-linux[^ ]* --library-path \/opt\/kiln\/lib \/opt\/kiln\/bin\/node \/opt\/kiln\/agent\/agent\.mjs --socket \/run\/kiln\/agent\.sock/);
+  assert.equal((await sh(m.id, "hostname")).trim(), m.id.replaceAll("_", "-"));
+  assert.equal((await sh(m.id, "cat /etc/hostname")).trim(), m.id.replaceAll("_", "-"));
+  const pids = (await sh(m.id, "ls /proc | grep -c '^[0-9]'")).trim();
+  assert.ok(Number(pids) < 10, `only the machine's own processes are visible (saw ${pids})`);
+  assert.equal((await sh(m.id, "test -e /work/main && echo visible || echo hidden")).trim(), "hidden");
+  assert.ok(existsSync(m.agentSocket), "the agent socket is on the host at agentSocket");
+});
+
+test("machine root is an unprivileged host uid, with reduced capabilities, no_new_privs and seccomp", opt, async () => {
+  const m = await machine();
+  const status = readFileSync(`/proc/${m.pid}/status`, "utf8");
+  const [, real, effective] = /^Uid:\s+(\d+)\s+(\d+)/m.exec(status)!;
+  assert.equal(Number(real), HOST_ID_BASE);
+  assert.equal(Number(effective), HOST_ID_BASE);
+  assert.deepEqual(readFileSync(`/proc/${m.pid}/uid_map`, "utf8").trim().split(/\s+/).map(Number), [0, HOST_ID_BASE, 65536]);
+  const inside = await sh(m.id, "id -u; grep -E '^(CapEff|NoNewPrivs|Seccomp):' /proc/self/status");
+  assert.match(inside, /^0\n/);
+  assert.match(inside, /NoNewPrivs:\s+1/);
+  if (runtime === "runc") {
+    assert.match(inside, /Seccomp:\s+2/);
+    const capEff = BigInt("0x" + /CapEff:\s+(\S+)/.exec(inside)![1]);
+    assert.equal(capEff & (1n << 21n), 0n, "no CAP_SYS_ADMIN");
+    // A nested user namespace is refused by the seccomp profile.
+    assert.match(await sh(m.id, "unshare -U true 2>&1; echo rc=$?"), /rc=1/);
+  }
+});
+
+test("writes land in the machine's upper dir, never in the template layer, and /opt/kiln is read-only", opt, async () => {
+  const a = await machine();
+  const b = await machine();
+  await sh(a.id, "echo from-a > /etc/kiln-marker && rm /etc/debian_version");
+  assert.equal(await sh(a.id, "cat /etc/kiln-marker"), "from-a\n");
+  assert.equal((await sh(b.id, "test -e /etc/kiln-marker && echo seen || echo unseen; cat /etc/debian_version >/dev/null && echo kept")).trim(), "unseen\nkept");
+  assert.ok(!existsSync(join(layer, "etc/kiln-marker")), "the template layer is untouched");
+  assert.ok(existsSync(join(layer, "etc/debian_version")), "a delete in one machine is a whiteout in its upper dir");
+  assert.ok(existsSync(join(dataDir, "machines", a.id, "upper/etc/kiln-marker")));
+  assert.match(await sh(a.id, "touch /opt/kiln/x 2>&1; echo rc=$?"), /Read-only file system[\s\S]*rc=1/);
+  assert.equal((await sh(a.id, "stat -c %U:%u /workspace /home/user /etc/passwd")).trim(), "user:1000\nuser:1000\nroot:0");
+});
+
+test("cgroup limits for cpu, memory and pids are what the spec asked, and readiness says what is enforced", opt, async () => {
+  const m = await machine({ vcpus: 2, memoryMb: 300 });
+  const ready = await driver.readiness();
+  assert.equal(ready.ready, true, ready.detail);
+  if (runtime !== "runc") return;
+  assert.ok(["v1", "v2", "hybrid"].includes(ready.cgroup.version));
+  const read = (v1: string, v2: string) => {
+    const file = ready.cgroup.version === "v2" ? `/sys/fs/cgroup/kiln/${m.id}/${v2}` : `/sys/fs/cgroup/${v1}`.replace("<id>", m.id);
+    return readFileSync(file, "utf8").trim();
+  };
+  for (const c of ["cpu", "memory", "pids"]) assert.ok(ready.cgroup.enforced.includes(c), `${c} is enforced on this host`);
+  if (ready.cgroup.version === "v2") {
+    assert.equal(read("", "memory.max"), String(300 * 1024 * 1024));
+    assert.equal(read("", "cpu.max"), "200000 100000");
+    assert.equal(read("", "pids.max"), "4096");
+  } else {
+    assert.equal(read("memory/kiln/<id>/memory.limit_in_bytes", ""), String(300 * 1024 * 1024));
+    assert.equal(read("cpu/kiln/<id>/cpu.cfs_quota_us", ""), "200000");
+    assert.equal(read("pids/kiln/<id>/pids.max", ""), "4096");
+  }
+});
+
+test("internet: false leaves loopback only, and it is up", opt, async () => {
+  const m = await machine({ internet: false });
+  const ifaces = (await sh(m.id, "ls /sys/class/net")).trim().split(/\s+/);
+  assert.deepEqual(ifaces, ["lo"]);
+  assert.equal(Number((await sh(m.id, "cat /sys/class/net/lo/flags")).trim()) & 1, 1, "lo is up");
+  assert.equal((await sh(m.id, "cat /etc/resolv.conf")).trim(), "");
+});
+
+test("internet: true attaches slirp4netns (killed on destroy); host loopback only with host access", opt, async (t) => {
+  if (!existsSync("/usr/bin/slirp4netns")) return t.skip("slirp4netns is not installed");
+  const server: Server = createServer((s) => s.end("hello from the host\n"));
+  await new Promise<void>((r) => server.listen(0, "127.0.0.1", r));
+  const port = (server.address() as { port: number }).port;
+  try {
+    const probe = `timeout 3 bash -c 'exec 3<>/dev/tcp/10.0.2.2/${port}; cat <&3' 2>/dev/null || echo unreachable`;
+    const closed = await machine({ internet: true });
+    assert.match(await sh(closed.id, "ls /sys/class/net"), /tap0/);
+    assert.equal((await sh(closed.id, "cat /etc/resolv.conf")).trim().split("\n")[0], "nameserver 10.0.2.3");
+    assert.equal((await sh(closed.id, probe)).trim(), "unreachable");
+    const slirpPid = Number(readFileSync(join(dataDir, "machines", closed.id, "slirp.pid"), "utf8"));
+    assert.ok(existsSync(`/proc/${slirpPid}`));
+    await driver.destroy(closed.id);
+    await new Promise((r) => setTimeout(r, 100));
+    assert.ok(!existsSync(`/proc/${slirpPid}`) || !readFileSync(`/proc/${slirpPid}/cmdline`, "utf8").startsWith("slirp4netns"), "slirp4netns is gone");
+
+    const open = await machine({ internet: true }, newDriver({ hostAccess: true }));
+    assert.match(await sh(open.id, "grep host.kiln.internal /etc/hosts"), /^10\.0\.2\.2\s+host\.kiln\.internal/);
+    assert.equal((await sh(open.id, probe.replace("10.0.2.2", "host.kiln.internal"))).trim(), "hello from the host");
+  } finally {
+    server.close();
+  }
+});
+
+test("hibernate freezes every process in place and resume thaws them", opt, async () => {
+  const m = await machine();
+  await exec(runtime, ["--root", join(dataDir, "oci-state", runtime), "exec", "--detach", CONTAINER_PREFIX + m.id, "/bin/sh", "-c", "while :; do date +%s%N > /tmp/tick; sleep 0.02; done"]);
+  const tick = join(dataDir, "machines", m.id, "upper/tmp/tick");
+  const read = () => (existsSync(tick) ? readFileSync(tick, "utf8") : "");
+  await new Promise((r) => setTimeout(r, 200));
+  await driver.hibernate(m.id);
+  assert.equal((await driver.listLive()).find((l) => l.id === m.id)?.state, "paused");
+  const frozen = read();
+  await new Promise((r) => setTimeout(r, 300));
+  assert.equal(read(), frozen, "nothing ran while hibernated");
+  const back = await driver.resume(m.id);
+  assert.equal(back.state, "running");
+  assert.equal(back.agentSocket, m.agentSocket);
+  await new Promise((r) => setTimeout(r, 300));
+  assert.notEqual(read(), frozen, "processes run again after resume");
+});
+
+test("stop keeps the machine's root; start boots it again with its files", opt, async () => {
+  const m = await machine();
+  await sh(m.id, "echo kept > /root/note");
+  await driver.stop(m.id);
+  assert.equal((await driver.listLive()).some((l) => l.id === m.id), false);
+  const again = await driver.start(m.id);
+  assert.notEqual(again.pid, m.pid);
+  assert.equal(await sh(m.id, "cat /root/note"), "kept\n");
+});
+
+test("destroy leaves no process, mount, cgroup or directory behind, and is idempotent (also when hibernated)", opt, async () => {
+  const a = await machine();
+  const b = await machine();
+  await driver.hibernate(b.id);
+  for (const m of [a, b]) {
+    await driver.destroy(m.id);
+    await driver.destroy(m.id);
+    created.delete(m.id);
+    const dir = join(dataDir, "machines", m.id);
+    assert.ok(!existsSync(dir), "machine dir removed");
+    assert.ok(!readFileSync("/proc/self/mountinfo", "utf8").includes(dir), "no mount left");
+    assert.ok(!existsSync(`/proc/${m.pid}`), "first process gone");
+    assert.ok(!existsSync(`/sys/fs/cgroup/memory/kiln/${m.id}`) && !existsSync(`/sys/fs/cgroup/kiln/${m.id}`), "cgroup removed");
+    assert.equal((await driver.listLive()).some((l) => l.id === m.id), false);
+  }
+  await driver.destroy("mch_never_existed");
+});
+
+test("destroy also cleans up after a crash halfway (runtime state gone, mount and dir left)", opt, async () => {
+  const m = await machine();
+  // Simulate a control plane that died after killing the container but before unmounting and removing.
+  await exec(runtime, ["--root", join(dataDir, "oci-state", runtime), "delete", "--force", CONTAINER_PREFIX + m.id]);
+  const dir = join(dataDir, "machines", m.id);
+  assert.ok(readFileSync("/proc/self/mountinfo", "utf8").includes(join(dir, "rootfs")));
+  await driver.destroy(m.id);
+  created.delete(m.id);
+  assert.ok(!existsSync(dir));
+  assert.ok(!readFileSync("/proc/self/mountinfo", "utf8").includes(dir));
+});
+
+test("a new driver over the same data dir (a restarted control plane) lists the live machines", opt, async () => {
+  const running = await machine();
+  const paused = await machine();
+  await driver.hibernate(paused.id);
+  const live = await newDriver().listLive();
+  const byId = new Map(live.map((l) => [l.id, l]));
+  assert.deepEqual(byId.get(running.id), { id: running.id, state: "running", agentSocket: running.agentSocket, pid: running.pid });
+  assert.equal(byId.get(paused.id)?.state, "paused");
+  await driver.resume(paused.id);
+});
+
+test("create fails clearly, and quickly, when the agent cannot start; destroy then cleans up", opt, async () => {
+  const broken = join(dataDir, "broken-runtime");
+  await mkdir(join(broken, "bin"), { recursive: true });
+  await writeFile(join(broken, "stamp"), "{}");
+  const d = newDriver({ guestRuntimeDir: broken });
+  const started = Date.now();
+  const id = `mch_t${process.pid}broken`;
+  created.add(id);
+  await assert.rejects(d.create({ id, layers: [layer], hostname: "broken", vcpus: 1, memoryMb: 128, internet: false, mounts: [] }), /tini|exec|no such file|exited/i);
+  assert.ok(Date.now() - started < 10_000, "failure is reported without waiting for the full timeout");
+  await d.destroy(id);
+  created.delete(id);
+  assert.ok(!existsSync(join(dataDir, "machines", id)));
+});
