@@ -73,6 +73,11 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     req.apiKeyId = keyId;
   });
 
+  // A refused WebSocket upgrade gets its envelope and then the connection ends: it can never become a socket.
+  app.addHook("onResponse", async (req, reply) => {
+    if (req.headers.upgrade && reply.statusCode >= 400) req.raw.socket?.destroy();
+  });
+
   app.setErrorHandler((err, req, reply) => {
     const { status, body } = toEnvelope(err, req.id);
     if (status >= 500) req.log.error({ err }, "request failed");
