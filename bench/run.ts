@@ -17,7 +17,7 @@ const only = process.argv.slice(2);
 const here = import.meta.dirname;
 const files = (await readdir(here)).filter((f) => f.endsWith(".bench.ts") && (only.length === 0 || only.some((o) => f.startsWith(o)))).sort();
 
-const kiln = await startTestKiln({ env: { KILN_LOG_LEVEL: "warn" } });
+const kiln = await startTestKiln({ env: { KILN_LOG_LEVEL: "info" }, captureLogs: false });
 const results: BenchResult[] = [];
 try {
   for (const file of files) {

@@ -15,6 +15,7 @@ import { createOciDriver } from "./runtime/oci/driver.ts";
 import { prepareGuestRuntime } from "./runtime/guest-runtime.ts";
 import { bundleAgent, AGENT_SOURCES } from "./agent/bundle.ts";
 import { ensureBaseTemplate } from "./builder/base-template.ts";
+import { MACHINE_DEFAULTS } from "./services/machines.ts";
 
 export interface Kiln {
   app: App;
@@ -35,7 +36,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
   const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
-  const services = createServices({ store, driver, log });
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool });
   await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });
 
   const adoption = await services.machines.adopt();
@@ -44,8 +45,9 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
 
   const baseReady = ensureBaseTemplate({ cacheDir: config.cacheDir, mirror: config.debianMirror, log, onProgress: (line) => log.info({ phase: "base-template" }, line) })
     .then(async ({ layerDir, digest }) => {
-      await services.templates.registerBase(layerDir, digest);
+      const base = await services.templates.registerBase(layerDir, digest);
       services.templates.setPending(null);
+      services.pool.configure({ artifactId: base.artifact.id, layers: base.layers, vcpus: MACHINE_DEFAULTS.vcpus, memoryMb: MACHINE_DEFAULTS.memoryMb });
     })
     .catch((err: unknown) => {
       services.templates.setPending(`the base template could not be made: ${(err as Error).message}`);
@@ -61,6 +63,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   async function close() {
     closing ??= (async () => {
       await app.close();
+      await services.pool.close();
       await services.machines.close();
       await driver.close();
       await store.close();

@@ -19,6 +19,8 @@ export interface Config {
   logLevel: string;
   bodyLimitBytes: number;
   debianMirror: string | undefined;
+  /** Machines of the base template kept booted ahead of time (0 turns the pool off). */
+  warmPool: number;
 }
 
 export class ConfigError extends Error {}
@@ -40,6 +42,7 @@ export const CONFIG_VARS = [
   ["KILN_LOG_LEVEL", "info", "pino level: trace, debug, info, warn, error"],
   ["KILN_BODY_LIMIT_BYTES", "104857600", "largest request body accepted (file uploads included)"],
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
+  ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -75,6 +78,7 @@ export function loadConfig(env: Env = process.env): Config {
     logLevel: oneOf(env, "KILN_LOG_LEVEL", ["trace", "debug", "info", "warn", "error", "fatal", "silent"] as const, "info"),
     bodyLimitBytes: intVar(env, "KILN_BODY_LIMIT_BYTES", 100 * 1024 * 1024, 1024, 16 * 1024 * 1024 * 1024),
     debianMirror: env.KILN_DEBIAN_MIRROR || undefined,
+    warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
   };
 }
 

@@ -5,7 +5,7 @@
 import { spawn } from "node:child_process";
 import { createHash } from "node:crypto";
 import { existsSync, readFileSync, readdirSync } from "node:fs";
-import { appendFile, lstat, lchown, chmod, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
+import { lstat, lchown, chmod, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { Logger } from "../log.ts";
 import { HOST_ID_BASE } from "../runtime/oci/idmap.ts";
@@ -105,15 +105,23 @@ export async function ensureBaseTemplate(opts: { cacheDir: string; mirror?: stri
     } finally {
       await run("umount", ["-l", join(rootfs, "proc")], () => undefined).catch(() => undefined);
     }
-    // Files the driver mounts over must exist as mount points.
-    for (const f of ["etc/hosts", "etc/hostname", "etc/resolv.conf"]) await appendFile(join(rootfs, f), "");
+    // Files the driver mounts over must exist as mount points; the build host's own resolver and names stay out.
+    await writeFile(join(rootfs, "etc/resolv.conf"), "");
+    await writeFile(join(rootfs, "etc/hostname"), "localhost\n");
+    await writeFile(join(rootfs, "etc/hosts"), "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n");
     await mkdir(join(rootfs, "opt/kiln"), { recursive: true });
     await mkdir(join(rootfs, "run/kiln"), { recursive: true });
     progress("shifting ownership into the machines' uid range");
     await shiftOwnership(rootfs);
     const digest = "sha256:" + createHash("sha256").update(`${BASE_TEMPLATE_VERSION}\n${mirror}\n${BASE_PACKAGES.join(",")}\n${Date.now()}`).digest("hex");
     await writeFile(join(work, "complete.json"), JSON.stringify({ digest, mirror, version: BASE_TEMPLATE_VERSION, created_at: new Date().toISOString() }));
-    await mkdir(join(opts.cacheDir, "base"), { recursive: true });
+    // Another process sharing this cache may have finished first, and machines may already run on its layer:
+    // never replace a complete template, only a leftover without its marker.
+    if (existsSync(marker)) {
+      await rm(work, { recursive: true, force: true });
+      const { digest: theirs } = JSON.parse(await readFile(marker, "utf8")) as { digest: string };
+      return { layerDir, digest: theirs, created: false };
+    }
     await rm(home, { recursive: true, force: true });
     await rename(work, home);
     progress(`base template ready at ${layerDir}`);

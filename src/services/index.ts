@@ -8,17 +8,20 @@ import { createTemplateService, BASE_TEMPLATE_REF } from "./templates.ts";
 import { createMachineService } from "./machines.ts";
 import { createExecService } from "./exec.ts";
 import { createFileService } from "./files.ts";
+import { createWarmPool } from "./warm-pool.ts";
 
-export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger }) {
+export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number }) {
   const { store, driver, log } = deps;
+  const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
-  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF });
+  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool });
   return {
     store,
     driver,
     keys,
     templates,
+    pool,
     machines,
     exec: createExecService(machines),
     files: createFileService(machines),

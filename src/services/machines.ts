@@ -9,6 +9,7 @@ import type { LiveMachine, MachineDriver } from "../runtime/driver.ts";
 import { createAgentClient, AgentError } from "../runtime/agent-client.ts";
 import type { AgentClient } from "../runtime/agent-client.ts";
 import type { TemplateService } from "./templates.ts";
+import type { WarmPool } from "./warm-pool.ts";
 import type { Logger } from "../log.ts";
 
 export const MACHINE_STATUSES = ["creating", "running", "hibernated", "destroyed", "failed"] as const;
@@ -62,7 +63,7 @@ export function machineView(row: MachineRow) {
 }
 export type MachineView = ReturnType<typeof machineView>;
 
-export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string }) {
+export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool }) {
   const { db, driver, templates, log } = deps;
   const agents = new Map<string, AgentClient>();
   const locks = new Map<string, Promise<unknown>>();
@@ -129,8 +130,12 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     const resolved = await templates.resolve(input.template ?? deps.baseTemplateRef);
     const now = new Date();
     const timeoutS = input.timeout_s ?? MACHINE_DEFAULTS.timeoutS;
+    const vcpus = input.vcpus ?? MACHINE_DEFAULTS.vcpus;
+    const memoryMb = input.memory_mb ?? MACHINE_DEFAULTS.memoryMb;
+    // A machine already booted with exactly this shape answers at once; its id is the one it was booted with.
+    const warm = deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, internet: input.internet !== false });
     const row = {
-      id: newId("mch"),
+      id: warm?.id ?? newId("mch"),
       template_id: resolved.template.id,
       artifact_id: resolved.artifact.id,
       name: input.name ?? null,
@@ -138,8 +143,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       cwd: input.cwd ?? null,
       user: input.user ?? MACHINE_DEFAULTS.user,
       metadata_json: JSON.stringify(input.metadata ?? {}),
-      vcpus: input.vcpus ?? MACHINE_DEFAULTS.vcpus,
-      memory_mb: input.memory_mb ?? MACHINE_DEFAULTS.memoryMb,
+      vcpus,
+      memory_mb: memoryMb,
       internet: input.internet === false ? 0 : 1,
       timeout_s: timeoutS,
       expires_at: new Date(now.getTime() + timeoutS * 1000).toISOString(),
@@ -151,7 +156,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     await db.insertInto("machines").values(row).execute();
     return withLock(row.id, async () => {
       try {
-        const live = await driver.create({
+        const live =
+          warm ??
+          (await driver.create({
           id: row.id,
           layers: resolved.layers,
           hostname: row.id.replaceAll("_", "-"),
@@ -159,7 +166,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
           memoryMb: row.memory_mb,
           internet: row.internet === 1,
           mounts: [],
-        });
+        }));
         const agent = attach(live);
         // The user must exist in the machine's own /etc/passwd; envs live in the agent, never in a record.
         await agent.user(row.user).catch((err: unknown) => {
@@ -185,14 +192,17 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     return machineView(await load(id));
   }
 
-  async function list(opts: { limit: number; after?: string; status?: MachineStatus }): Promise<{ machines: MachineView[]; last?: string; more: boolean }> {
-    let q = db.selectFrom("machines").selectAll().orderBy("id", "desc").limit(opts.limit + 1);
-    if (opts.after) q = q.where("id", "<", opts.after);
+  /** Newest first by (created_at, id); `after` is the key of the last row of the previous page. */
+  async function list(opts: { limit: number; after?: [string, string]; status?: MachineStatus }): Promise<{ machines: MachineView[]; last?: [string, string]; more: boolean }> {
+    let q = db.selectFrom("machines").selectAll().orderBy("created_at", "desc").orderBy("id", "desc").limit(opts.limit + 1);
+    const after = opts.after;
+    if (after) q = q.where((eb) => eb.or([eb("created_at", "<", after[0]), eb.and([eb("created_at", "=", after[0]), eb("id", "<", after[1])])]));
     q = opts.status ? q.where("status", "=", opts.status) : q.where("status", "not in", ["destroyed", "failed"]);
     const rows = await q.execute();
     const more = rows.length > opts.limit;
     const page = rows.slice(0, opts.limit);
-    return { machines: page.map(machineView), last: page.at(-1)?.id, more };
+    const lastRow = page.at(-1);
+    return { machines: page.map(machineView), last: lastRow ? [lastRow.created_at, lastRow.id] : undefined, more };
   }
 
   async function update(id: string, input: UpdateMachineInput): Promise<MachineView> {

@@ -1,16 +1,18 @@
-// Opaque pagination cursors: the id of the last row a page returned, wrapped so clients treat it as opaque.
-// Pages are `id < after ORDER BY id DESC`, which stays stable while rows are inserted between requests.
+// Opaque pagination cursors: the sort key of the last row a page returned (for machines: created_at and id),
+// wrapped so clients treat it as opaque. Keyset pages stay stable while rows are inserted between requests.
 
 export class InvalidCursorError extends Error {}
 
-export function encodeCursor(lastId: string): string {
-  return Buffer.from(JSON.stringify({ v: 1, after: lastId })).toString("base64url");
+export function encodeCursor(key: string[]): string {
+  return Buffer.from(JSON.stringify({ v: 2, after: key })).toString("base64url");
 }
 
-export function decodeCursor(cursor: string): string {
+export function decodeCursor(cursor: string, parts: number): string[] {
   try {
     const parsed = JSON.parse(Buffer.from(cursor, "base64url").toString("utf8")) as { v?: unknown; after?: unknown };
-    if (parsed.v === 1 && typeof parsed.after === "string" && /^[a-z]{3}_[0-9a-z]{26}$/.test(parsed.after)) return parsed.after;
+    if (parsed.v === 2 && Array.isArray(parsed.after) && parsed.after.length === parts && parsed.after.every((p) => typeof p === "string" && p.length > 0 && p.length < 200)) {
+      return parsed.after as string[];
+    }
   } catch {
     // fall through
   }

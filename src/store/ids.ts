@@ -1,31 +1,52 @@
-// Kiln's identifiers: "<prefix>_" + 26 Crockford base32 characters, ULID-like (48-bit ms time + 80 random bits),
-// monotonic within a millisecond in one process, so ordering by id is creation order (cursor pagination relies on it).
+// Kiln's identifiers: "<prefix>_" + 26 Crockford base32 characters, ULID-like (10 characters of millisecond time,
+// 16 of randomness), monotonic within a millisecond in one process, so sorting ids sorts by creation.
 
-import { randomBytes } from "node:crypto";
+import { randomFillSync } from "node:crypto";
 
 export const ID_PREFIXES = ["mch", "tpl", "art", "bld", "key", "evt", "req", "vol", "dep", "ver", "svc", "whk", "dlv", "ctx"] as const;
 export type IdPrefix = (typeof ID_PREFIXES)[number];
 
 const ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz";
+const pool = Buffer.alloc(16 * 256);
+let poolAt = pool.length;
 let lastTime = -1;
-let lastRandom: bigint = 0n;
+const lastRandom = new Uint8Array(16);
+
+function freshRandom(into: Uint8Array) {
+  if (poolAt + 16 > pool.length) {
+    randomFillSync(pool);
+    poolAt = 0;
+  }
+  for (let i = 0; i < 16; i++) into[i] = pool[poolAt + i] & 31;
+  poolAt += 16;
+}
+
+/** Adds one to the 80-bit random part (base 32 digits), so ids made in the same millisecond still increase. */
+function increment(digits: Uint8Array) {
+  for (let i = digits.length - 1; i >= 0; i--) {
+    if (digits[i] < 31) {
+      digits[i]++;
+      return;
+    }
+    digits[i] = 0;
+  }
+}
 
 export function newId(prefix: IdPrefix): string {
-  const now = Date.now();
-  let rand: bigint;
+  let now = Date.now();
   if (now <= lastTime) {
-    // Same (or earlier, if the clock stepped back) millisecond: bump the random part so ids stay increasing.
-    rand = (lastRandom + 1n) & ((1n << 80n) - 1n);
+    now = lastTime; // same millisecond, or the clock stepped back
+    increment(lastRandom);
   } else {
-    rand = BigInt("0x" + randomBytes(10).toString("hex"));
     lastTime = now;
+    freshRandom(lastRandom);
   }
-  lastRandom = rand;
-  let value = (BigInt(Math.max(now, lastTime)) << 80n) | rand;
-  let out = "";
-  for (let i = 0; i < 26; i++) {
-    out = ALPHABET[Number(value & 31n)] + out;
-    value >>= 5n;
+  let time = "";
+  for (let i = 0; i < 10; i++) {
+    time = ALPHABET[now % 32] + time;
+    now = Math.floor(now / 32);
   }
-  return `${prefix}_${out}`;
+  let rand = "";
+  for (let i = 0; i < 16; i++) rand += ALPHABET[lastRandom[i]];
+  return `${prefix}_${time}${rand}`;
 }

@@ -73,6 +73,7 @@ function migrations(dialect: Dialect): Record<string, Migration> {
           .addColumn("failure_reason", "text")
           .execute();
         await db.schema.createIndex("machines_status_expires").on("machines").columns(["status", "expires_at"]).execute();
+        await db.schema.createIndex("machines_created").on("machines").columns(["created_at", "id"]).execute();
         await db.schema
           .createTable("events")
           .addColumn("seq", dialect === "postgres" ? "bigserial" : "integer", (c) => (dialect === "postgres" ? c.primaryKey() : c.primaryKey().autoIncrement()))

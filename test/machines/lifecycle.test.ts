@@ -44,6 +44,21 @@ test("create answers a running machine from local/base, and exec runs in it", as
   assert.deepEqual(await events(m.id), ["create"]);
 });
 
+test("the warm pool hands out booted machines that still honour envs, cwd and user, and refills", async () => {
+  const pool = k.kiln.services.pool;
+  for (let i = 0; i < 200 && pool.stats().ready === 0; i++) await new Promise((r) => setTimeout(r, 50));
+  const pooled = pool.stats().ids;
+  assert.ok(pooled.length > 0, "the pool filled");
+  const m = await create({ envs: { FROM_POOL: "yes" }, cwd: "/srv/pooled", user: "root" });
+  assert.ok(pooled.includes(m.id), "the machine came from the pool");
+  const r = await sh(m.id, "echo $FROM_POOL; pwd; id -un");
+  assert.equal(r.stdout, "yes\n/srv/pooled\nroot\n");
+  const odd = await create({ vcpus: 2 });
+  assert.ok(!pooled.includes(odd.id), "a machine of another shape is booted for the request");
+  for (let i = 0; i < 200 && pool.stats().ready < pool.stats().size; i++) await new Promise((r) => setTimeout(r, 50));
+  assert.equal(pool.stats().ready, pool.stats().size, "the pool refills");
+});
+
 test("exec: argv form, exit codes, stdin, envs, user root, cwd", async () => {
   const m = await create({ envs: { GREETING: "hi" } });
   assert.equal((await sh(m.id, "exit 7")).exit_code, 7);

@@ -3,7 +3,7 @@
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { execFile, execFileSync } from "node:child_process";
+import { execFile, execFileSync, spawn } from "node:child_process";
 import { existsSync, readFileSync } from "node:fs";
 import { mkdtemp, mkdir, rm, writeFile } from "node:fs/promises";
 import { createServer } from "node:net";
@@ -73,8 +73,20 @@ async function sh(id: string, line: string): Promise<string> {
 }
 
 const opt = { skip };
+// runsc 20221219 answers bookworm coreutils' statx with EINVAL (ls, stat fail) and cannot network with a userns.
+const runcOnly = { skip: skip ?? (runtime === "runsc" ? "runsc here: coreutils statx fails (EINVAL) and internet is unsupported" : undefined) };
 
-test("a machine has its own pid 1 (tini), hostname and process table", opt, async () => {
+/** A killed machine's first process is reaped by the host's init, not by us: allow it a moment. */
+async function gone(pid: number): Promise<boolean> {
+  for (let i = 0; i < 100; i++) {
+    const stat = existsSync(`/proc/${pid}/stat`) ? readFileSync(`/proc/${pid}/stat`, "utf8").replace(/^.*\) /, "") : "";
+    if (!stat || stat.startsWith("Z")) return true;
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  return false;
+}
+
+test("a machine has its own pid 1 (tini), hostname and process table", runcOnly, async () => {
   const m = await machine();
   const pid1 = (await sh(m.id, "tr '\\0' ' ' < /proc/1/cmdline")).trim();
   assert.match(pid1, /^\/opt\/kiln\/bin\/tini -s -- \/opt\/kiln\/lib\/ld-linux[^ ]* --library-path \/opt\/kiln\/lib \/opt\/kiln\/bin\/node \/opt\/kiln\/agent\/agent\.mjs --socket \/run\/kiln\/agent\.sock/);
@@ -86,7 +98,7 @@ test("a machine has its own pid 1 (tini), hostname and process table", opt, asyn
   assert.ok(existsSync(m.agentSocket), "the agent socket is on the host at agentSocket");
 });
 
-test("machine root is an unprivileged host uid, with reduced capabilities, no_new_privs and seccomp", opt, async () => {
+test("machine root is an unprivileged host uid, with reduced capabilities, no_new_privs and seccomp", runcOnly, async () => {
   const m = await machine();
   const status = readFileSync(`/proc/${m.pid}/status`, "utf8");
   const [, real, effective] = /^Uid:\s+(\d+)\s+(\d+)/m.exec(status)!;
@@ -105,7 +117,7 @@ test("machine root is an unprivileged host uid, with reduced capabilities, no_ne
   }
 });
 
-test("writes land in the machine's upper dir, never in the template layer, and /opt/kiln is read-only", opt, async () => {
+test("writes land in the machine's upper dir, never in the template layer, and /opt/kiln is read-only", runcOnly, async () => {
   const a = await machine();
   const b = await machine();
   await sh(a.id, "echo from-a > /etc/kiln-marker && rm /etc/debian_version");
@@ -140,7 +152,7 @@ test("cgroup limits for cpu, memory and pids are what the spec asked, and readin
   }
 });
 
-test("internet: false leaves loopback only, and it is up", opt, async () => {
+test("internet: false leaves loopback only, and it is up", runcOnly, async () => {
   const m = await machine({ internet: false });
   const ifaces = (await sh(m.id, "ls /sys/class/net")).trim().split(/\s+/);
   assert.deepEqual(ifaces, ["lo"]);
@@ -148,7 +160,7 @@ test("internet: false leaves loopback only, and it is up", opt, async () => {
   assert.equal((await sh(m.id, "cat /etc/resolv.conf")).trim(), "");
 });
 
-test("internet: true attaches slirp4netns (killed on destroy); host loopback only with host access", opt, async (t) => {
+test("internet: true attaches slirp4netns (killed on destroy); host loopback only with host access", runcOnly, async (t) => {
   if (!existsSync("/usr/bin/slirp4netns")) return t.skip("slirp4netns is not installed");
   const server: Server = createServer((s) => s.end("hello from the host\n"));
   await new Promise<void>((r) => server.listen(0, "127.0.0.1", r));
@@ -173,9 +185,11 @@ test("internet: true attaches slirp4netns (killed on destroy); host loopback onl
   }
 });
 
-test("hibernate freezes every process in place and resume thaws them", opt, async () => {
+test("hibernate freezes every process in place and resume thaws them", runcOnly, async () => {
   const m = await machine();
-  await exec(runtime, ["--root", join(dataDir, "oci-state", runtime), "exec", "--detach", CONTAINER_PREFIX + m.id, "/bin/sh", "-c", "while :; do date +%s%N > /tmp/tick; sleep 0.02; done"]);
+  // The detached loop inherits runc's stdio: give it none, or this test would wait on its output forever.
+  const loop = spawn(runtime, ["--root", join(dataDir, "oci-state", runtime), "exec", "--detach", CONTAINER_PREFIX + m.id, "/bin/sh", "-c", "while :; do date +%s%N > /tmp/tick; sleep 0.02; done"], { stdio: "ignore" });
+  assert.equal(await new Promise((r) => loop.once("exit", r)), 0);
   const tick = join(dataDir, "machines", m.id, "upper/tmp/tick");
   const read = () => (existsSync(tick) ? readFileSync(tick, "utf8") : "");
   await new Promise((r) => setTimeout(r, 200));
@@ -212,7 +226,7 @@ test("destroy leaves no process, mount, cgroup or directory behind, and is idemp
     const dir = join(dataDir, "machines", m.id);
     assert.ok(!existsSync(dir), "machine dir removed");
     assert.ok(!readFileSync("/proc/self/mountinfo", "utf8").includes(dir), "no mount left");
-    assert.ok(!existsSync(`/proc/${m.pid}`), "first process gone");
+    assert.ok(await gone(m.pid), "first process gone");
     assert.ok(!existsSync(`/sys/fs/cgroup/memory/kiln/${m.id}`) && !existsSync(`/sys/fs/cgroup/kiln/${m.id}`), "cgroup removed");
     assert.equal((await driver.listLive()).some((l) => l.id === m.id), false);
   }

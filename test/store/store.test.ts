@@ -137,7 +137,7 @@ for (const dialect of ["sqlite", "postgres"] as const) {
       const p1 = await page();
       assert.deepEqual(p1, [ids[4], ids[3], ids[2]]);
       await store.db.insertInto("machines").values(machineRow()).execute();
-      const p2 = await page(decodeCursor(encodeCursor(p1[2])));
+      const p2 = await page(decodeCursor(encodeCursor([p1[2]]), 1)[0]);
       assert.deepEqual(p2, [ids[1], ids[0]]);
     });
 
@@ -162,7 +162,8 @@ test("ids are unique, prefixed and sortable by creation", () => {
 });
 
 test("garbage cursors are refused", () => {
-  for (const bad of ["garbage", "", encodeCursor("x"), Buffer.from('{"v":2,"after":"mch_00000000000000000000000000"}').toString("base64url")]) {
-    assert.throws(() => decodeCursor(bad), InvalidCursorError);
+  for (const bad of ["garbage", "", encodeCursor(["x"]), encodeCursor([""]), Buffer.from('{"v":1,"after":"mch_00000000000000000000000000"}').toString("base64url")]) {
+    assert.throws(() => decodeCursor(bad, 2), InvalidCursorError);
   }
+  assert.deepEqual(decodeCursor(encodeCursor(["2026-01-01T00:00:00.000Z", "mch_x"]), 2), ["2026-01-01T00:00:00.000Z", "mch_x"]);
 });

@@ -10,6 +10,7 @@ import { loadConfig } from "../../src/config.ts";
 import { startKiln } from "../../src/app.ts";
 import type { Kiln } from "../../src/app.ts";
 import { createLogger } from "../../src/log.ts";
+import pino from "pino";
 import { TEST_CACHE_DIR } from "./paths.ts";
 
 export const TEST_KEY = "kiln_test_0123456789abcdefghijklmnopqrstuv";
@@ -27,7 +28,7 @@ export interface TestKiln {
   close(): Promise<void>;
 }
 
-export async function startTestKiln(opts: { dataDir?: string; env?: Record<string, string>; waitForBase?: boolean } = {}): Promise<TestKiln> {
+export async function startTestKiln(opts: { dataDir?: string; env?: Record<string, string>; waitForBase?: boolean; captureLogs?: boolean } = {}): Promise<TestKiln> {
   const dataDir = opts.dataDir ?? (await mkdtemp(join(tmpdir(), "kiln-test-")));
   const config = loadConfig({ KILN_DATA_DIR: dataDir, KILN_CACHE_DIR: TEST_CACHE_DIR, KILN_PORT: "0", KILN_API_KEY: TEST_KEY, KILN_LOG_LEVEL: "debug", ...opts.env });
   const logs: string[] = [];
@@ -37,7 +38,8 @@ export async function startTestKiln(opts: { dataDir?: string; env?: Record<strin
       cb();
     },
   });
-  const log = createLogger({ level: "debug", destination });
+  // Benchmarks log as a real server does (info, to a file descriptor), not into an array at debug level.
+  const log = opts.captureLogs === false ? createLogger({ level: config.logLevel, destination: pino.destination({ dest: "/dev/null", sync: false }) }) : createLogger({ level: "debug", destination });
   const kiln = await startKiln(config, { log });
   if (opts.waitForBase !== false) await kiln.baseReady;
   const url = kiln.url;

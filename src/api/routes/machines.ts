@@ -77,10 +77,10 @@ export async function machineRoutes(app: App, opts: { services: Services }) {
       },
     },
     async (req) => {
-      let after: string | undefined;
+      let after: [string, string] | undefined;
       if (req.query.cursor) {
         try {
-          after = decodeCursor(req.query.cursor);
+          after = decodeCursor(req.query.cursor, 2) as [string, string];
         } catch {
           throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
         }
