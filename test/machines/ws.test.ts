@@ -106,6 +106,21 @@ test("exec stream: all 256 byte values round trip through stdin and stdout", asy
   c.ws.close();
 });
 
+test("exec stream: runs as the machine's user in /workspace unless the frame says otherwise", async () => {
+  const c = connect();
+  await c.opened;
+  c.send({ type: "exec.start", request_id: "who", cmd: "id -un; pwd" });
+  const s = await c.next((f) => f.type === "exec.started" && f.request_id === "who");
+  let out = "";
+  for (;;) {
+    const f = await c.next((x) => (x.type === "exec.stdout" || x.type === "exec.exit") && x.pid === s.pid);
+    if (f.type === "exec.exit") break;
+    out += Buffer.from(f.data_base64, "base64").toString();
+  }
+  assert.equal(out, "user\n/workspace\n");
+  c.ws.close();
+});
+
 test("exec stream: stderr apart from stdout, exit code, signals, two processes on one socket", async () => {
   const c = connect();
   await c.opened;

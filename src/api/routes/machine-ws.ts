@@ -8,6 +8,7 @@ import type { App } from "../server.ts";
 import type { Services } from "../../services/index.ts";
 import { errors, Id } from "../schemas.ts";
 import { checkClientFrame } from "../ws-frames.ts";
+import { DEFAULT_WORKDIR, resolveMachinePath } from "../../services/paths.ts";
 
 /** Stop reading the machine's output while the client has this much unsent; read again below the low mark. */
 const HIGH_WATER = 4 * 1024 * 1024;
@@ -36,9 +37,12 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
       const id = (req.params as { id: string }).id;
       const log = req.log.child({ machine_id: id });
       let agentWs: WebSocket;
+      let defaults: { user: string; cwd: string; machineCwd: string | null };
       try {
-        agentWs = (await machines.agentOf(id)).agent.openStream();
-      } catch (err) {
+        const { row, agent } = await machines.agentOf(id);
+        defaults = { user: row.user, cwd: row.cwd ?? DEFAULT_WORKDIR, machineCwd: row.cwd };
+        agentWs = agent.openStream();
+      } catch {
         client.close(1011, "machine not running");
         return;
       }
@@ -63,7 +67,13 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
         if (isBinary) return sendError("Frames are JSON text");
         const check = checkClientFrame(data.toString());
         if (!check.ok) return sendError(check.error, check.request_id);
-        const text = JSON.stringify(check.frame);
+        const f = check.frame;
+        // Processes start as the machine's user in its cwd unless the frame says otherwise (as REST exec does).
+        if (f.type === "exec.start" || f.type === "pty.start") {
+          f.user ??= defaults.user;
+          f.cwd = typeof f.cwd === "string" ? resolveMachinePath(f.cwd, { machineCwd: defaults.machineCwd }) : defaults.cwd;
+        }
+        const text = JSON.stringify(f);
         if (agentWs.readyState === agentWs.OPEN) agentWs.send(text);
         else pending.push(text);
       });
