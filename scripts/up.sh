@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(runc runsc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql npm)
+PACKAGES=(runc runsc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql)
+# Any Node with npm will do to bootstrap: npm ci then brings Node 24 itself.
+command -v npm >/dev/null 2>&1 || PACKAGES+=(nodejs npm)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
