@@ -161,9 +161,15 @@ server.on("upgrade", (req, socket, head) => {
   );
 });
 
-const path = socketPath();
-if (existsSync(path)) unlinkSync(path);
-server.listen(path, () => chmodSync(path, 0o600));
+// Under runc the host hands over an already-listening socket (--listen-fd); otherwise the agent binds a path.
+const fdArg = process.argv.indexOf("--listen-fd");
+if (fdArg > 0) {
+  server.listen({ fd: Number(process.argv[fdArg + 1]) });
+} else {
+  const path = socketPath();
+  if (existsSync(path)) unlinkSync(path);
+  server.listen(path, () => chmodSync(path, 0o600));
+}
 
 const stop = () => {
   void streams?.then((s) => s.resetSessions());

@@ -89,7 +89,9 @@ async function gone(pid: number): Promise<boolean> {
 test("a machine has its own pid 1 (tini), hostname and process table", runcOnly, async () => {
   const m = await machine();
   const pid1 = (await sh(m.id, "tr '\\0' ' ' < /proc/1/cmdline")).trim();
-  assert.match(pid1, /^\/opt\/kiln\/bin\/tini -s -- \/opt\/kiln\/lib\/ld-linux[^ ]* --library-path \/opt\/kiln\/lib \/opt\/kiln\/bin\/node \/opt\/kiln\/agent\/agent\.mjs --socket \/run\/kiln\/agent\.sock/);
+  assert.match(pid1, /^\/opt\/kiln\/bin\/tini -s -- \/opt\/kiln\/lib\/ld-linux[^ ]* --library-path \/opt\/kiln\/lib \/opt\/kiln\/bin\/node \/opt\/kiln\/agent\/agent\.mjs --listen-fd 3/);
+  // The agent's socket is handed in as a file descriptor: no path inside the machine could be swapped for a symlink.
+  assert.equal((await sh(m.id, "test -e /run/kiln/agent.sock && echo visible || echo absent")).trim(), "absent");
   assert.equal((await sh(m.id, "hostname")).trim(), m.id.replaceAll("_", "-"));
   assert.equal((await sh(m.id, "cat /etc/hostname")).trim(), m.id.replaceAll("_", "-"));
   const pids = (await sh(m.id, "ls /proc | grep -c '^[0-9]'")).trim();

@@ -2,9 +2,10 @@
 // run by runc — or gVisor's runsc — under a Kiln-owned state root, so `list` sees only Kiln's machines.
 
 import { execFile, spawn } from "node:child_process";
-import { connect } from "node:net";
+import { connect, createServer } from "node:net";
+import { get as httpGet } from "node:http";
 import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync } from "node:fs";
-import { chown, mkdir, readFile, rm, writeFile } from "node:fs/promises";
+import { chown, link, mkdir, readFile, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import type { DriverReadiness, LiveMachine, MachineDriver, MachineSpec } from "../driver.ts";
@@ -34,7 +35,7 @@ export interface OciDriverOptions {
 
 type Paths = ReturnType<typeof machinePaths>;
 
-function machinePaths(machinesDir: string, id: string) {
+function machinePaths(machinesDir: string, id: string, runtime: "runc" | "runsc") {
   if (!SAFE_ID.test(id)) throw new Error(`invalid machine id ${JSON.stringify(id)}`);
   const dir = join(machinesDir, id);
   return {
@@ -44,7 +45,8 @@ function machinePaths(machinesDir: string, id: string) {
     work: join(dir, "work"),
     run: join(dir, "run"),
     etc: join(dir, "etc"),
-    socket: join(dir, "run", AGENT_SOCKET_NAME),
+    // runc: a host-only path (the listening socket is handed to the agent); runsc: inside the bound run dir.
+    socket: runtime === "runc" ? join(dir, AGENT_SOCKET_NAME) : join(dir, "run", AGENT_SOCKET_NAME),
     spec: join(dir, "machine.json"),
     log: join(dir, "runtime.log"),
     pidFile: join(dir, "runtime.pid"),
@@ -68,6 +70,36 @@ function isMounted(path: string): boolean {
 async function tail(file: string, chars = 800): Promise<string> {
   const text = await readFile(file, "utf8").catch(() => "");
   return text.trim().slice(-chars);
+}
+
+/**
+ * A listening unix socket made on the host for the agent to inherit. The path the control plane connects to is a
+ * hard link made before the host closes its copy (closing unlinks the name it was bound to, not the link).
+ */
+async function hostListener(path: string): Promise<{ fd: number; close(): Promise<void> }> {
+  const bound = `${path}.bind`;
+  await rm(bound, { force: true });
+  await rm(path, { force: true });
+  const server = createServer();
+  await new Promise<void>((resolve, reject) => {
+    server.once("error", reject);
+    server.listen({ path: bound, backlog: 511 }, () => resolve());
+  });
+  await link(bound, path);
+  const fd = (server as unknown as { _handle: { fd: number } })._handle.fd;
+  return { fd, close: () => new Promise<void>((resolve) => server.close(() => resolve())) };
+}
+
+/** True when an agent answers GET /health on the socket within `timeoutMs`. */
+function answersHealth(socketPath: string, timeoutMs: number): Promise<boolean> {
+  return new Promise((resolve) => {
+    const req = httpGet({ socketPath, path: "/health", timeout: timeoutMs, agent: false }, (res) => {
+      res.resume();
+      resolve(res.statusCode === 200);
+    });
+    req.on("timeout", () => req.destroy());
+    req.on("error", () => resolve(false));
+  });
 }
 
 function canConnect(socket: string): Promise<boolean> {
@@ -100,7 +132,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   const stateRoot = join(opts.dataDir, "oci-state", opts.runtime);
   const cgroups = detectCgroups();
   const nofile = hostNofile();
-  const paths = (id: string) => machinePaths(machinesDir, id);
+  const paths = (id: string) => machinePaths(machinesDir, id, opts.runtime);
+  const passFd = opts.runtime === "runc";
   let readinessCache: { at: number; value: DriverReadiness } | undefined;
 
   /**
@@ -179,7 +212,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const deadline = performance.now() + AGENT_WAIT_MS;
     let nextLivenessCheck = performance.now() + 50;
     for (;;) {
-      if (await canConnect(p.socket)) return;
+      // A passed-in socket accepts connections before the agent runs: only an answer to /health means ready.
+      if (passFd ? await answersHealth(p.socket, 50) : await canConnect(p.socket)) return;
       const now = performance.now();
       const first = pid();
       if (first && now > nextLivenessCheck) {
@@ -206,6 +240,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       rootfs: p.rootfs,
       guestRuntimeDir: opts.guestRuntimeDir,
       runDir: p.run,
+      listenFd: passFd,
       etc: { hosts: join(p.etc, "hosts"), hostname: join(p.etc, "hostname"), resolv: join(p.etc, "resolv.conf") },
       mounts: spec.mounts,
       vcpus: spec.vcpus,
@@ -218,14 +253,16 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     await Promise.all([writeFile(join(p.dir, "config.json"), JSON.stringify(config)), rm(p.socket, { force: true }), rm(p.pidFile, { force: true }), mountRoot(spec, p)]);
 
     let pid: number | undefined;
+    const listener = passFd ? await hostListener(p.socket) : undefined;
     // Poll for the agent from the moment the runtime starts: `run --detach` returns after the first process is exec'd.
-    const agentReady = waitForAgent(p, spec.id, () => pid);
-    agentReady.catch(() => undefined);
+    // With a passed-in socket, polling starts once the host has let go of it (else the host would accept).
+    let agentReady = passFd ? undefined : waitForAgent(p, spec.id, () => pid);
+    agentReady?.catch(() => undefined);
     const log = openSync(p.log, "a");
     try {
       await new Promise<void>((resolve, reject) => {
-        const args = [...runtimeArgs(), "run", "--detach", "--pid-file", p.pidFile, "--bundle", p.dir, CONTAINER_PREFIX + spec.id];
-        const child = spawn(opts.runtime, args, { stdio: ["ignore", log, log] });
+        const args = [...runtimeArgs(), "run", "--detach", "--pid-file", p.pidFile, ...(listener ? ["--preserve-fds", "1"] : []), "--bundle", p.dir, CONTAINER_PREFIX + spec.id];
+        const child = spawn(opts.runtime, args, { stdio: listener ? ["ignore", log, log, listener.fd] : ["ignore", log, log] });
         child.once("error", (err) => reject(new Error(`${opts.runtime} could not be started: ${err.message}`)));
         child.once("exit", (code, signal) => (code === 0 ? resolve() : reject(new Error(`${opts.runtime} run of ${spec.id} exited ${code ?? signal}`))));
       });
@@ -234,7 +271,9 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       throw new Error(`${(err as Error).message}: ${await tail(p.log)}`);
     } finally {
       closeSync(log);
+      await listener?.close();
     }
+    agentReady ??= waitForAgent(p, spec.id, () => pid);
     const tRun = performance.now();
     // The agent and the network come up in parallel; a machine is handed out only once both are there.
     await Promise.all([
@@ -254,9 +293,11 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     ensureTraversable(opts.dataDir);
     ensureTraversable(machinesDir);
     await mkdir(p.dir, { mode: 0o711 });
-    await mkdir(p.run);
-    // The agent (machine root) creates its socket here; host root can connect to it regardless.
-    await chown(p.run, HOST_ID_BASE, HOST_ID_BASE);
+    if (!passFd) {
+      await mkdir(p.run);
+      // runsc: the agent (machine root) creates its socket here; host root can connect to it regardless.
+      await chown(p.run, HOST_ID_BASE, HOST_ID_BASE);
+    }
     await Promise.all([writeEtc(spec, p), writeFile(p.spec, JSON.stringify(spec))]);
     opts.log.debug({ machine_id: spec.id, prepare_ms: Math.round((performance.now() - t0) * 10) / 10 }, "machine prepared");
     return boot(spec);

@@ -48,6 +48,11 @@ export interface SpecInput {
   rootfs: string;
   guestRuntimeDir: string;
   runDir: string;
+  /**
+   * runc: the agent listens on a socket the host created and passes in as fd 3, so its path lives only on the
+   * host and machine root cannot swap it for a symlink. runsc cannot take the fd and binds a socket dir instead.
+   */
+  listenFd: boolean;
   etc: { hosts: string; hostname: string; resolv: string };
   mounts: { hostPath: string; guestPath: string }[];
   vcpus: number;
@@ -80,8 +85,7 @@ export function machineSpec(input: SpecInput) {
         `${GUEST_RUNTIME_PATH}/lib`,
         `${GUEST_RUNTIME_PATH}/bin/node`,
         `${GUEST_RUNTIME_PATH}/agent/agent.mjs`,
-        "--socket",
-        `${GUEST_RUN_DIR}/${AGENT_SOCKET_NAME}`,
+        ...(input.listenFd ? ["--listen-fd", "3"] : ["--socket", `${GUEST_RUN_DIR}/${AGENT_SOCKET_NAME}`]),
       ],
       env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8"],
       cwd: "/",
@@ -103,7 +107,7 @@ export function machineSpec(input: SpecInput) {
       { destination: "/sys", type: "sysfs", source: "sysfs", options: ["nosuid", "noexec", "nodev", "ro"] },
       { destination: "/sys/fs/cgroup", type: "cgroup", source: "cgroup", options: ["nosuid", "noexec", "nodev", "relatime", "ro"] },
       bind(input.guestRuntimeDir, GUEST_RUNTIME_PATH, true),
-      bind(input.runDir, GUEST_RUN_DIR, false),
+      ...(input.listenFd ? [] : [bind(input.runDir, GUEST_RUN_DIR, false)]),
       bind(input.etc.hosts, "/etc/hosts", true),
       bind(input.etc.hostname, "/etc/hostname", true),
       bind(input.etc.resolv, "/etc/resolv.conf", true),
