@@ -52,26 +52,46 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
   const results: BenchResult[] = [];
   const base = await ctx.kiln.kiln.services.templates.resolve("local/base");
 
-  // create → first exec answered
-  const createTimes: number[] = [];
-  const ids: string[] = [];
-  for (let i = 0; i < CREATES; i++) {
+  // create → first exec answered: from the warm pool (the default shape, pool given time to refill between
+  // creates, as on a host that is not saturated) and cold (another shape, so a boot happens in the request).
+  const timeCreate = async (body: Record<string, unknown>) => {
     const t0 = performance.now();
-    const m = await json(ctx, "POST", "/v1/machines", { template: "local/base" });
+    const m = await json(ctx, "POST", "/v1/machines", body);
     await json(ctx, "POST", `/v1/machines/${m.id}/exec`, { cmd: "true", args: [] });
-    createTimes.push(performance.now() - t0);
+    const took = performance.now() - t0;
     ids.push(m.id);
     if (ids.length > 10) await json(ctx, "DELETE", `/v1/machines/${ids.shift()}`);
+    return took;
+  };
+  const ids: string[] = [];
+  const pool = ctx.kiln.kiln.services.pool;
+  const warmTimes: number[] = [];
+  for (let i = 0; i < CREATES; i++) {
+    for (let w = 0; w < 400 && pool.stats().ready < pool.stats().size; w++) await new Promise((r) => setTimeout(r, 10));
+    warmTimes.push(await timeCreate({ template: "local/base" }));
   }
+  const coldTimes: number[] = [];
+  for (let i = 0; i < Math.min(CREATES, 30); i++) coldTimes.push(await timeCreate({ template: "local/base", vcpus: 2 }));
   const runcTimes = await bareRunc(base.layers[base.layers.length - 1], Math.min(CREATES, 30));
+  const runcBaseline = { name: "bare `runc run /bin/true`, same rootfs", median: median(runcTimes), p99: percentile(runcTimes, 99) };
   results.push({
-    name: `machine create → first exec answered (${CREATES} machines)`,
+    name: `machine create → first exec answered, warm pool (${CREATES} machines)`,
     unit: "ms",
     better: "lower",
-    median: median(createTimes),
-    p99: percentile(createTimes, 99),
-    baseline: { name: "bare `runc run /bin/true`, same rootfs", median: median(runcTimes), p99: percentile(runcTimes, 99) },
+    median: median(warmTimes),
+    p99: percentile(warmTimes, 99),
+    baseline: runcBaseline,
     goal: "p50 ≤ 50 ms",
+    note: `pool of ${pool.stats().size}, refilled between creates`,
+  });
+  results.push({
+    name: `machine create → first exec answered, cold boot (${coldTimes.length} machines)`,
+    unit: "ms",
+    better: "lower",
+    median: median(coldTimes),
+    p99: percentile(coldTimes, 99),
+    baseline: runcBaseline,
+    note: "a shape the pool does not hold (vcpus: 2): runc + guest agent start in the request",
   });
 
   // exec round trip of `true`

@@ -75,8 +75,8 @@ export function createKeyService(db: Db) {
 
   /** Returns the key's id when the presented key is active; null otherwise. */
   async function verify(presented: string): Promise<string | null> {
-    const hash = hashKey(presented);
     const now = Date.now();
+    const hash = hashKey(presented);
     const hit = verified.get(hash);
     if (hit && hit.until > now) return hit.id;
     const row = await db.selectFrom("api_keys").select(["id", "hash"]).where("hash", "=", hash).where("revoked_at", "is", null).executeTakeFirst();

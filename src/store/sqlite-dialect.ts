@@ -9,11 +9,10 @@ import type { SqliteDatabase, SqliteStatement } from "kysely";
 type Params = readonly unknown[];
 
 function adaptStatement(stmt: StatementSync): SqliteStatement {
+  // Kysely asks whether a statement returns rows to choose between all() and run().
+  const reader = stmt.columns().length > 0;
   return {
-    // Kysely asks whether a statement returns rows to choose between all() and run().
-    get reader() {
-      return stmt.columns().length > 0;
-    },
+    reader,
     all: (params: Params) => stmt.all(...(params as never[])) as unknown[],
     run: (params: Params) => {
       const r = stmt.run(...(params as never[]));
@@ -26,9 +25,22 @@ function adaptStatement(stmt: StatementSync): SqliteStatement {
 export function openSqlite(file: string): { dialect: SqliteDialect; raw: DatabaseSync } {
   const raw = new DatabaseSync(file);
   raw.exec("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000;");
+  // Kysely prepares every query it runs; preparing is most of the cost of a small query, so keep them.
+  const statements = new Map<string, SqliteStatement>();
   const adapter: SqliteDatabase = {
-    prepare: (sql: string) => adaptStatement(raw.prepare(sql)),
-    close: () => raw.close(),
+    prepare(sql: string) {
+      let stmt = statements.get(sql);
+      if (!stmt) {
+        if (statements.size >= 500) statements.delete(statements.keys().next().value!);
+        stmt = adaptStatement(raw.prepare(sql));
+        statements.set(sql, stmt);
+      }
+      return stmt;
+    },
+    close: () => {
+      statements.clear();
+      raw.close();
+    },
   };
   return { dialect: new SqliteDialect({ database: adapter }), raw };
 }

@@ -82,7 +82,8 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
       let paused = false;
       agentWs.on("message", (data: RawData) => {
         if (client.readyState !== client.OPEN) return;
-        client.send(data.toString(), { binary: false }, () => {
+        // Relay the agent's text frame as the same bytes: no decode and re-encode on the hot path.
+        client.send(data as Buffer, { binary: false }, () => {
           if (paused && client.bufferedAmount < LOW_WATER) {
             paused = false;
             agentWs.resume();
