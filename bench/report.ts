@@ -40,7 +40,7 @@ export function ratio(r: BenchResult): number | undefined {
   return r.better === "higher" ? r.median / r.baseline.median : r.baseline.median / r.median;
 }
 
-export async function writeReport(path: string, results: BenchResult[]) {
+export async function writeReport(path: string, results: BenchResult[], notes = "") {
   const when = new Date().toISOString();
   const lines = [
     "# Benchmarks",
@@ -56,6 +56,7 @@ export async function writeReport(path: string, results: BenchResult[]) {
       return `| ${r.name} | ${fmt(r.median)} ${r.unit} | ${r.p99 === undefined ? "–" : fmt(r.p99) + " " + r.unit} | ${r.baseline?.name ?? "–"} | ${r.baseline ? fmt(r.baseline.median) + " " + r.unit : "–"} | ${q === undefined ? "–" : q.toFixed(2)} | ${r.goal ?? "–"} | ${r.note ?? ""} |`;
     }),
     "",
+    notes,
   ];
   await writeFile(path, lines.join("\n"));
 }

@@ -1,5 +1,5 @@
-// `npm test`: makes the base template once for the whole run (cached between runs), then runs every test file
-// with Node's test runner, on runc; the machine suites run a second time on gVisor (runsc) when it works here.
+// `npm test`: makes the base template once for the whole run (cached between runs), typechecks, runs every test
+// file with Node's test runner on runc, then the driver suite again on gVisor (runsc) when it is installed.
 
 import { spawnSync } from "node:child_process";
 import { ensureBaseTemplate } from "../src/builder/base-template.ts";
@@ -15,10 +15,27 @@ const base = await ensureBaseTemplate({
 });
 process.stderr.write(`base template ${base.created ? "made" : "cached"} at ${base.layerDir} (${((Date.now() - started) / 1000).toFixed(1)} s)\n`);
 
+// Types first: the code runs by type stripping, so nothing else would notice a type error.
+const tsc = spawnSync(process.execPath, ["node_modules/typescript/bin/tsc", "--noEmit", "-p", "."], { stdio: "inherit" });
+if (tsc.status !== 0) {
+  process.stderr.write("typecheck failed\n");
+  process.exit(tsc.status ?? 1);
+}
+
 const files = process.argv.slice(2);
 const run = spawnSync(
   process.execPath,
   ["--test", "--test-reporter=spec", "--test-concurrency=2", "--test-timeout=300000", ...(files.length ? files : ["test/**/*.test.ts"])],
   { stdio: "inherit", env: { ...process.env, KILN_TEST_CACHE_DIR: TEST_CACHE_DIR } },
 );
-process.exit(run.status ?? 1);
+if (run.status !== 0 || files.length > 0) process.exit(run.status ?? 1);
+
+if (spawnSync("runsc", ["--version"]).status === 0) {
+  process.stderr.write("\n== the oci driver suite on gVisor (KILN_OCI_RUNTIME=runsc) ==\n");
+  const gvisor = spawnSync(process.execPath, ["--test", "--test-reporter=spec", "--test-timeout=300000", "test/runtime/oci-driver.test.ts"], {
+    stdio: "inherit",
+    env: { ...process.env, KILN_TEST_CACHE_DIR: TEST_CACHE_DIR, KILN_OCI_RUNTIME: "runsc" },
+  });
+  process.exit(gvisor.status ?? 1);
+}
+process.exit(0);
