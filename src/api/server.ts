@@ -76,6 +76,17 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     req.apiKeyId = keyId;
   });
 
+  // While shutting down, answers to in-flight requests end their connections, so close() need not wait for
+  // keep-alive timeouts.
+  let closing = false;
+  app.addHook("preClose", async () => {
+    closing = true;
+  });
+  app.addHook("onSend", async (_req, reply, payload) => {
+    if (closing) reply.header("connection", "close");
+    return payload;
+  });
+
   // A refused WebSocket upgrade gets its envelope and then the connection ends: it can never become a socket.
   app.addHook("onResponse", async (req, reply) => {
     req.log.info({ method: req.method, url: scrubUrl(req.url), status: reply.statusCode, ms: Math.round(reply.elapsedTime * 100) / 100 }, "request");
