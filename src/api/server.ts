@@ -2,11 +2,12 @@
 // x-request-id on every response and the OpenAPI document built from the same schemas that validate requests.
 
 import Fastify, { LogController } from "fastify";
-import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
+import type { FastifyReply, FastifyRequest } from "fastify";
+import type { App } from "./app-type.ts";
 import swagger from "@fastify/swagger";
 import websocket from "@fastify/websocket";
 import type { TypeBoxTypeProvider } from "@fastify/type-provider-typebox";
-import { KilnError, toEnvelope } from "./errors.ts";
+import { KilnError, toEnvelope } from "../errors.ts";
 import { newId } from "../store/ids.ts";
 import { scrubUrl } from "../log.ts";
 import type { Logger } from "../log.ts";
@@ -17,17 +18,7 @@ import { machineRoutes } from "./routes/machines.ts";
 import { fileRoutes } from "./routes/files.ts";
 import { machineWsRoutes } from "./routes/machine-ws.ts";
 
-export type App = FastifyInstance<any, any, any, Logger, TypeBoxTypeProvider>;
-
-declare module "fastify" {
-  interface FastifyRequest {
-    apiKeyId?: string;
-  }
-  interface FastifyContextConfig {
-    /** Routes under /v1 that need no bearer key. */
-    public?: boolean;
-  }
-}
+export type { App } from "./app-type.ts";
 
 export interface ServerOptions {
   log: Logger;

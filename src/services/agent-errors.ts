@@ -1,7 +1,7 @@
 // Turns guest-agent failures into Kiln's error catalogue, so a route never sees an agent-specific error.
 
-import { KilnError } from "../api/errors.ts";
-import type { ErrorCode } from "../api/errors.ts";
+import { KilnError } from "../errors.ts";
+import type { ErrorCode } from "../errors.ts";
 import { AgentError } from "../runtime/agent-client.ts";
 
 const AGENT_TO_KILN: Record<string, ErrorCode> = {

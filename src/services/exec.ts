@@ -1,7 +1,7 @@
 // One-shot command execution in a running machine: resolves defaults (cwd, user) the same way files do
 // and returns the output as text, with base64 beside it when the bytes are not valid UTF-8.
 
-import { KilnError } from "../api/errors.ts";
+import { KilnError } from "../errors.ts";
 import type { MachineService } from "./machines.ts";
 import { viaAgent } from "./agent-errors.ts";
 import { resolveMachinePath, needsUserHome, DEFAULT_WORKDIR } from "./paths.ts";

@@ -2,7 +2,7 @@
 // machine's own /etc/passwd, then handed to the guest agent.
 
 import type { Readable } from "node:stream";
-import { KilnError } from "../api/errors.ts";
+import { KilnError } from "../errors.ts";
 import type { MachineService } from "./machines.ts";
 import { viaAgent } from "./agent-errors.ts";
 import { userOf } from "./exec.ts";

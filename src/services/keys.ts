@@ -6,7 +6,7 @@ import { chmod, mkdir, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { Db } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
-import { KilnError } from "../api/errors.ts";
+import { KilnError } from "../errors.ts";
 import type { Logger } from "../log.ts";
 
 const ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";

@@ -4,7 +4,7 @@
 import { EventEmitter } from "node:events";
 import type { Db, MachineRow, MachineUpdate } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
-import { KilnError } from "../api/errors.ts";
+import { KilnError } from "../errors.ts";
 import type { LiveMachine, MachineDriver } from "../runtime/driver.ts";
 import { createAgentClient, AgentError } from "../runtime/agent-client.ts";
 import type { AgentClient } from "../runtime/agent-client.ts";

@@ -3,7 +3,7 @@
 
 import type { Db, ArtifactRow, TemplateRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
-import { KilnError } from "../api/errors.ts";
+import { KilnError } from "../errors.ts";
 
 export const DEFAULT_NAMESPACE = "local";
 export const BASE_TEMPLATE_REF = "local/base";

@@ -4,10 +4,10 @@
 import { Type } from "typebox";
 import { Transform } from "node:stream";
 import type { Readable } from "node:stream";
-import type { App } from "../server.ts";
+import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { errors, FileMetadata, Id, MachinePath, OctalMode, UserName } from "../schemas.ts";
-import { KilnError } from "../errors.ts";
+import { KilnError } from "../../errors.ts";
 
 const Params = Type.Object({ id: Id });
 const PathQuery = Type.Object({ path: MachinePath, user: Type.Optional(UserName) }, { additionalProperties: false });

@@ -1,7 +1,7 @@
 // Health (public liveness) and readiness (store and driver, authenticated).
 
 import { Type } from "typebox";
-import type { App } from "../server.ts";
+import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { errors } from "../schemas.ts";
 

@@ -1,7 +1,7 @@
 // API Keys: create (the key is shown once), list (prefixes only), revoke.
 
 import { Type } from "typebox";
-import type { App } from "../server.ts";
+import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { errors, Id } from "../schemas.ts";
 

@@ -4,7 +4,7 @@
 
 import type { WebSocket, RawData } from "ws";
 import { Type } from "typebox";
-import type { App } from "../server.ts";
+import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { errors, Id } from "../schemas.ts";
 import { checkClientFrame } from "../ws-frames.ts";

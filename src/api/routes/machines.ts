@@ -1,12 +1,12 @@
 // Machines: create from a template, list, inspect, update, hibernate, resume, destroy, and one-shot exec.
 
 import { Type } from "typebox";
-import type { App } from "../server.ts";
+import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES } from "../../services/machines.ts";
 import { errors, Cursor, Id, Limit, Machine, MachinePath, StringMap, UserName } from "../schemas.ts";
 import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
-import { KilnError } from "../errors.ts";
+import { KilnError } from "../../errors.ts";
 
 const TimeoutS = Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxTimeoutS });
 const Params = Type.Object({ id: Id });
