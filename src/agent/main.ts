@@ -2,6 +2,7 @@
 // over HTTP on a unix socket that the driver binds into the machine, and streams on /ws.
 
 import { createServer } from "node:http";
+import { connect } from "node:net";
 import type { IncomingMessage, ServerResponse } from "node:http";
 import { chmodSync, unlinkSync, existsSync } from "node:fs";
 import { randomUUID } from "node:crypto";
@@ -153,6 +154,27 @@ function loadStreams() {
   }));
   return streams;
 }
+// Ports inside the machine, reached from the host: `CONNECT 127.0.0.1:<port>` opens a byte stream to a process
+// listening on that port in the machine's own network namespace (the deployments proxy rides on this).
+server.on("connect", (req, socket, head) => {
+  const m = /^(?:127\.0\.0\.1|localhost):(\d{1,5})$/.exec(req.url ?? "");
+  const port = m ? Number(m[1]) : 0;
+  if (port < 1 || port > 65535) {
+    socket.end("HTTP/1.1 400 Bad Request\r\nconnection: close\r\n\r\n");
+    return;
+  }
+  const upstream = connect({ host: "127.0.0.1", port });
+  upstream.once("connect", () => {
+    socket.write("HTTP/1.1 200 Connection Established\r\n\r\n");
+    if (head.length) upstream.write(head);
+    upstream.pipe(socket);
+    socket.pipe(upstream);
+  });
+  upstream.once("error", () => socket.end("HTTP/1.1 502 Bad Gateway\r\nconnection: close\r\n\r\n"));
+  socket.on("error", () => upstream.destroy());
+  upstream.on("close", () => socket.destroy());
+});
+
 server.on("upgrade", (req, socket, head) => {
   if (new URL(req.url ?? "/", "http://agent").pathname !== "/ws") return socket.destroy();
   loadStreams().then(

@@ -13,6 +13,9 @@
 //   POST   /files/move    {src, dest, user?} → FileInfo
 //   GET    /users/:name                  → UserInfo (from the machine's /etc/passwd)
 //   GET    /ws            (upgrade)      → stream frames (StreamClientFrame / StreamServerFrame)
+//   PUT    /envs          {envs}         → {ok} (the machine's create-time envs, held in the agent's memory)
+//   POST   /sessions/reset               → {ended} (a resumed machine is a new execution: PTY sessions end)
+//   CONNECT 127.0.0.1:<port>             → a raw byte stream to a port listening inside the machine
 // Every path the agent receives is absolute; the control plane resolves relative ones.
 
 export interface AgentHealth {

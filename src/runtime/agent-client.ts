@@ -5,6 +5,8 @@ import { Pool } from "undici";
 import type { Dispatcher } from "undici";
 import { Readable } from "node:stream";
 import { WebSocket } from "ws";
+import { request as httpRequest } from "node:http";
+import type { Socket } from "node:net";
 import type { AgentErrorBody, AgentHealth, ExecRequest, ExecResult, FileInfo, UserInfo } from "../agent/protocol.ts";
 
 export class AgentError extends Error {
@@ -73,6 +75,22 @@ export function createAgentClient(socketPath: string) {
     remove: (path: string, recursive: boolean) => json<{ removed: true }>("DELETE", `/files?${q({ path, recursive })}`),
     move: (src: string, dest: string, user?: string) => json<FileInfo>("POST", "/files/move", { src, dest, user }),
     user: (name: string) => json<UserInfo>("GET", `/users/${encodeURIComponent(name)}`),
+    /** A byte stream to a TCP port a process listens on inside the machine (HTTP CONNECT through the agent). */
+    connectPort(port: number): Promise<Socket> {
+      return new Promise((resolve, reject) => {
+        const req = httpRequest({ socketPath, method: "CONNECT", path: `127.0.0.1:${port}`, agent: false });
+        req.once("connect", (res, socket, head) => {
+          if (res.statusCode !== 200) {
+            socket.destroy();
+            return reject(new AgentError(res.statusCode === 502 ? "not_found" : "invalid_request", res.statusCode ?? 502, `nothing is listening on port ${port} in the machine`));
+          }
+          if (head.length) socket.unshift(head);
+          resolve(socket);
+        });
+        req.once("error", (err) => reject(new AgentError("unavailable", 503, `the machine's agent is unreachable (${(err as NodeJS.ErrnoException).code ?? err.message})`)));
+        req.end();
+      });
+    },
     /** The stream socket (exec/PTY frames); the caller owns its lifecycle. */
     openStream: () => new WebSocket(`ws+unix://${socketPath}:/ws`, { perMessageDeflate: false }),
     close: () => pool.close(),

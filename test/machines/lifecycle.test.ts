@@ -166,6 +166,26 @@ test("list is paginated newest first with a stable cursor", async () => {
   assert.equal((await k.call("GET", "/v1/machines?cursor=garbage")).status, 400);
 });
 
+test("a port a process listens on inside the machine is reachable from the host through the agent", async () => {
+  const m = await create({ internet: false });
+  await sh(m.id, "echo served-from-the-machine > /workspace/index.html; (cd /workspace && nohup python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 &)");
+  const { agent } = await k.kiln.services.machines.agentOf(m.id);
+  let body = "";
+  for (let i = 0; i < 50 && !body.includes("served-from-the-machine"); i++) {
+    const socket = await agent.connectPort(8000).catch(() => undefined);
+    if (!socket) {
+      await new Promise((r) => setTimeout(r, 100));
+      continue;
+    }
+    socket.end("GET /index.html HTTP/1.0\r\n\r\n");
+    body = "";
+    for await (const chunk of socket) body += chunk;
+  }
+  assert.match(body, /^HTTP\/1\.0 200/);
+  assert.match(body, /served-from-the-machine/);
+  await assert.rejects(agent.connectPort(8001), /nothing is listening on port 8001/);
+});
+
 test("internet: false leaves only loopback", async () => {
   const m = await create({ internet: false });
   const r = await sh(m.id, "ls /sys/class/net | tr '\\n' ' '");
