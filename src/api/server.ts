@@ -59,29 +59,29 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     for (const m of methods) routePatterns.push({ method: m, pattern });
   });
 
-  app.addHook("onRequest", async (req, reply) => {
+  // Hooks in callback style: they run on every request, and a promise per hook is measurable at this rate.
+  app.addHook("onRequest", (req, reply, done) => {
     reply.header("x-request-id", req.id);
-    if (!req.url.startsWith("/v1/") && req.url !== "/v1") return;
-    if (req.routeOptions.config?.public) return;
-    const keyId = await authenticate(req, opts.services);
-    req.apiKeyId = keyId;
+    if ((!req.url.startsWith("/v1/") && req.url !== "/v1") || req.routeOptions.config?.public) return done();
+    authenticate(req, opts.services).then((keyId) => {
+      req.apiKeyId = keyId;
+      done();
+    }, done);
   });
 
-  // While shutting down, answers to in-flight requests end their connections, so close() need not wait for
-  // keep-alive timeouts.
-  let closing = false;
-  app.addHook("preClose", async () => {
-    closing = true;
-  });
-  app.addHook("onSend", async (_req, reply, payload) => {
-    if (closing) reply.header("connection", "close");
-    return payload;
+  // While shutting down, keep closing connections that have gone idle (in-flight requests finish first), so
+  // close() need not wait for keep-alive timeouts.
+  app.addHook("preClose", (done) => {
+    const timer = setInterval(() => app.server.closeIdleConnections(), 50);
+    app.server.once("close", () => clearInterval(timer));
+    done();
   });
 
-  // A refused WebSocket upgrade gets its envelope and then the connection ends: it can never become a socket.
-  app.addHook("onResponse", async (req, reply) => {
+  // One line per answered request; a refused WebSocket upgrade then ends its connection (it can never become a socket).
+  app.addHook("onResponse", (req, reply, done) => {
     req.log.info({ method: req.method, url: scrubUrl(req.url), status: reply.statusCode, ms: Math.round(reply.elapsedTime * 100) / 100 }, "request");
     if (req.headers.upgrade && reply.statusCode >= 400) req.raw.socket?.destroy();
+    done();
   });
 
   app.setErrorHandler((err, req, reply) => {
