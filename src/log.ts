@@ -33,7 +33,9 @@ const SECRET_SET = new Set<string>(SECRET_FIELDS);
 export function redactDeep(value: unknown, depth = 0): unknown {
   if (depth > 8 || value === null || typeof value !== "object") return value;
   if (Array.isArray(value)) return value.map((v) => redactDeep(v, depth + 1));
-  if (value instanceof Error || Buffer.isBuffer(value)) return value;
+  // Only plain data is walked: class instances (requests, sockets, errors) are left to their serializers.
+  const proto = Object.getPrototypeOf(value);
+  if (proto !== Object.prototype && proto !== null) return value;
   let out: Record<string, unknown> | undefined;
   for (const [k, v] of Object.entries(value as Record<string, unknown>)) {
     const next = SECRET_SET.has(k) || SECRET_SET.has(k.toLowerCase()) ? "[Redacted]" : redactDeep(v, depth + 1);
