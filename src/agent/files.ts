@@ -99,7 +99,9 @@ export async function writeFileAtomic(path: string, body: Readable, opts: { mode
   try {
     await pipeline(body, createWriteStream(temp, { mode: 0o600 }));
     await chmod(temp, opts.mode ?? (existing ? existing.mode & 0o7777 : 0o644));
+    // A file replaced without a named user keeps its owner: the rename must not hand it to root.
     if (opts.owner) await chown(temp, opts.owner.uid, opts.owner.gid);
+    else if (existing) await chown(temp, existing.uid, existing.gid);
     await rename(temp, path);
   } catch (err) {
     await unlink(temp).catch(() => undefined);

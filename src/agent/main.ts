@@ -4,15 +4,16 @@
 import { createServer } from "node:http";
 import { connect } from "node:net";
 import type { IncomingMessage, ServerResponse } from "node:http";
-import { chmodSync, unlinkSync, existsSync } from "node:fs";
+import { chmodSync, unlinkSync, existsSync, mkdirSync } from "node:fs";
 import { randomUUID } from "node:crypto";
-import { isAbsolute } from "node:path";
+import { dirname, isAbsolute } from "node:path";
 import { AgentFailure } from "./errors.ts";
 import { execOnce, resolveUser, setMachineEnvs } from "./process.ts";
 import { fileInfo, listDir, makeDirs, move, remove, writeFileAtomic } from "./files.ts";
 import { lookupUser } from "./users.ts";
 import { createReadStream } from "node:fs";
 import { lstat } from "node:fs/promises";
+import { AGENT_SOCKET_DEFAULT } from "./protocol.ts";
 import type { AgentHealth, ExecRequest } from "./protocol.ts";
 
 const bootId = randomUUID();
@@ -20,7 +21,7 @@ const startedAt = Date.now();
 
 function socketPath(): string {
   const i = process.argv.indexOf("--socket");
-  return i > 0 && process.argv[i + 1] ? process.argv[i + 1] : "/run/kiln/agent.sock";
+  return i > 0 && process.argv[i + 1] ? process.argv[i + 1] : AGENT_SOCKET_DEFAULT;
 }
 
 function send(res: ServerResponse, status: number, body: unknown) {
@@ -189,7 +190,8 @@ if (fdArg > 0) {
   server.listen({ fd: Number(process.argv[fdArg + 1]) });
 } else {
   const path = socketPath();
-  if (existsSync(path)) unlinkSync(path);
+  mkdirSync(dirname(path), { recursive: true });
+  if (existsSync(path)) unlinkSync(path); // stale from an earlier boot
   server.listen(path, () => chmodSync(path, 0o600));
 }
 

@@ -7,16 +7,19 @@
 //   GET    /files?path=                  → raw bytes (application/octet-stream)
 //   PUT    /files?path=&mode=&user=      raw bytes → FileInfo
 //   POST   /files/info    {path}         → FileInfo (lstat; owner/group names from the machine's files)
-//   GET    /files/list?path=&depth=      → {entries: FileInfo[]}
-//   POST   /files/mkdir   {path, mode?, user?} → FileInfo
+//   GET    /files/list?path=&depth=      → FileList (depth 1 = direct children)
+//   POST   /files/mkdir   MkdirRequest   → FileInfo (mkdir -p; an existing directory is fine)
 //   DELETE /files?path=&recursive=       → {removed: true}
-//   POST   /files/move    {src, dest, user?} → FileInfo
+//   POST   /files/move    MoveRequest    → FileInfo of dest
 //   GET    /users/:name                  → UserInfo (from the machine's /etc/passwd)
 //   GET    /ws            (upgrade)      → stream frames (StreamClientFrame / StreamServerFrame)
-//   PUT    /envs          {envs}         → {ok} (the machine's create-time envs, held in the agent's memory)
+//   PUT    /envs          EnvsRequest    → {ok} (the machine's create-time envs, held in the agent's memory)
 //   POST   /sessions/reset               → {ended} (a resumed machine is a new execution: PTY sessions end)
 //   CONNECT 127.0.0.1:<port>             → a raw byte stream to a port listening inside the machine
 // Every path the agent receives is absolute; the control plane resolves relative ones.
+
+/** Where the agent listens inside the machine unless started with --socket or --listen-fd. */
+export const AGENT_SOCKET_DEFAULT = "/run/kiln/agent.sock";
 
 export interface AgentHealth {
   ok: true;
@@ -61,6 +64,34 @@ export interface FileInfo {
   symlink_target?: string;
 }
 
+export interface EnvsRequest {
+  /** Replaces the machine's default envs; request envs of exec/PTY still win over these. */
+  envs: Record<string, string>;
+}
+
+export interface PathRequest {
+  path: string;
+}
+
+export interface MkdirRequest {
+  path: string;
+  /** Octal string ("0755") for the directories this call creates. */
+  mode?: string;
+  /** Owner of the directories this call creates. */
+  user?: string;
+}
+
+export interface MoveRequest {
+  src: string;
+  dest: string;
+  /** Owner of missing parent directories of dest. */
+  user?: string;
+}
+
+export interface FileList {
+  entries: FileInfo[];
+}
+
 export interface UserInfo {
   name: string;
   uid: number;
@@ -76,3 +107,112 @@ export interface AgentErrorBody {
   code: AgentErrorCode;
   error: string;
 }
+
+// ── Stream frames on /ws: JSON text, one object per WebSocket message ─────────────────────────────────────────
+// Client frames name their target by `pid` (exec) or by exactly one of `session_id`/`pid` (PTY). Bytes travel as
+// base64 (`data_base64`); `data` is the legacy UTF-8 text form, accepted on input only.
+// New features (git, kernels, file watches, port connects) add members to these unions and a case to the router.
+
+export interface ExecStartFrame {
+  type: "exec.start";
+  request_id?: string;
+  cmd: string;
+  args?: string[];
+  cwd?: string;
+  envs?: Record<string, string>;
+  user?: string;
+  /** Keep stdin open for exec.stdin frames; without it the process reads /dev/null. */
+  stdin?: boolean;
+}
+export interface ExecStdinFrame {
+  type: "exec.stdin";
+  request_id?: string;
+  pid: number;
+  data?: string;
+  data_base64?: string;
+  eof?: boolean;
+}
+export interface ExecSignalFrame {
+  type: "exec.signal";
+  request_id?: string;
+  pid: number;
+  /** "SIGTERM" or "TERM"; delivered to the process group. */
+  signal: string;
+}
+export interface PtyStartFrame {
+  type: "pty.start";
+  request_id?: string;
+  /** Default: the user's login shell with -l. */
+  cmd?: string;
+  args?: string[];
+  cwd?: string;
+  envs?: Record<string, string>;
+  user?: string;
+  cols: number;
+  rows: number;
+}
+type PtyTarget = { session_id: string; pid?: undefined } | { pid: number; session_id?: undefined };
+export type PtyInputFrame = { type: "pty.input"; request_id?: string } & PtyTarget & ({ data_base64: string; data?: undefined } | { data: string; data_base64?: undefined });
+export type PtyResizeFrame = { type: "pty.resize"; request_id?: string; cols: number; rows: number } & PtyTarget;
+export type PtyKillFrame = { type: "pty.kill"; request_id?: string; signal?: string } & PtyTarget;
+/** Attaches this socket to the session and replays held output from `offset` (default: the oldest byte held). */
+export type PtyReconnectFrame = { type: "pty.reconnect"; request_id?: string; offset?: number } & PtyTarget;
+
+export type StreamClientFrame = ExecStartFrame | ExecStdinFrame | ExecSignalFrame | PtyStartFrame | PtyInputFrame | PtyResizeFrame | PtyKillFrame | PtyReconnectFrame;
+
+export interface ExecStartedFrame {
+  type: "exec.started";
+  request_id?: string;
+  pid: number;
+}
+export interface ExecOutputFrame {
+  type: "exec.stdout" | "exec.stderr";
+  pid: number;
+  data_base64: string;
+}
+export interface ExecExitFrame {
+  type: "exec.exit";
+  pid: number;
+  exit_code: number | null;
+  /** Signal name ("SIGKILL") when the process died of one. */
+  signal: string | null;
+}
+export interface PtyStartedFrame {
+  type: "pty.started";
+  request_id?: string;
+  session_id: string;
+  pid: number;
+}
+export interface PtyOutputFrame {
+  type: "pty.output";
+  session_id: string;
+  pid: number;
+  /** Byte offset of this chunk in the session's whole output stream. */
+  offset: number;
+  data_base64: string;
+}
+export interface PtyExitFrame {
+  type: "pty.exit";
+  session_id: string;
+  pid: number;
+  exit_code: number | null;
+  signal: string | null;
+}
+export interface PtyReconnectedFrame {
+  type: "pty.reconnected";
+  request_id?: string;
+  session_id: string;
+  pid: number;
+  /** Offset the replay starts at (later than asked when those bytes are gone). */
+  offset: number;
+  /** Present when bytes before the requested offset have left the session's 1 MiB ring buffer. */
+  truncated?: true;
+}
+export interface StreamErrorFrame {
+  type: "error";
+  request_id?: string;
+  code: AgentErrorCode;
+  error: string;
+}
+
+export type StreamServerFrame = ExecStartedFrame | ExecOutputFrame | ExecExitFrame | PtyStartedFrame | PtyOutputFrame | PtyExitFrame | PtyReconnectedFrame | StreamErrorFrame;

@@ -7,13 +7,14 @@ import * as nodePty from "@lydell/node-pty";
 import type { IPty } from "@lydell/node-pty";
 import { constants } from "node:os";
 import { processEnv, resolveUser, argvOf, workingDir } from "./process.ts";
+import type { StreamServerFrame } from "./protocol.ts";
 
 export const RING_BYTES = 1024 * 1024;
 const GRACE_MS = Number(process.env.KILN_AGENT_PTY_GRACE_MS ?? 60_000);
 
 /** What a session needs from a socket attached to it. */
 export interface PtySink {
-  send(frame: object): void;
+  send(frame: StreamServerFrame): void;
   /** Bytes this sink has not flushed yet; over the high mark the PTY is paused. */
   backlog(): number;
 }
@@ -31,15 +32,13 @@ class Ring {
     this.chunks.push(b);
     this.bytes += b.length;
     this.end += b.length;
-    while (this.bytes > RING_BYTES && this.chunks.length > 1) {
-      const dropped = this.chunks.shift()!;
-      this.bytes -= dropped.length;
-      this.start += dropped.length;
-    }
-    if (this.bytes > RING_BYTES) {
-      const only = this.chunks[0];
-      const cut = this.bytes - RING_BYTES;
-      this.chunks[0] = only.subarray(cut);
+    // Keep exactly the last RING_BYTES: drop whole chunks, then trim the oldest one.
+    while (this.bytes > RING_BYTES) {
+      const first = this.chunks[0];
+      const excess = this.bytes - RING_BYTES;
+      const cut = Math.min(first.length, excess);
+      if (cut === first.length) this.chunks.shift();
+      else this.chunks[0] = first.subarray(cut);
       this.bytes -= cut;
       this.start += cut;
     }
@@ -83,7 +82,7 @@ export class PtySession {
       this.exit = { exit_code: signal ? null : exitCode, signal: signal ? (SIGNAL_NAMES[signal] ?? String(signal)) : null };
       // Let any output still in flight land before the exit frame.
       setTimeout(() => {
-        for (const s of this.sinks) s.send({ type: "pty.exit", session_id: this.id, pid: this.pid, ...this.exit });
+        for (const s of this.sinks) s.send({ type: "pty.exit", session_id: this.id, pid: this.pid, ...this.exit! });
         setTimeout(() => this.end(), GRACE_MS).unref();
       }, 20);
     });
@@ -92,7 +91,7 @@ export class PtySession {
   private output(data: Buffer) {
     const offset = this.ring.end;
     this.ring.push(data);
-    const frame = { type: "pty.output", session_id: this.id, pid: this.pid, offset, data_base64: data.toString("base64") };
+    const frame: StreamServerFrame = { type: "pty.output", session_id: this.id, pid: this.pid, offset, data_base64: data.toString("base64") };
     for (const s of this.sinks) s.send(frame);
     this.applyBackpressure();
   }

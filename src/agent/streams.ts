@@ -8,6 +8,7 @@ import { PtySession } from "./pty.ts";
 import type { PtySink } from "./pty.ts";
 import { spawnAs, killGroup, isSignal } from "./process.ts";
 import { AgentFailure } from "./errors.ts";
+import type { AgentErrorCode, StreamServerFrame } from "./protocol.ts";
 
 const HIGH_WATER = 1024 * 1024;
 const LOW_WATER = 256 * 1024;
@@ -38,12 +39,27 @@ function bytesOf(f: Record<string, unknown>): Buffer {
   return Buffer.alloc(0);
 }
 
+function requestIdOf(f: Record<string, unknown>): { request_id?: string } {
+  return typeof f.request_id === "string" ? { request_id: f.request_id } : {};
+}
+
+/** Shapes of the fields exec.start and pty.start share; a wrong type answers invalid_request, not a crash. */
+function checkSpawnFields(f: Record<string, unknown>) {
+  const bad = (what: string) => {
+    throw new AgentFailure("invalid_request", `${f.type} ${what}`);
+  };
+  if (f.args !== undefined && !(Array.isArray(f.args) && f.args.every((a) => typeof a === "string"))) bad("args must be an array of strings");
+  if (f.cwd !== undefined && typeof f.cwd !== "string") bad("cwd must be a string");
+  if (f.user !== undefined && typeof f.user !== "string") bad("user must be a string");
+  if (f.envs !== undefined && (typeof f.envs !== "object" || f.envs === null || Object.values(f.envs).some((v) => typeof v !== "string"))) bad("envs must map names to strings");
+}
+
 export function handleStream(ws: WebSocket) {
   const procs = new Map<number, ChildProcess>();
   const attached = new Set<PtySession>();
   const pausedPipes = new Set<NodeJS.ReadableStream>();
 
-  const send = (frame: object) => {
+  const send = (frame: StreamServerFrame) => {
     if (ws.readyState === ws.OPEN) ws.send(JSON.stringify(frame), relieve);
   };
   const sink: PtySink = { send, backlog: () => ws.bufferedAmount };
@@ -56,11 +72,11 @@ export function handleStream(ws: WebSocket) {
     for (const s of attached) s.applyBackpressure(HIGH_WATER, LOW_WATER);
   }
 
-  const fail = (code: string, error: string, requestId?: unknown) => send({ type: "error", code, error, ...(typeof requestId === "string" ? { request_id: requestId } : {}) });
+  const fail = (code: AgentErrorCode, error: string, requestId?: unknown) => send({ type: "error", code, error, ...(typeof requestId === "string" ? { request_id: requestId } : {}) });
 
   function pipeOut(child: ChildProcess, stream: NodeJS.ReadableStream, type: "exec.stdout" | "exec.stderr") {
     stream.on("data", (b: Buffer) => {
-      send({ type, pid: child.pid, data_base64: b.toString("base64") });
+      send({ type, pid: child.pid!, data_base64: b.toString("base64") });
       if (ws.bufferedAmount > HIGH_WATER) {
         stream.pause();
         pausedPipes.add(stream);
@@ -77,7 +93,7 @@ export function handleStream(ws: WebSocket) {
     child.on("spawn", () => {
       started = true;
       procs.set(child.pid!, child);
-      send({ type: "exec.started", request_id: f.request_id, pid: child.pid });
+      send({ type: "exec.started", ...requestIdOf(f), pid: child.pid! });
     });
     child.on("error", (err: NodeJS.ErrnoException) => {
       if (!started) fail(err.code === "ENOENT" ? "invalid_request" : "internal", `Cannot start ${JSON.stringify(f.cmd)}: ${err.code ?? err.message}`, f.request_id);
@@ -88,7 +104,7 @@ export function handleStream(ws: WebSocket) {
     child.on("close", (code, signal) => {
       if (!started) return;
       procs.delete(child.pid!);
-      send({ type: "exec.exit", pid: child.pid, exit_code: code, signal });
+      send({ type: "exec.exit", pid: child.pid!, exit_code: code, signal });
     });
   }
 
@@ -96,6 +112,7 @@ export function handleStream(ws: WebSocket) {
     switch (f.type) {
       case "exec.start":
         if (typeof f.cmd !== "string" || !f.cmd) return fail("invalid_request", "exec.start needs cmd", f.request_id);
+        checkSpawnFields(f);
         return execStart(f);
       case "exec.stdin": {
         const child = procs.get(f.pid as number);
@@ -114,6 +131,11 @@ export function handleStream(ws: WebSocket) {
         return killGroup(child, (sig.startsWith("SIG") ? sig : `SIG${sig}`) as NodeJS.Signals);
       }
       case "pty.start": {
+        if (f.cmd !== undefined && (typeof f.cmd !== "string" || !f.cmd)) return fail("invalid_request", "pty.start cmd must be a non-empty string", f.request_id);
+        checkSpawnFields(f);
+        for (const k of ["cols", "rows"]) {
+          if (f[k] !== undefined && !(Number.isInteger(f[k]) && (f[k] as number) > 0 && (f[k] as number) <= 1000)) return fail("invalid_request", `pty.start ${k} must be an integer from 1 to 1000`, f.request_id);
+        }
         const session = new PtySession(
           { cmd: f.cmd as string | undefined, args: f.args as string[] | undefined, cwd: f.cwd as string | undefined, envs: f.envs as Record<string, string> | undefined, user: f.user as string | undefined, cols: Number(f.cols) || 80, rows: Number(f.rows) || 24 },
           () => {
@@ -124,7 +146,7 @@ export function handleStream(ws: WebSocket) {
         sessions.set(session.id, session);
         session.attach(sink);
         attached.add(session);
-        return send({ type: "pty.started", request_id: f.request_id, session_id: session.id, pid: session.pid });
+        return send({ type: "pty.started", ...requestIdOf(f), session_id: session.id, pid: session.pid });
       }
       case "pty.input":
       case "pty.resize":
@@ -135,8 +157,16 @@ export function handleStream(ws: WebSocket) {
         const session = findSession(f);
         if (!session) return fail("not_found", `No PTY session ${f.session_id ?? `with pid ${f.pid}`} in this machine's current execution`, f.request_id);
         if (f.type === "pty.input") return session.input(bytesOf(f));
-        if (f.type === "pty.resize") return session.resize(Number(f.cols), Number(f.rows));
-        if (f.type === "pty.kill") return session.kill(typeof f.signal === "string" ? (f.signal.startsWith("SIG") ? f.signal : `SIG${f.signal}`) : "SIGHUP");
+        if (f.type === "pty.resize") {
+          if (![f.cols, f.rows].every((n) => Number.isInteger(n) && (n as number) > 0 && (n as number) <= 1000)) return fail("invalid_request", "pty.resize needs integer cols and rows from 1 to 1000", f.request_id);
+          return session.resize(f.cols as number, f.rows as number);
+        }
+        if (f.type === "pty.kill") {
+          const sig = typeof f.signal === "string" ? f.signal : "SIGHUP";
+          if (!isSignal(sig)) return fail("invalid_request", `Unknown signal ${sig}`, f.request_id);
+          return session.kill(sig.startsWith("SIG") ? sig : `SIG${sig}`);
+        }
+        if (f.offset !== undefined && !(Number.isInteger(f.offset) && (f.offset as number) >= 0)) return fail("invalid_request", "pty.reconnect offset must be a non-negative integer", f.request_id);
         session.attach(sink);
         attached.add(session);
         return session.replay(sink, typeof f.offset === "number" ? f.offset : undefined, f.request_id as string | undefined);

@@ -29,9 +29,11 @@ function readTable(file: string): string[][] {
   return rows;
 }
 
+/** A user by name (or, failing that, by numeric uid). Root exists even in a rootfs whose passwd forgot it. */
 export function lookupUser(name: string): UserInfo | undefined {
-  const row = readTable("/etc/passwd").find((r) => r[0] === name);
-  if (!row) return undefined;
+  const rows = readTable("/etc/passwd");
+  const row = rows.find((r) => r[0] === name) ?? (/^\d+$/.test(name) ? rows.find((r) => r[2] === name) : undefined);
+  if (!row) return name === "root" || name === "0" ? { name: "root", uid: 0, gid: 0, home: "/root", shell: "/bin/sh" } : undefined;
   return { name: row[0], uid: Number(row[2]), gid: Number(row[3]), home: row[5] || "/", shell: row[6] || "/bin/sh" };
 }
 

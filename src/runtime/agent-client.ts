@@ -7,7 +7,7 @@ import { Readable } from "node:stream";
 import { WebSocket } from "ws";
 import { request as httpRequest } from "node:http";
 import type { Socket } from "node:net";
-import type { AgentErrorBody, AgentHealth, ExecRequest, ExecResult, FileInfo, UserInfo } from "../agent/protocol.ts";
+import type { AgentErrorBody, AgentHealth, ExecRequest, ExecResult, FileInfo, FileList, UserInfo } from "../agent/protocol.ts";
 
 export class AgentError extends Error {
   readonly code: AgentErrorBody["code"] | "unavailable";
@@ -22,7 +22,39 @@ export class AgentError extends Error {
 
 type Body = string | Buffer | Readable | undefined;
 
-export function createAgentClient(socketPath: string) {
+/** The agent's socket is gone or went away mid-answer: the machine is not running (or its agent died). */
+function unavailable(err: unknown): AgentError {
+  if (err instanceof AgentError) return err;
+  const code = (err as NodeJS.ErrnoException)?.code ?? "";
+  return new AgentError("unavailable", 503, `the machine's agent is unreachable (${code || (err as Error)?.message || "closed"})`);
+}
+
+export interface AgentClient {
+  readonly socketPath: string;
+  health(): Promise<AgentHealth>;
+  /** The machine's default envs for everything started later (PUT /envs). */
+  setEnvs(envs: Record<string, string>): Promise<{ ok: true }>;
+  /** Ends every PTY session (a resumed machine is a new execution). */
+  resetSessions(): Promise<{ ended: number }>;
+  exec(req: ExecRequest): Promise<ExecResult>;
+  /** The file's bytes as a stream; errors (404, 400 for a directory) come before the first byte. */
+  readFile(path: string): Promise<Readable>;
+  readFileBytes(path: string): Promise<Buffer>;
+  writeFile(path: string, body: Buffer | Readable, opts?: { mode?: string; user?: string }): Promise<FileInfo>;
+  info(path: string): Promise<FileInfo>;
+  list(path: string, depth: number): Promise<FileList>;
+  mkdir(path: string, opts?: { mode?: string; user?: string }): Promise<FileInfo>;
+  remove(path: string, recursive: boolean): Promise<{ removed: true }>;
+  move(src: string, dest: string, user?: string): Promise<FileInfo>;
+  user(name: string): Promise<UserInfo>;
+  /** A byte stream to a TCP port a process listens on inside the machine (HTTP CONNECT through the agent). */
+  connectPort(port: number): Promise<Socket>;
+  /** The stream socket (StreamClientFrame/StreamServerFrame as JSON text); the caller owns its lifecycle. */
+  openStream(): WebSocket;
+  close(): Promise<void>;
+}
+
+export function createAgentClient(socketPath: string): AgentClient {
   const pool = new Pool("http://agent", { socketPath, connections: 16, pipelining: 1, keepAliveTimeout: 30_000, connectTimeout: 2_000 });
 
   async function raw(method: Dispatcher.HttpMethod, path: string, body?: Body, headers: Record<string, string> = {}): Promise<Dispatcher.ResponseData> {
@@ -30,11 +62,10 @@ export function createAgentClient(socketPath: string) {
     try {
       res = await pool.request({ method, path, body, headers, headersTimeout: 0, bodyTimeout: 0 });
     } catch (err) {
-      const code = (err as NodeJS.ErrnoException).code ?? "";
-      throw new AgentError("unavailable", 503, `the machine's agent is unreachable (${code || (err as Error).message})`);
+      throw unavailable(err);
     }
     if (res.statusCode >= 400) {
-      const text = await res.body.text();
+      const text = await res.body.text().catch((err: unknown) => Promise.reject(unavailable(err)));
       let parsed: Partial<AgentErrorBody> = {};
       try {
         parsed = JSON.parse(text);
@@ -48,7 +79,11 @@ export function createAgentClient(socketPath: string) {
 
   async function json<T>(method: Dispatcher.HttpMethod, path: string, body?: unknown): Promise<T> {
     const res = await raw(method, path, body === undefined ? undefined : JSON.stringify(body), body === undefined ? {} : { "content-type": "application/json" });
-    return (await res.body.json()) as T;
+    try {
+      return (await res.body.json()) as T;
+    } catch (err) {
+      throw unavailable(err);
+    }
   }
 
   const q = (params: Record<string, string | number | boolean | undefined>) => {
@@ -67,15 +102,28 @@ export function createAgentClient(socketPath: string) {
       const res = await raw("GET", `/files?${q({ path })}`);
       return res.body as unknown as Readable;
     },
-    writeFile: async (path: string, body: Buffer | Readable, opts: { mode?: string; user?: string } = {}) =>
-      (await raw("PUT", `/files?${q({ path, mode: opts.mode, user: opts.user })}`, body, { "content-type": "application/octet-stream" })).body.json() as Promise<FileInfo>,
+    async readFileBytes(path: string): Promise<Buffer> {
+      const res = await raw("GET", `/files?${q({ path })}`);
+      try {
+        return Buffer.from(await res.body.arrayBuffer());
+      } catch (err) {
+        throw unavailable(err);
+      }
+    },
+    async writeFile(path: string, body: Buffer | Readable, opts: { mode?: string; user?: string } = {}) {
+      const res = await raw("PUT", `/files?${q({ path, mode: opts.mode, user: opts.user })}`, body, { "content-type": "application/octet-stream" });
+      try {
+        return (await res.body.json()) as FileInfo;
+      } catch (err) {
+        throw unavailable(err);
+      }
+    },
     info: (path: string) => json<FileInfo>("POST", "/files/info", { path }),
-    list: (path: string, depth: number) => json<{ entries: FileInfo[] }>("GET", `/files/list?${q({ path, depth })}`),
+    list: (path: string, depth: number) => json<FileList>("GET", `/files/list?${q({ path, depth })}`),
     mkdir: (path: string, opts: { mode?: string; user?: string } = {}) => json<FileInfo>("POST", "/files/mkdir", { path, ...opts }),
     remove: (path: string, recursive: boolean) => json<{ removed: true }>("DELETE", `/files?${q({ path, recursive })}`),
     move: (src: string, dest: string, user?: string) => json<FileInfo>("POST", "/files/move", { src, dest, user }),
     user: (name: string) => json<UserInfo>("GET", `/users/${encodeURIComponent(name)}`),
-    /** A byte stream to a TCP port a process listens on inside the machine (HTTP CONNECT through the agent). */
     connectPort(port: number): Promise<Socket> {
       return new Promise((resolve, reject) => {
         const req = httpRequest({ socketPath, method: "CONNECT", path: `127.0.0.1:${port}`, agent: false });
@@ -87,14 +135,11 @@ export function createAgentClient(socketPath: string) {
           if (head.length) socket.unshift(head);
           resolve(socket);
         });
-        req.once("error", (err) => reject(new AgentError("unavailable", 503, `the machine's agent is unreachable (${(err as NodeJS.ErrnoException).code ?? err.message})`)));
+        req.once("error", (err) => reject(unavailable(err)));
         req.end();
       });
     },
-    /** The stream socket (exec/PTY frames); the caller owns its lifecycle. */
     openStream: () => new WebSocket(`ws+unix://${socketPath}:/ws`, { perMessageDeflate: false }),
     close: () => pool.close(),
   };
 }
-
-export type AgentClient = ReturnType<typeof createAgentClient>;

@@ -1,0 +1,44 @@
+// The bundled agent (one esbuild file plus node-pty's prebuilt binary) runs on its own, away from the project's
+// node_modules: exec over HTTP and a PTY over the stream socket prove what a machine will run.
+
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { mkdtemp, readdir, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join, relative } from "node:path";
+import { bundleAgent } from "../../src/agent/bundle.ts";
+import { startAgent, openStream, text } from "./support.ts";
+import type { TestAgent } from "./support.ts";
+
+let outDir: string;
+let agent: TestAgent;
+before(async () => {
+  // Outside the checkout, so nothing can resolve from the project's node_modules.
+  outDir = await mkdtemp(join(tmpdir(), "kiln-agent-bundle-"));
+  await bundleAgent(outDir);
+  agent = await startAgent({ entry: join(outDir, "agent.mjs") });
+});
+after(async () => {
+  await agent?.stop();
+  await rm(outDir, { recursive: true, force: true });
+});
+
+test("the bundle is one agent.mjs plus node-pty's runtime files", async () => {
+  const files = (await readdir(outDir, { recursive: true, withFileTypes: true })).filter((e) => e.isFile()).map((e) => relative(outDir, join(e.parentPath, e.name)));
+  assert.ok(files.includes("agent.mjs"));
+  assert.ok(files.includes("node_modules/@lydell/node-pty-linux-x64/pty.node"));
+  assert.ok(files.includes("node_modules/@lydell/node-pty/package.json"));
+  assert.deepEqual(files.filter((f) => !f.startsWith("node_modules/@lydell/node-pty")), ["agent.mjs"]);
+});
+
+test("the bundled agent runs commands and PTYs", async () => {
+  const r = await agent.client.exec({ cmd: "echo bundled" });
+  assert.equal(text(r.stdout_base64), "bundled\n");
+  const c = await openStream(agent);
+  c.send({ type: "pty.start", request_id: "b", cmd: "/bin/sh", args: [], cols: 50, rows: 7 });
+  const { session_id: s } = await c.next((f) => f.type === "pty.started");
+  c.send({ type: "pty.input", session_id: s, data: "stty size; exit\r" });
+  await c.ptyUntil(s, /7 50/);
+  assert.equal((await c.next((f) => f.type === "pty.exit")).exit_code, 0);
+  await c.close();
+});

@@ -1,0 +1,114 @@
+// Runs the guest agent for real on the host (from source or from a bundle) on a unix socket in a temp dir,
+// and drives it the way the control plane does: through agent-client and its stream socket.
+
+import { spawn } from "node:child_process";
+import type { ChildProcess } from "node:child_process";
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { WebSocket } from "ws";
+import { createAgentClient } from "../../src/runtime/agent-client.ts";
+import type { AgentClient } from "../../src/runtime/agent-client.ts";
+
+export interface TestAgent {
+  dir: string;
+  socket: string;
+  client: AgentClient;
+  child: ChildProcess;
+  stop(): Promise<void>;
+}
+
+const SOURCE_ENTRY = join(import.meta.dirname, "../../src/agent/main.ts");
+
+export async function startAgent(opts: { entry?: string; env?: Record<string, string> } = {}): Promise<TestAgent> {
+  const dir = await mkdtemp(join(tmpdir(), "kiln-agent-"));
+  const socket = join(dir, "agent.sock");
+  const child = spawn(process.execPath, [opts.entry ?? SOURCE_ENTRY, "--socket", socket], {
+    stdio: ["ignore", "inherit", "inherit"],
+    env: { ...process.env, ...opts.env },
+  });
+  const client = createAgentClient(socket);
+  const deadline = Date.now() + 10_000;
+  for (;;) {
+    try {
+      await client.health();
+      break;
+    } catch (err) {
+      if (Date.now() > deadline || child.exitCode !== null) throw new Error(`the agent did not come up: ${(err as Error).message}`);
+      await new Promise((r) => setTimeout(r, 25));
+    }
+  }
+  return {
+    dir,
+    socket,
+    client,
+    child,
+    async stop() {
+      await client.close();
+      if (child.exitCode === null) {
+        const exited = new Promise((r) => child.once("exit", r));
+        child.kill("SIGTERM");
+        await exited;
+      }
+      await rm(dir, { recursive: true, force: true });
+    },
+  };
+}
+
+/** A stream-socket test client: collects frames, waits for the next one matching a predicate. */
+export async function openStream(agent: TestAgent) {
+  const ws: WebSocket = agent.client.openStream();
+  const frames: any[] = [];
+  const waiters: { pred: (f: any) => boolean; resolve: (f: any) => void }[] = [];
+  ws.on("message", (data) => {
+    const f = JSON.parse(data.toString());
+    const w = waiters.find((x) => x.pred(f));
+    if (w) {
+      waiters.splice(waiters.indexOf(w), 1);
+      w.resolve(f);
+    } else frames.push(f);
+  });
+  await new Promise<void>((resolve, reject) => {
+    ws.once("open", () => resolve());
+    ws.once("error", reject);
+  });
+  const client = {
+    ws,
+    frames,
+    send: (f: unknown) => ws.send(typeof f === "string" ? f : JSON.stringify(f)),
+    next(pred: (f: any) => boolean, timeoutMs = 10_000): Promise<any> {
+      const found = frames.find(pred);
+      if (found) {
+        frames.splice(frames.indexOf(found), 1);
+        return Promise.resolve(found);
+      }
+      return new Promise((resolve, reject) => {
+        const t = setTimeout(() => reject(new Error(`no matching frame in ${timeoutMs} ms; got ${JSON.stringify(frames.slice(-5))}`)), timeoutMs);
+        waiters.push({ pred, resolve: (f) => (clearTimeout(t), resolve(f)) });
+      });
+    },
+    /** PTY output of a session, decoded, until `pattern` shows up. */
+    async ptyUntil(session: string, pattern: RegExp, timeoutMs = 10_000): Promise<string> {
+      let text = "";
+      const deadline = Date.now() + timeoutMs;
+      while (!pattern.test(text)) {
+        const f = await client.next((x) => x.type === "pty.output" && x.session_id === session, Math.max(1, deadline - Date.now()));
+        text += Buffer.from(f.data_base64, "base64").toString("utf8");
+      }
+      return text;
+    },
+    close: () =>
+      new Promise<void>((resolve) => {
+        if (ws.readyState === ws.CLOSED) return resolve();
+        ws.once("close", () => resolve());
+        ws.close();
+      }),
+  };
+  return client;
+}
+
+export type StreamClient = Awaited<ReturnType<typeof openStream>>;
+
+export const ALL_BYTES = Buffer.from(Array.from({ length: 256 }, (_, i) => i));
+
+export const text = (b64: string) => Buffer.from(b64, "base64").toString("utf8");
