@@ -21,22 +21,31 @@ function freshRandom(into: Uint8Array) {
   poolAt += 16;
 }
 
-/** Adds one to the 80-bit random part (base 32 digits), so ids made in the same millisecond still increase. */
-function increment(digits: Uint8Array) {
+/**
+ * Adds one to the 80-bit random part (base 32 digits), so ids made in the same millisecond still increase.
+ * Returns false on overflow (2^80 ids in one millisecond: only in theory), and the caller moves to the next ms.
+ */
+function increment(digits: Uint8Array): boolean {
   for (let i = digits.length - 1; i >= 0; i--) {
     if (digits[i] < 31) {
       digits[i]++;
-      return;
+      return true;
     }
     digits[i] = 0;
   }
+  return false;
 }
 
+/** `"<prefix>_"` + 26 characters; sorting ids of one prefix sorts them by creation. */
 export function newId(prefix: IdPrefix): string {
   let now = Date.now();
   if (now <= lastTime) {
-    now = lastTime; // same millisecond, or the clock stepped back
-    increment(lastRandom);
+    // Same millisecond, or the clock stepped back: stay on the last time and count up, so ids never go backwards.
+    if (increment(lastRandom)) now = lastTime;
+    else {
+      now = ++lastTime;
+      freshRandom(lastRandom);
+    }
   } else {
     lastTime = now;
     freshRandom(lastRandom);

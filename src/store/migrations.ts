@@ -86,6 +86,13 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.createIndex("events_machine").on("events").columns(["machine_id", "seq"]).execute();
       },
     },
+    // A template's artifacts and aliases are listed by template, and PostgreSQL does not index foreign keys itself.
+    "0002_template_children": {
+      async up(db: Kysely<any>) {
+        await db.schema.createIndex("artifacts_template").on("artifacts").columns(["template_id", "created_at"]).execute();
+        await db.schema.createIndex("template_aliases_template").on("template_aliases").column("template_id").execute();
+      },
+    },
   };
 }
 
