@@ -41,7 +41,7 @@ export async function openStore(opts: { databaseUrl?: string; dataDir: string; l
     const file = join(opts.dataDir, "kiln.db");
     try {
       mkdirSync(opts.dataDir, { recursive: true });
-      driver = openSqlite(file).dialect;
+      driver = openSqlite(file);
     } catch (err) {
       throw new Error(`cannot open the SQLite store at ${file}: ${(err as Error).message}`, { cause: err });
     }

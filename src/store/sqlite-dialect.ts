@@ -22,7 +22,7 @@ function adaptStatement(stmt: StatementSync): SqliteStatement {
   };
 }
 
-export function openSqlite(file: string): { dialect: SqliteDialect; raw: DatabaseSync } {
+export function openSqlite(file: string): SqliteDialect {
   const raw = new DatabaseSync(file);
   raw.exec("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000;");
   // Kysely prepares every query it runs; preparing is most of the cost of a small query, so keep them.
@@ -42,5 +42,5 @@ export function openSqlite(file: string): { dialect: SqliteDialect; raw: Databas
       raw.close();
     },
   };
-  return { dialect: new SqliteDialect({ database: adapter }), raw };
+  return new SqliteDialect({ database: adapter });
 }

@@ -6,6 +6,7 @@ import assert from "node:assert/strict";
 import { WebSocket } from "ws";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
+import { collectFrames } from "../support/frames.ts";
 
 let k: TestKiln;
 let m: any;
@@ -21,50 +22,11 @@ function connect(id = m.id, opts: { key?: string; autoPong?: boolean } = {}) {
     headers: { authorization: `Bearer ${opts.key ?? TEST_KEY}` },
     autoPong: opts.autoPong ?? true,
   });
-  const frames: any[] = [];
-  const waiters: { pred: (f: any) => boolean; resolve: (f: any) => void }[] = [];
-  ws.on("message", (data) => {
-    const f = JSON.parse(data.toString());
-    frames.push(f);
-    for (const w of [...waiters]) {
-      if (w.pred(f)) {
-        waiters.splice(waiters.indexOf(w), 1);
-        w.resolve(f);
-      }
-    }
-  });
   const opened = new Promise<void>((resolve, reject) => {
     ws.once("open", () => resolve());
     ws.once("error", reject);
   });
-  return {
-    ws,
-    frames,
-    opened,
-    send: (f: unknown) => ws.send(JSON.stringify(f)),
-    next(pred: (f: any) => boolean, timeoutMs = 10_000): Promise<any> {
-      const found = frames.find(pred);
-      if (found) {
-        frames.splice(frames.indexOf(found), 1);
-        return Promise.resolve(found);
-      }
-      return new Promise((resolve, reject) => {
-        const t = setTimeout(() => reject(new Error(`no matching frame in ${timeoutMs} ms; got ${JSON.stringify(frames.slice(-5))}`)), timeoutMs);
-        waiters.push({ pred, resolve: (f) => (clearTimeout(t), frames.splice(frames.indexOf(f), 1), resolve(f)) });
-      });
-    },
-  };
-}
-
-/** PTY output of a session, decoded, until `pattern` shows up. */
-async function ptyUntil(c: ReturnType<typeof connect>, session: string, pattern: RegExp, timeoutMs = 10_000): Promise<string> {
-  let text = "";
-  const deadline = Date.now() + timeoutMs;
-  while (!pattern.test(text)) {
-    const f = await c.next((x) => x.type === "pty.output" && x.session_id === session, Math.max(1, deadline - Date.now()));
-    text += Buffer.from(f.data_base64, "base64").toString("utf8");
-  }
-  return text;
+  return { ws, opened, ...collectFrames(ws) };
 }
 
 test("refusals before the upgrade: no key 401, unknown machine 404, as HTTP envelopes", async () => {
@@ -145,10 +107,10 @@ test("PTY: echo, and stty size shows the resize", async () => {
   const s = await c.next((f) => f.type === "pty.started" && f.request_id === "p");
   assert.ok(s.session_id && s.pid > 0);
   c.send({ type: "pty.input", session_id: s.session_id, data: "stty size\n" });
-  await ptyUntil(c, s.session_id, /24 80/);
+  await c.ptyUntil(s.session_id, /24 80/);
   c.send({ type: "pty.resize", session_id: s.session_id, cols: 132, rows: 43 });
   c.send({ type: "pty.input", session_id: s.session_id, data_base64: Buffer.from("stty size\n").toString("base64") });
-  await ptyUntil(c, s.session_id, /43 132/);
+  await c.ptyUntil(s.session_id, /43 132/);
   c.send({ type: "pty.input", pid: s.pid, data: "exit 5\n" });
   const exit = await c.next((f) => f.type === "pty.exit" && f.session_id === s.session_id);
   assert.equal(exit.exit_code, 5);
@@ -161,7 +123,7 @@ test("PTY sessions outlive the socket: reconnect by session_id and by pid replay
   c1.send({ type: "pty.start", request_id: "p", cmd: "/bin/sh", cols: 80, rows: 24 });
   const s = await c1.next((f) => f.type === "pty.started");
   c1.send({ type: "pty.input", session_id: s.session_id, data: "echo first-marker\n" });
-  await ptyUntil(c1, s.session_id, /first-marker\r?\n/);
+  await c1.ptyUntil(s.session_id, /first-marker\r?\n/);
   c1.ws.close();
   await new Promise((r) => setTimeout(r, 100));
 
@@ -171,7 +133,7 @@ test("PTY sessions outlive the socket: reconnect by session_id and by pid replay
   const rc = await c2.next((f) => f.type === "pty.reconnected");
   assert.equal(rc.session_id, s.session_id);
   assert.equal(rc.pid, s.pid);
-  const replay = await ptyUntil(c2, s.session_id, /first-marker\r?\n/);
+  const replay = await c2.ptyUntil(s.session_id, /first-marker\r?\n/);
   assert.ok(replay.includes("first-marker"));
 
   const c3 = connect();
@@ -179,8 +141,8 @@ test("PTY sessions outlive the socket: reconnect by session_id and by pid replay
   c3.send({ type: "pty.reconnect", pid: s.pid, offset: rc.offset });
   await c3.next((f) => f.type === "pty.reconnected");
   c2.send({ type: "pty.input", session_id: s.session_id, data: "echo both-see-this\n" });
-  await ptyUntil(c2, s.session_id, /both-see-this\r?\n/);
-  await ptyUntil(c3, s.session_id, /both-see-this\r?\n/);
+  await c2.ptyUntil(s.session_id, /both-see-this\r?\n/);
+  await c3.ptyUntil(s.session_id, /both-see-this\r?\n/);
   c2.ws.close();
   c3.ws.close();
 });
