@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(runc runsc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql)
+PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql util-linux)
 # Any Node with npm will do to bootstrap: npm ci then brings Node 24 itself.
 command -v npm >/dev/null 2>&1 || PACKAGES+=(nodejs npm)
 
@@ -22,6 +22,36 @@ if [ "${#missing[@]}" -gt 0 ]; then
   else
     echo "kiln: these Debian packages are missing; install them as root, then run this again:" >&2
     echo "  sudo apt-get install -y --no-install-recommends ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+
+# gVisor: Kiln needs runsc 20240729 or newer (bookworm's own 20221219 cannot network on Linux 6.x, nor stat with
+# AT_NO_AUTOMOUNT as coreutils does). Debian has it in bookworm-backports and in trixie and later.
+RUNSC_MIN=20240729
+runsc_version() { runsc --version 2>/dev/null | sed -n 's/.*[~-]\([0-9]\{8\}\).*/\1/p' | head -1; }
+if [ "$(runsc_version || true)" \< "$RUNSC_MIN" ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "kiln: gVisor's runsc $RUNSC_MIN or newer is missing; as root: apt-get install -t bookworm-backports runsc" >&2
+    exit 1
+  fi
+  . /etc/os-release
+  export DEBIAN_FRONTEND=noninteractive
+  if [ "${VERSION_CODENAME:-}" = bookworm ]; then
+    if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
+      # The same mirror the host already uses for bookworm.
+      mirror=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null | grep -v -e '^[[:space:]]*#' -e security | grep -oE 'https?://[^ ]+/debian/?' | head -1 || true)
+      printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+        "${mirror:-http://deb.debian.org/debian}" > /etc/apt/sources.list.d/kiln-bookworm-backports.sources
+    fi
+    echo "kiln: installing runsc from bookworm-backports" >&2
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
+  else
+    apt-get install -y -qq --no-install-recommends runsc >/dev/null
+  fi
+  if [ "$(runsc_version || true)" \< "$RUNSC_MIN" ]; then
+    echo "kiln: runsc $(runsc_version) is older than $RUNSC_MIN; gVisor machines will not work" >&2
     exit 1
   fi
 fi

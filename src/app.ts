@@ -35,7 +35,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const log = opts.log ?? createLogger({ level: config.logLevel });
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
-  const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
+  const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, runscPlatform: config.runscPlatform, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
   const services = createServices({ store, driver, log, warmPoolSize: config.warmPool });
   await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });
 

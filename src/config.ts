@@ -12,6 +12,8 @@ export interface Config {
   databaseUrl: string | undefined;
   driver: "oci";
   ociRuntime: "runc" | "runsc";
+  /** gVisor's way of intercepting a machine's system calls (runsc only). */
+  runscPlatform: "ptrace" | "systrap" | "kvm";
   publicUrl: string;
   apiKey: string | undefined;
   machineHostAccess: boolean;
@@ -36,6 +38,7 @@ export const CONFIG_VARS = [
   ["KILN_DATABASE_URL", "(SQLite at $KILN_DATA_DIR/kiln.db)", "postgres://… to use PostgreSQL"],
   ["KILN_DRIVER", "oci", "machine driver"],
   ["KILN_OCI_RUNTIME", "runc", "runc, or runsc for gVisor"],
+  ["KILN_RUNSC_PLATFORM", "ptrace", "gVisor platform: ptrace, systrap or kvm (runsc only)"],
   ["KILN_PUBLIC_URL", "http://$KILN_HOST:$KILN_PORT", "base of public (edge) URLs"],
   ["KILN_API_KEY", "(none)", "an API key the server accepts; stored hashed"],
   ["KILN_MACHINE_HOST_ACCESS", "0", "1 makes the host's loopback reachable in machines as host.kiln.internal"],
@@ -71,6 +74,7 @@ export function loadConfig(env: Env = process.env): Config {
     databaseUrl,
     driver,
     ociRuntime,
+    runscPlatform: oneOf(env, "KILN_RUNSC_PLATFORM", ["ptrace", "systrap", "kvm"] as const, "ptrace"),
     publicUrl,
     apiKey,
     machineHostAccess: boolVar(env, "KILN_MACHINE_HOST_ACCESS"),

@@ -1,22 +1,25 @@
 // The oci driver on the real runtime (runc unless KILN_OCI_RUNTIME says runsc) over the real base template:
 // isolation, copy-on-write roots, limits, network modes, hibernate/resume, destroy and adoption after a restart.
+// Both runtimes run every test; commands run in the machine through its agent, as users' commands do.
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { execFile, execFileSync, spawn } from "node:child_process";
-import { existsSync, readFileSync } from "node:fs";
+import { execFile, execFileSync } from "node:child_process";
+import { existsSync, readFileSync, statSync } from "node:fs";
 import { mkdtemp, mkdir, rm, writeFile } from "node:fs/promises";
 import { createServer } from "node:net";
 import type { Server } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { promisify } from "node:util";
-import { createOciDriver, CONTAINER_PREFIX, HOST_ID_BASE } from "../../src/runtime/oci/driver.ts";
+import { createOciDriver, containerName, HOST_ID_BASE } from "../../src/runtime/oci/driver.ts";
 import type { LiveMachine, MachineDriver, MachineSpec } from "../../src/runtime/driver.ts";
 import { prepareGuestRuntime } from "../../src/runtime/guest-runtime.ts";
 import { ensureBaseTemplate } from "../../src/builder/base-template.ts";
 import { bundleAgent, AGENT_SOURCES } from "../../src/agent/bundle.ts";
 import { createLogger } from "../../src/log.ts";
+import { createAgentClient } from "../../src/runtime/agent-client.ts";
+import type { AgentClient } from "../../src/runtime/agent-client.ts";
 import { TEST_CACHE_DIR } from "../support/paths.ts";
 
 const exec = promisify(execFile);
@@ -51,7 +54,8 @@ before(async () => {
 
 after(async () => {
   if (skip) return;
-  for (const id of created) await driver.destroy(id).catch(() => undefined);
+  await Promise.all([...agents.values()].map((a) => a.close()));
+  await Promise.all([...created].map((id) => driver.destroy(id)));
   await rm(dataDir, { recursive: true, force: true });
 });
 
@@ -66,15 +70,25 @@ async function machine(over: Partial<MachineSpec> = {}, d = driver): Promise<Liv
   return d.create({ id, layers: [layer], hostname: id.replaceAll("_", "-"), vcpus: 1, memoryMb: 256, internet: false, mounts: [], ...over });
 }
 
-/** Runs a shell line in the machine through the runtime itself (no agent involved). */
-async function sh(id: string, line: string): Promise<string> {
-  const { stdout } = await exec(runtime, ["--root", join(dataDir, "oci-state", runtime), "exec", CONTAINER_PREFIX + id, "/bin/sh", "-c", line], { timeout: 20_000 });
-  return stdout;
+const agents = new Map<string, AgentClient>();
+
+/** Runs a shell line as machine root through the machine's agent; a non-zero exit fails with its stderr. */
+async function sh(m: LiveMachine, line: string): Promise<string> {
+  let agent = agents.get(m.agentSocket);
+  if (!agent) agents.set(m.agentSocket, (agent = createAgentClient(m.agentSocket)));
+  const r = await agent.exec({ cmd: line, timeout_ms: 20_000 });
+  const out = Buffer.from(r.stdout_base64, "base64").toString();
+  if (r.exit_code !== 0) throw new Error(`${JSON.stringify(line)} exited ${r.exit_code ?? r.signal}: ${Buffer.from(r.stderr_base64, "base64").toString()}`);
+  return out;
 }
 
 const opt = { skip };
-// runsc 20221219 answers bookworm coreutils' statx with EINVAL (ls, stat fail) and cannot network with a userns.
-const runcOnly = { skip: skip ?? (runtime === "runsc" ? "runsc here: coreutils statx fails (EINVAL) and internet is unsupported" : undefined) };
+
+/** The machine's network interfaces, from /proc/net/dev (gVisor has no /sys/class/net). */
+async function interfaces(m: LiveMachine): Promise<string[]> {
+  const dev = await sh(m, "cat /proc/net/dev");
+  return dev.split("\n").slice(2).map((l) => l.split(":")[0].trim()).filter(Boolean).sort();
+}
 
 /** A killed machine's first process is reaped by the host's init, not by us: allow it a moment. */
 async function gone(pid: number): Promise<boolean> {
@@ -86,57 +100,64 @@ async function gone(pid: number): Promise<boolean> {
   return false;
 }
 
-test("a machine has its own pid 1 (tini), hostname and process table", runcOnly, async () => {
+test("a machine has its own pid 1 (tini), hostname and process table", opt, async () => {
   const m = await machine();
-  const pid1 = (await sh(m.id, "tr '\\0' ' ' < /proc/1/cmdline")).trim();
-  assert.match(pid1, /^\/opt\/kiln\/bin\/tini -s -- \/opt\/kiln\/lib\/ld-linux[^ ]* --library-path \/opt\/kiln\/lib \/opt\/kiln\/bin\/node \/opt\/kiln\/agent\/agent\.mjs --listen-fd 3/);
-  // The agent's socket is handed in as a file descriptor: no path inside the machine could be swapped for a symlink.
-  assert.equal((await sh(m.id, "test -e /run/kiln/agent.sock && echo visible || echo absent")).trim(), "absent");
-  assert.equal((await sh(m.id, "hostname")).trim(), m.id.replaceAll("_", "-"));
-  assert.equal((await sh(m.id, "cat /etc/hostname")).trim(), m.id.replaceAll("_", "-"));
-  const pids = (await sh(m.id, "ls /proc | grep -c '^[0-9]'")).trim();
+  const pid1 = (await sh(m, "tr '\\0' ' ' < /proc/1/cmdline")).trim();
+  const listen = runtime === "runc" ? "--listen-fd 3" : "--socket /run/kiln/agent.sock";
+  assert.match(pid1, new RegExp(`^/opt/kiln/bin/tini -s -- /opt/kiln/lib/ld-linux[^ ]* --library-path /opt/kiln/lib /opt/kiln/bin/node /opt/kiln/agent/agent\\.mjs ${listen}`));
+  if (runtime === "runc") {
+    // The agent's socket is handed in as a file descriptor: no path inside the machine could be swapped for a symlink.
+    assert.equal((await sh(m, "test -e /run/kiln/agent.sock && echo visible || echo absent")).trim(), "absent");
+  } else {
+    // runsc binds a directory for it, locked once the agent listens: machine root cannot swap the socket.
+    const swap = await sh(m, "ln -sf /tmp/elsewhere /run/kiln/agent.sock 2>&1; echo rc=$?; rm -f /run/kiln/agent.sock 2>&1; echo rc=$?");
+    assert.match(swap, /rc=1[\s\S]*rc=1/);
+    assert.ok(statSync(m.agentSocket).isSocket(), "the host still sees the agent's socket");
+  }
+  assert.equal((await sh(m, "hostname")).trim(), m.id.replaceAll("_", "-"));
+  assert.equal((await sh(m, "cat /etc/hostname")).trim(), m.id.replaceAll("_", "-"));
+  const pids = (await sh(m, "ls /proc | grep -c '^[0-9]'")).trim();
   assert.ok(Number(pids) < 10, `only the machine's own processes are visible (saw ${pids})`);
-  assert.equal((await sh(m.id, "test -e /work/main && echo visible || echo hidden")).trim(), "hidden");
+  assert.equal((await sh(m, "test -e /work/main && echo visible || echo hidden")).trim(), "hidden");
   assert.ok(existsSync(m.agentSocket), "the agent socket is on the host at agentSocket");
 });
 
-test("machine root is an unprivileged host uid, with reduced capabilities, no_new_privs and seccomp", runcOnly, async () => {
+test("machine root is an unprivileged host uid, with reduced capabilities, no_new_privs and seccomp", opt, async () => {
   const m = await machine();
   const status = readFileSync(`/proc/${m.pid}/status`, "utf8");
   const [, real, effective] = /^Uid:\s+(\d+)\s+(\d+)/m.exec(status)!;
   assert.equal(Number(real), HOST_ID_BASE);
   assert.equal(Number(effective), HOST_ID_BASE);
   assert.deepEqual(readFileSync(`/proc/${m.pid}/uid_map`, "utf8").trim().split(/\s+/).map(Number), [0, HOST_ID_BASE, 65536]);
-  const inside = await sh(m.id, "id -u; grep -E '^(CapEff|NoNewPrivs|Seccomp):' /proc/self/status");
+  // gVisor's /proc has no NoNewPrivs line: ask prctl(PR_GET_NO_NEW_PRIVS) in both.
+  const inside = await sh(m, "id -u; grep -E '^(CapEff|Seccomp):' /proc/self/status; python3 -c 'import ctypes; print(\"NoNewPrivs:\", ctypes.CDLL(None).prctl(39, 0, 0, 0, 0))'");
   assert.match(inside, /^0\n/);
   assert.match(inside, /NoNewPrivs:\s+1/);
-  if (runtime === "runc") {
-    assert.match(inside, /Seccomp:\s+2/);
-    const capEff = BigInt("0x" + /CapEff:\s+(\S+)/.exec(inside)![1]);
-    assert.equal(capEff & (1n << 21n), 0n, "no CAP_SYS_ADMIN");
-    // A nested user namespace is refused by the seccomp profile.
-    assert.match(await sh(m.id, "unshare -U true 2>&1; echo rc=$?"), /rc=1/);
-  }
+  assert.match(inside, /Seccomp:\s+2/);
+  const capEff = BigInt("0x" + /CapEff:\s+(\S+)/.exec(inside)![1]);
+  assert.equal(capEff & (1n << 21n), 0n, "no CAP_SYS_ADMIN");
+  // A nested user namespace is refused by the seccomp profile; clone3 answers ENOSYS so libc falls back to clone.
+  assert.match(await sh(m, "unshare -U true 2>&1; echo rc=$?"), /Operation not permitted[\s\S]*rc=1/);
+  assert.equal((await sh(m, "python3 -c 'import ctypes; l = ctypes.CDLL(None, use_errno=True); print(l.syscall(435, 0, 0), ctypes.get_errno())'")).trim(), "-1 38");
 });
 
-test("writes land in the machine's upper dir, never in the template layer, and /opt/kiln is read-only", runcOnly, async () => {
+test("writes land in the machine's upper dir, never in the template layer, and /opt/kiln is read-only", opt, async () => {
   const a = await machine();
   const b = await machine();
-  await sh(a.id, "echo from-a > /etc/kiln-marker && rm /etc/debian_version");
-  assert.equal(await sh(a.id, "cat /etc/kiln-marker"), "from-a\n");
-  assert.equal((await sh(b.id, "test -e /etc/kiln-marker && echo seen || echo unseen; cat /etc/debian_version >/dev/null && echo kept")).trim(), "unseen\nkept");
+  await sh(a, "echo from-a > /etc/kiln-marker && rm /etc/debian_version");
+  assert.equal(await sh(a, "cat /etc/kiln-marker"), "from-a\n");
+  assert.equal((await sh(b, "test -e /etc/kiln-marker && echo seen || echo unseen; cat /etc/debian_version >/dev/null && echo kept")).trim(), "unseen\nkept");
   assert.ok(!existsSync(join(layer, "etc/kiln-marker")), "the template layer is untouched");
   assert.ok(existsSync(join(layer, "etc/debian_version")), "a delete in one machine is a whiteout in its upper dir");
   assert.ok(existsSync(join(dataDir, "machines", a.id, "upper/etc/kiln-marker")));
-  assert.match(await sh(a.id, "touch /opt/kiln/x 2>&1; echo rc=$?"), /Read-only file system[\s\S]*rc=1/);
-  assert.equal((await sh(a.id, "stat -c %U:%u /workspace /home/user /etc/passwd")).trim(), "user:1000\nuser:1000\nroot:0");
+  assert.match(await sh(a, "touch /opt/kiln/x 2>&1; echo rc=$?"), /Read-only file system[\s\S]*rc=1/);
+  assert.equal((await sh(a, "stat -c %U:%u /workspace /home/user /etc/passwd")).trim(), "user:1000\nuser:1000\nroot:0");
 });
 
 test("cgroup limits for cpu, memory and pids are what the spec asked, and readiness says what is enforced", opt, async () => {
   const m = await machine({ vcpus: 2, memoryMb: 300 });
   const ready = await driver.readiness();
   assert.equal(ready.ready, true, ready.detail);
-  if (runtime !== "runc") return;
   assert.ok(["v1", "v2", "hybrid"].includes(ready.cgroup.version));
   const read = (v1: string, v2: string) => {
     const file = ready.cgroup.version === "v2" ? `/sys/fs/cgroup/kiln/${m.id}/${v2}` : `/sys/fs/cgroup/${v1}`.replace("<id>", m.id);
@@ -154,15 +175,15 @@ test("cgroup limits for cpu, memory and pids are what the spec asked, and readin
   }
 });
 
-test("internet: false leaves loopback only, and it is up", runcOnly, async () => {
+test("internet: false leaves loopback only, and it is up", opt, async () => {
   const m = await machine({ internet: false });
-  const ifaces = (await sh(m.id, "ls /sys/class/net")).trim().split(/\s+/);
-  assert.deepEqual(ifaces, ["lo"]);
-  assert.equal(Number((await sh(m.id, "cat /sys/class/net/lo/flags")).trim()) & 1, 1, "lo is up");
-  assert.equal((await sh(m.id, "cat /etc/resolv.conf")).trim(), "");
+  assert.deepEqual(await interfaces(m), ["lo"]);
+  const echo = "import socket; s = socket.create_server(('127.0.0.1', 0)); c = socket.create_connection(s.getsockname()); a, _ = s.accept(); c.sendall(b'up'); print(a.recv(2).decode())";
+  assert.equal((await sh(m, `python3 -c "${echo}"`)).trim(), "up", "loopback carries traffic");
+  assert.equal((await sh(m, "cat /etc/resolv.conf")).trim(), "");
 });
 
-test("internet: true attaches slirp4netns (killed on destroy); host loopback only with host access", runcOnly, async (t) => {
+test("internet: true attaches slirp4netns (killed on destroy); host loopback only with host access", opt, async (t) => {
   if (!existsSync("/usr/bin/slirp4netns")) return t.skip("slirp4netns is not installed");
   const server: Server = createServer((s) => s.end("hello from the host\n"));
   await new Promise<void>((r) => server.listen(0, "127.0.0.1", r));
@@ -170,51 +191,52 @@ test("internet: true attaches slirp4netns (killed on destroy); host loopback onl
   try {
     const probe = `timeout 3 bash -c 'exec 3<>/dev/tcp/10.0.2.2/${port}; cat <&3' 2>/dev/null || echo unreachable`;
     const closed = await machine({ internet: true });
-    assert.match(await sh(closed.id, "ls /sys/class/net"), /tap0/);
-    assert.equal((await sh(closed.id, "cat /etc/resolv.conf")).trim().split("\n")[0], "nameserver 10.0.2.3");
-    assert.equal((await sh(closed.id, probe)).trim(), "unreachable");
+    assert.deepEqual(await interfaces(closed), ["lo", "tap0"]);
+    assert.equal((await sh(closed, "cat /etc/resolv.conf")).trim().split("\n")[0], "nameserver 10.0.2.3");
+    assert.equal((await sh(closed, probe)).trim(), "unreachable");
     const slirpPid = Number(readFileSync(join(dataDir, "machines", closed.id, "slirp.pid"), "utf8"));
     assert.ok(existsSync(`/proc/${slirpPid}`));
     await driver.destroy(closed.id);
     await new Promise((r) => setTimeout(r, 100));
     assert.ok(!existsSync(`/proc/${slirpPid}`) || !readFileSync(`/proc/${slirpPid}/cmdline`, "utf8").startsWith("slirp4netns"), "slirp4netns is gone");
+    assert.ok(!readFileSync("/proc/self/mountinfo", "utf8").includes(closed.id), "no network namespace file is left mounted");
 
     const open = await machine({ internet: true }, newDriver({ hostAccess: true }));
-    assert.match(await sh(open.id, "grep host.kiln.internal /etc/hosts"), /^10\.0\.2\.2\s+host\.kiln\.internal/);
-    assert.equal((await sh(open.id, probe.replace("10.0.2.2", "host.kiln.internal"))).trim(), "hello from the host");
+    assert.match(await sh(open, "grep host.kiln.internal /etc/hosts"), /^10\.0\.2\.2\s+host\.kiln\.internal/);
+    assert.equal((await sh(open, probe.replace("10.0.2.2", "host.kiln.internal"))).trim(), "hello from the host");
   } finally {
     server.close();
   }
 });
 
-test("hibernate freezes every process in place and resume thaws them", runcOnly, async () => {
+test("hibernate freezes every process in place and resume thaws them", opt, async () => {
   const m = await machine();
-  // The detached loop inherits runc's stdio: give it none, or this test would wait on its output forever.
-  const loop = spawn(runtime, ["--root", join(dataDir, "oci-state", runtime), "exec", "--detach", CONTAINER_PREFIX + m.id, "/bin/sh", "-c", "while :; do date +%s%N > /tmp/tick; sleep 0.02; done"], { stdio: "ignore" });
-  assert.equal(await new Promise((r) => loop.once("exit", r)), 0);
-  const tick = join(dataDir, "machines", m.id, "upper/tmp/tick");
-  const read = () => (existsSync(tick) ? readFileSync(tick, "utf8") : "");
+  // A loop logs the wall clock (ms) every 20 ms; the log is read through the agent once the machine runs again.
+  await sh(m, "while :; do date +%s%3N >> /tmp/ticks; sleep 0.02; done >/dev/null 2>&1 &");
   await new Promise((r) => setTimeout(r, 200));
   await driver.hibernate(m.id);
+  const frozenAt = Date.now();
   assert.equal((await driver.listLive()).find((l) => l.id === m.id)?.state, "paused");
-  const frozen = read();
-  await new Promise((r) => setTimeout(r, 300));
-  assert.equal(read(), frozen, "nothing ran while hibernated");
+  await new Promise((r) => setTimeout(r, 400));
+  const thawedAt = Date.now();
   const back = await driver.resume(m.id);
   assert.equal(back.state, "running");
   assert.equal(back.agentSocket, m.agentSocket);
   await new Promise((r) => setTimeout(r, 300));
-  assert.notEqual(read(), frozen, "processes run again after resume");
+  const ticks = (await sh(m, "cat /tmp/ticks")).trim().split("\n").map(Number);
+  assert.ok(ticks.some((t) => t < frozenAt), "the loop ran before hibernate");
+  assert.deepEqual(ticks.filter((t) => t > frozenAt + 50 && t < thawedAt), [], "nothing ran while hibernated");
+  assert.ok(ticks.filter((t) => t >= thawedAt).length >= 3, "processes run again after resume");
 });
 
 test("stop keeps the machine's root; start boots it again with its files", opt, async () => {
   const m = await machine();
-  await sh(m.id, "echo kept > /root/note");
+  await sh(m, "echo kept > /root/note");
   await driver.stop(m.id);
   assert.equal((await driver.listLive()).some((l) => l.id === m.id), false);
   const again = await driver.start(m.id);
   assert.notEqual(again.pid, m.pid);
-  assert.equal(await sh(m.id, "cat /root/note"), "kept\n");
+  assert.equal(await sh(m, "cat /root/note"), "kept\n");
 });
 
 test("destroy leaves no process, mount, cgroup or directory behind, and is idempotent (also when hibernated)", opt, async () => {
@@ -238,7 +260,7 @@ test("destroy leaves no process, mount, cgroup or directory behind, and is idemp
 test("destroy also cleans up after a crash halfway (runtime state gone, mount and dir left)", opt, async () => {
   const m = await machine();
   // Simulate a control plane that died after killing the container but before unmounting and removing.
-  await exec(runtime, ["--root", join(dataDir, "oci-state", runtime), "delete", "--force", CONTAINER_PREFIX + m.id]);
+  await exec(runtime, ["--root", join(dataDir, "oci-state", runtime), "delete", "--force", containerName(runtime, m.id)]);
   const dir = join(dataDir, "machines", m.id);
   assert.ok(readFileSync("/proc/self/mountinfo", "utf8").includes(join(dir, "rootfs")));
   await driver.destroy(m.id);

@@ -11,7 +11,7 @@ import { startKiln } from "../../src/app.ts";
 import type { Kiln } from "../../src/app.ts";
 import { createLogger } from "../../src/log.ts";
 import pino from "pino";
-import { TEST_CACHE_DIR } from "./paths.ts";
+import { TEST_CACHE_DIR, TEST_RUNTIME } from "./paths.ts";
 
 export const TEST_KEY = "kiln_test_0123456789abcdefghijklmnopqrstuv";
 
@@ -30,7 +30,7 @@ export interface TestKiln {
 
 export async function startTestKiln(opts: { dataDir?: string; env?: Record<string, string>; waitForBase?: boolean; captureLogs?: boolean } = {}): Promise<TestKiln> {
   const dataDir = opts.dataDir ?? (await mkdtemp(join(tmpdir(), "kiln-test-")));
-  const config = loadConfig({ KILN_DATA_DIR: dataDir, KILN_CACHE_DIR: TEST_CACHE_DIR, KILN_PORT: "0", KILN_API_KEY: TEST_KEY, KILN_LOG_LEVEL: "debug", ...opts.env });
+  const config = loadConfig({ KILN_DATA_DIR: dataDir, KILN_CACHE_DIR: TEST_CACHE_DIR, KILN_PORT: "0", KILN_API_KEY: TEST_KEY, KILN_LOG_LEVEL: "debug", KILN_OCI_RUNTIME: TEST_RUNTIME, ...opts.env });
   const logs: string[] = [];
   const destination = new Writable({
     write(chunk, _enc, cb) {

@@ -5,7 +5,7 @@ import { execFile, spawn } from "node:child_process";
 import { connect, createServer } from "node:net";
 import { get as httpGet } from "node:http";
 import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync } from "node:fs";
-import { chown, link, mkdir, readFile, rm, writeFile } from "node:fs/promises";
+import { chmod, chown, link, mkdir, readdir, readFile, rm, rmdir, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import type { DriverReadiness, LiveMachine, MachineDriver, MachineSpec } from "../driver.ts";
@@ -14,20 +14,33 @@ import { guestRuntimeComplete } from "../guest-runtime.ts";
 import { HOST_ID_BASE } from "./idmap.ts";
 import { AGENT_SOCKET_NAME, machineSpec } from "./spec.ts";
 import { detectCgroups } from "./cgroups.ts";
-import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, startSlirp, stopSlirp } from "./network.ts";
+import { isMounted } from "./mounts.ts";
+import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, makeNetns, removeNetns, startSlirp, stopSlirp } from "./network.ts";
 
 export { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
 
 const exec = promisify(execFile);
 export const CONTAINER_PREFIX = "kiln-";
+/**
+ * The runtime's name for a machine. runsc takes any unambiguous prefix of a name as that name, so `delete kiln-a`
+ * could reach `kiln-ab`; a suffix with a character machine ids never hold makes no name a prefix of another.
+ */
+export function containerName(runtime: "runc" | "runsc", id: string): string {
+  return runtime === "runsc" ? `${CONTAINER_PREFIX}${id}.m` : CONTAINER_PREFIX + id;
+}
+
 const AGENT_WAIT_MS = 15_000;
 const PIDS_LIMIT = 4096;
+/** Older runsc cannot network on Linux 6.x or stat with AT_NO_AUTOMOUNT (coreutils does), nor pass --oci-seccomp. */
+const RUNSC_MIN_RELEASE = "20240729";
 /** Machine ids become path components and runtime ids: nothing but these characters. */
 const SAFE_ID = /^[A-Za-z0-9][A-Za-z0-9_-]{0,100}$/;
 
 export interface OciDriverOptions {
   dataDir: string;
   runtime: "runc" | "runsc";
+  /** runsc only; default ptrace, which started machines and ran processes fastest on the hosts measured. */
+  runscPlatform?: "ptrace" | "systrap" | "kvm";
   hostAccess: boolean;
   log: Logger;
   guestRuntimeDir: string;
@@ -52,6 +65,8 @@ function machinePaths(machinesDir: string, id: string, runtime: "runc" | "runsc"
     pidFile: join(dir, "runtime.pid"),
     slirpPid: join(dir, "slirp.pid"),
     slirpLog: join(dir, "slirp.log"),
+    /** runsc only: the machine's network namespace, made and wired before the sandbox starts. */
+    netns: join(dir, "netns"),
   };
 }
 
@@ -60,11 +75,6 @@ function hostNofile(): number {
   const m = /^Max open files\s+\S+\s+(\S+)/m.exec(readFileSync("/proc/self/limits", "utf8"));
   const hard = m && m[1] !== "unlimited" ? Number(m[1]) : 1_048_576;
   return Math.min(hard, 1_048_576);
-}
-
-function isMounted(path: string): boolean {
-  const escaped = path.replace(/[ \t\n\\]/g, (c) => "\\" + c.charCodeAt(0).toString(8).padStart(3, "0"));
-  return readFileSync("/proc/self/mountinfo", "utf8").split("\n").some((line) => line.split(" ")[4] === escaped);
 }
 
 async function tail(file: string, chars = 800): Promise<string> {
@@ -125,6 +135,18 @@ function alive(pid: number): boolean {
   }
 }
 
+/**
+ * A killed machine's first process stays a zombie until the host's init reaps it; runsc counts that as running.
+ * (runc does not.) Either way it is dead.
+ */
+function isZombie(pid: number): boolean {
+  try {
+    return readFileSync(`/proc/${pid}/stat`, "utf8").replace(/^.*\) /s, "").startsWith("Z");
+  } catch {
+    return false;
+  }
+}
+
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 export function createOciDriver(opts: OciDriverOptions): MachineDriver {
@@ -133,17 +155,32 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   const cgroups = detectCgroups();
   const nofile = hostNofile();
   const paths = (id: string) => machinePaths(machinesDir, id, opts.runtime);
+  const name = (id: string) => containerName(opts.runtime, id);
   const passFd = opts.runtime === "runc";
   let readinessCache: { at: number; value: DriverReadiness } | undefined;
 
   /**
-   * runsc: ptrace (KVM is unusable on these hosts), host-uds so the agent's socket works across the bind mount,
-   * no cgroups (so no limits: runsc's cgroup setup is not used here), and its own netstack with loopback only.
+   * runsc: the configured platform (ptrace unless told: KVM is unusable on these hosts), host-uds so the agent's
+   * socket works across the bind mount, no overlay of its own (writes go to the machine's overlayfs upper dir, so
+   * they survive a restart and count as the machine's disk), and the spec's seccomp profile inside the sandbox.
    */
   function runtimeArgs(): string[] {
     const base = ["--root", stateRoot];
-    if (opts.runtime === "runsc") base.push("--platform=ptrace", "--network=none", "--host-uds=all", "--ignore-cgroups");
+    if (opts.runtime === "runsc") base.push(`--platform=${opts.runscPlatform ?? "ptrace"}`, "--host-uds=all", "--overlay2=none", "--oci-seccomp");
     return base;
+  }
+
+  /**
+   * The command line that starts a machine. runsc with a network decides it is in the host's root namespace when
+   * /proc/sys/net/core/rmem_default exists — which Linux 6.x shows in every namespace — and refuses to start, so it
+   * runs in a private mount namespace of its own with /proc/sys/net hidden under an empty tmpfs.
+   */
+  function runCommand(spec: MachineSpec, p: Paths, passListener: boolean): [string, string[]] {
+    const network = opts.runtime === "runsc" ? [`--network=${spec.internet ? "sandbox" : "none"}`] : [];
+    const args = [...runtimeArgs(), ...network, "run", "--detach", "--pid-file", p.pidFile, ...(passListener ? ["--preserve-fds", "1"] : []), "--bundle", p.dir, name(spec.id)];
+    if (opts.runtime !== "runsc" || !spec.internet) return [opts.runtime, args];
+    const hide = 'mount -t tmpfs -o size=4k,mode=555 kiln-hidden /proc/sys/net && exec "$0" "$@"';
+    return ["unshare", ["--mount", "--propagation", "private", "sh", "-c", hide, opts.runtime, ...args]];
   }
 
   /** Every runtime call but `run` goes through here, so every failure names the command and says why. */
@@ -160,7 +197,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
 
   async function state(id: string): Promise<{ pid: number; status: string } | undefined> {
     try {
-      return JSON.parse(await runtime(["state", CONTAINER_PREFIX + id], 10_000)) as { pid: number; status: string };
+      return JSON.parse(await runtime(["state", name(id)], 10_000)) as { pid: number; status: string };
     } catch (err) {
       if (/does not exist|not found|no such/i.test((err as Error).message)) return undefined;
       throw err;
@@ -229,10 +266,12 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   async function boot(spec: MachineSpec): Promise<LiveMachine> {
     const t0 = performance.now();
     const p = paths(spec.id);
-    if (opts.runtime === "runsc" && spec.internet) {
-      // runsc 20221219 with a user namespace ignores the network namespace it is given and refuses --network=sandbox
-      // in the root one ("cannot run with network enabled in root network namespace"), so slirp4netns cannot feed it.
-      throw new Error("machines with internet are not supported on runsc on this host yet: create them with internet: false, or use runc");
+    // runsc takes its network from a namespace that is already wired when the sandbox starts.
+    const netnsFirst = opts.runtime === "runsc" && spec.internet;
+    if (netnsFirst) {
+      await stopSlirp(p.slirpPid);
+      await makeNetns(p.netns);
+      await startSlirp({ target: { netnsPath: p.netns }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog });
     }
     const config = machineSpec({
       id: spec.id,
@@ -249,8 +288,11 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       nofile,
       cgroupsPath: `/kiln/${spec.id}`,
       runtime: opts.runtime,
+      netnsPath: netnsFirst ? p.netns : undefined,
     });
     await Promise.all([writeFile(join(p.dir, "config.json"), JSON.stringify(config)), rm(p.socket, { force: true }), rm(p.pidFile, { force: true }), mountRoot(spec, p)]);
+    // runsc: the agent (machine root) makes its socket in the bound run dir, which is locked again once it has.
+    if (!passFd) await chown(p.run, HOST_ID_BASE, HOST_ID_BASE);
 
     let pid: number | undefined;
     const listener = passFd ? await hostListener(p.socket) : undefined;
@@ -261,8 +303,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const log = openSync(p.log, "a");
     try {
       await new Promise<void>((resolve, reject) => {
-        const args = [...runtimeArgs(), "run", "--detach", "--pid-file", p.pidFile, ...(listener ? ["--preserve-fds", "1"] : []), "--bundle", p.dir, CONTAINER_PREFIX + spec.id];
-        const child = spawn(opts.runtime, args, { stdio: listener ? ["ignore", log, log, listener.fd] : ["ignore", log, log] });
+        const [command, args] = runCommand(spec, p, listener !== undefined);
+        const child = spawn(command, args, { stdio: listener ? ["ignore", log, log, listener.fd] : ["ignore", log, log] });
         child.once("error", (err) => reject(new Error(`${opts.runtime} could not be started: ${err.message}`)));
         child.once("exit", (code, signal) => (code === 0 ? resolve() : reject(new Error(`${opts.runtime} run of ${spec.id} exited ${code ?? signal}`))));
       });
@@ -278,8 +320,10 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     // The agent and the network come up in parallel; a machine is handed out only once both are there.
     await Promise.all([
       agentReady,
-      spec.internet ? startSlirp({ pid, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog }) : undefined,
+      spec.internet && !netnsFirst ? startSlirp({ target: { pid }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog }) : undefined,
     ]);
+    // Machine root could otherwise swap its socket for a symlink the host would follow (to another machine's agent).
+    if (!passFd) await Promise.all([chown(p.run, 0, 0), chmod(p.run, 0o755)]);
     const ms = (a: number, b: number) => Math.round((b - a) * 10) / 10;
     opts.log.debug({ machine_id: spec.id, run_ms: ms(t0, tRun), agent_ms: ms(tRun, performance.now()) }, "machine booted");
     return { id: spec.id, state: "running", agentSocket: p.socket, pid };
@@ -293,36 +337,48 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     ensureTraversable(opts.dataDir);
     ensureTraversable(machinesDir);
     await mkdir(p.dir, { mode: 0o711 });
-    if (!passFd) {
-      await mkdir(p.run);
-      // runsc: the agent (machine root) creates its socket here; host root can connect to it regardless.
-      await chown(p.run, HOST_ID_BASE, HOST_ID_BASE);
-    }
+    if (!passFd) await mkdir(p.run);
     await Promise.all([writeEtc(spec, p), writeFile(p.spec, JSON.stringify(spec))]);
     opts.log.debug({ machine_id: spec.id, prepare_ms: Math.round((performance.now() - t0) * 10) / 10 }, "machine prepared");
     return boot(spec);
   }
 
+  async function releaseNetwork(p: Paths) {
+    await stopSlirp(p.slirpPid);
+    await removeNetns(p.netns);
+  }
+
   /** Kills and deletes the container; also clears a runtime state left by a crash (delete --force). */
   async function removeContainer(id: string) {
-    const name = CONTAINER_PREFIX + id;
+    const container = name(id);
     const gone = (err: Error) => /does not exist|not found|no such/i.test(err.message);
     try {
-      await runtime(["delete", "--force", name], 20_000);
+      await runtime(["delete", "--force", container], 20_000);
     } catch (err) {
       if (gone(err as Error)) return;
       // A frozen container cannot be killed on cgroup v1 until it is thawed.
-      await runtime(["resume", name], 10_000).catch(() => undefined);
-      await runtime(["delete", "--force", name], 20_000).catch((again: Error) => {
+      await runtime(["resume", container], 10_000).catch(() => undefined);
+      await runtime(["delete", "--force", container], 20_000).catch((again: Error) => {
         if (!gone(again)) throw again;
       });
     }
   }
 
+  /**
+   * The runtime removes a machine's cgroups when it deletes the container, but not after a failed start or a
+   * crash: remove whatever is left (an empty cgroup directory is removed with rmdir).
+   */
+  async function removeCgroups(id: string) {
+    if (cgroups.version === "none") return;
+    // v1 and hybrid hosts have one hierarchy per controller (and a named systemd one): look under each.
+    const roots = cgroups.version === "v2" ? ["/sys/fs/cgroup"] : (await readdir("/sys/fs/cgroup")).map((c) => join("/sys/fs/cgroup", c));
+    await Promise.all(roots.map((root) => rmdir(join(root, "kiln", id)).catch(() => undefined)));
+  }
+
   async function destroy(id: string): Promise<void> {
     const p = paths(id);
     await removeContainer(id);
-    await stopSlirp(p.slirpPid);
+    await Promise.all([releaseNetwork(p), removeCgroups(id)]);
     await unmountRoot(p);
     // Only once nothing is mounted under it: rm -r through a live overlay would write whiteouts, not free space.
     await rm(p.dir, { recursive: true, force: true });
@@ -337,6 +393,10 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     } catch {
       problems.push(`${opts.runtime} is not installed`);
     }
+    const released = /(\d{8})/.exec(version)?.[1];
+    if (opts.runtime === "runsc" && released && released < RUNSC_MIN_RELEASE) {
+      problems.push(`runsc ${released} is too old: Kiln needs ${RUNSC_MIN_RELEASE} or newer (Debian bookworm-backports has it)`);
+    }
     if (!(await guestRuntimeComplete(opts.guestRuntimeDir))) problems.push(`the guest runtime at ${opts.guestRuntimeDir} is incomplete`);
     const slirp = existsSync("/usr/bin/slirp4netns");
     const value: DriverReadiness = {
@@ -344,13 +404,10 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       runtime: opts.runtime,
       ready: problems.length === 0,
       detail: problems.length ? problems.join("; ") : version,
-      cgroup: opts.runtime === "runsc" ? { version: cgroups.version, enforced: [] } : cgroups,
-      network:
-        opts.runtime === "runsc"
-          ? "loopback only (gVisor netstack): internet is not supported on runsc here"
-          : slirp
-            ? "slirp4netns (user-mode NAT per machine); loopback only when internet is off"
-            : "loopback only: slirp4netns is not installed",
+      cgroup: cgroups,
+      network: slirp
+        ? `slirp4netns (user-mode NAT per machine${opts.runtime === "runsc" ? ", into gVisor's own network stack" : ""}); loopback only when internet is off`
+        : "loopback only: slirp4netns is not installed",
     };
     readinessCache = { at: Date.now(), value };
     return value;
@@ -364,7 +421,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     async stop(id) {
       const p = paths(id);
       await removeContainer(id);
-      await stopSlirp(p.slirpPid);
+      await Promise.all([releaseNetwork(p), removeCgroups(id)]);
       await unmountRoot(p);
     },
 
@@ -375,16 +432,16 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       })) as MachineSpec;
       // A start after a crash may find the old container still registered (stopped): clear it first.
       await removeContainer(id);
-      await stopSlirp(p.slirpPid);
+      await releaseNetwork(p);
       return boot(spec);
     },
 
     async hibernate(id) {
-      await runtime(["pause", CONTAINER_PREFIX + id]);
+      await runtime(["pause", name(id)]);
     },
 
     async resume(id) {
-      await runtime(["resume", CONTAINER_PREFIX + id]);
+      await runtime(["resume", name(id)]);
       const st = await state(id);
       if (!st || st.status !== "running") throw new Error(`machine ${id} is ${st?.status ?? "gone"} after resume`);
       return { id, state: "running", agentSocket: paths(id).socket, pid: st.pid };
@@ -397,9 +454,10 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       const list = JSON.parse((await runtime(["list", "--format", "json"], 20_000)).trim() || "null") as { id: string; pid: number; status: string }[] | null;
       const live: LiveMachine[] = [];
       for (const c of list ?? []) {
-        if (!c.id.startsWith(CONTAINER_PREFIX) || (c.status !== "running" && c.status !== "paused")) continue;
-        const id = c.id.slice(CONTAINER_PREFIX.length);
-        if (!SAFE_ID.test(id)) continue;
+        const suffix = containerName(opts.runtime, "").slice(CONTAINER_PREFIX.length);
+        if (!c.id.startsWith(CONTAINER_PREFIX) || !c.id.endsWith(suffix) || (c.status !== "running" && c.status !== "paused")) continue;
+        const id = c.id.slice(CONTAINER_PREFIX.length, c.id.length - suffix.length);
+        if (!SAFE_ID.test(id) || !alive(c.pid) || isZombie(c.pid)) continue;
         live.push({ id, state: c.status === "paused" ? "paused" : "running", agentSocket: paths(id).socket, pid: c.pid });
       }
       return live;

@@ -1,18 +1,30 @@
 // Outbound network for a machine: slirp4netns attached to the machine's network namespace (user-mode NAT, so
 // no host bridge or firewall rules), detached so it outlives a control-plane restart. Host loopback is reachable
 // at 10.0.2.2 only when host access is on.
+//
+// runc makes the namespace itself and slirp4netns joins it by the machine's pid once it runs. runsc copies the
+// interfaces of a namespace into its own network stack when the sandbox starts, so for runsc the namespace is made
+// first, kept alive by a bind mount on a file in the machine's directory, and wired before the sandbox exists.
 
-import { spawn } from "node:child_process";
-import { openSync, closeSync } from "node:fs";
+import { execFile, spawn } from "node:child_process";
+import { openSync, closeSync, existsSync } from "node:fs";
 import { readFile, rm, writeFile } from "node:fs/promises";
+import { promisify } from "node:util";
+import { isMounted } from "./mounts.ts";
+
+const exec = promisify(execFile);
 
 export const SLIRP_GATEWAY = "10.0.2.2";
 export const SLIRP_DNS = "10.0.2.3";
 export const HOST_ALIAS = "host.kiln.internal";
 
-export async function startSlirp(opts: { pid: number; hostAccess: boolean; pidFile: string; logFile: string }): Promise<number> {
+/** Where slirp4netns finds the namespace: the machine's first process, or a namespace file made by makeNetns. */
+export type SlirpTarget = { pid: number } | { netnsPath: string };
+
+export async function startSlirp(opts: { target: SlirpTarget; hostAccess: boolean; pidFile: string; logFile: string }): Promise<number> {
   const log = openSync(opts.logFile, "a");
-  const args = ["--configure", "--mtu=65520", "--ready-fd=3", ...(opts.hostAccess ? [] : ["--disable-host-loopback"]), String(opts.pid), "tap0"];
+  const target = "pid" in opts.target ? [String(opts.target.pid)] : ["--netns-type=path", opts.target.netnsPath];
+  const args = ["--configure", "--mtu=65520", "--ready-fd=3", ...(opts.hostAccess ? [] : ["--disable-host-loopback"]), ...target, "tap0"];
   const child = spawn("slirp4netns", args, { detached: true, stdio: ["ignore", log, log, "pipe"] });
   closeSync(log);
   const ready = child.stdio[3] as NodeJS.ReadableStream;
@@ -50,4 +62,22 @@ export async function stopSlirp(pidFile: string): Promise<void> {
     }
   }
   await rm(pidFile, { force: true });
+}
+
+/** A new, empty network namespace that lives as long as the bind mount on `path` (util-linux unshare makes it). */
+export async function makeNetns(path: string): Promise<void> {
+  await removeNetns(path);
+  await writeFile(path, "");
+  try {
+    await exec("unshare", [`--net=${path}`, "true"]);
+  } catch (err) {
+    throw new Error(`making the network namespace ${path} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
+  }
+}
+
+/** Releases a namespace made by makeNetns: once unmounted and unused, the kernel frees it. */
+export async function removeNetns(path: string): Promise<void> {
+  if (!existsSync(path)) return;
+  if (isMounted(path)) await exec("umount", [path]).catch(() => exec("umount", ["-l", path]));
+  await rm(path, { force: true });
 }

@@ -70,7 +70,11 @@ const CLONE_NAMESPACE_FLAGS = [0x00020000, 0x02000000, 0x04000000, 0x08000000, 0
 const EPERM = 1;
 const ENOSYS = 38;
 
-export function defaultSeccomp() {
+/**
+ * gVisor applies the profile inside its own kernel (--oci-seccomp) but answers every SCMP_ACT_ERRNO with EPERM;
+ * SCMP_ACT_TRACE with no tracer attached answers ENOSYS there, as Linux does, so clone3 uses that.
+ */
+export function defaultSeccomp(runtime: "runc" | "runsc" = "runc") {
   return {
     defaultAction: "SCMP_ACT_ALLOW",
     architectures: ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32", "SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
@@ -84,7 +88,7 @@ export function defaultSeccomp() {
         args: [{ index: 0, value: flag, valueTwo: flag, op: "SCMP_CMP_MASKED_EQ" }],
       })),
       // clone3 passes its flags in memory seccomp cannot read: ENOSYS makes glibc and others fall back to clone.
-      { names: ["clone3"], action: "SCMP_ACT_ERRNO", errnoRet: ENOSYS },
+      runtime === "runc" ? { names: ["clone3"], action: "SCMP_ACT_ERRNO", errnoRet: ENOSYS } : { names: ["clone3"], action: "SCMP_ACT_TRACE" },
     ],
   };
 }

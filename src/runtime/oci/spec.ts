@@ -61,8 +61,10 @@ export interface SpecInput {
   /** Open-file limit: machine root cannot raise it past the host's, so the driver passes what the host allows. */
   nofile: number;
   cgroupsPath: string;
-  /** runsc wants a plain spec: it has its own syscall filter and kernel, and handles some fields differently. */
+  /** runsc has its own kernel: no cgroup namespace, and a seccomp profile it can express (see seccomp.ts). */
   runtime: "runc" | "runsc";
+  /** A network namespace made beforehand (runsc with internet); otherwise the runtime makes a new one. */
+  netnsPath?: string;
 }
 
 function bind(source: string, destination: string, readonly: boolean) {
@@ -116,7 +118,7 @@ export function machineSpec(input: SpecInput) {
     linux: {
       uidMappings: idMap,
       gidMappings: idMap,
-      namespaces: [{ type: "pid" }, { type: "ipc" }, { type: "uts" }, { type: "mount" }, { type: "network" }, { type: "user" }, ...(input.runtime === "runc" ? [{ type: "cgroup" }] : [])],
+      namespaces: [{ type: "pid" }, { type: "ipc" }, { type: "uts" }, { type: "mount" }, input.netnsPath ? { type: "network", path: input.netnsPath } : { type: "network" }, { type: "user" }, ...(input.runtime === "runc" ? [{ type: "cgroup" }] : [])],
       cgroupsPath: input.cgroupsPath,
       resources: {
         devices: [{ allow: false, access: "rwm" }],
@@ -124,7 +126,7 @@ export function machineSpec(input: SpecInput) {
         cpu: { quota: Math.round(input.vcpus * 100_000), period: 100_000 },
         pids: { limit: input.pidsLimit },
       },
-      ...(input.runtime === "runc" ? { seccomp: defaultSeccomp() } : {}),
+      seccomp: defaultSeccomp(input.runtime),
       maskedPaths: MASKED,
       readonlyPaths: READONLY,
     },
