@@ -14,12 +14,14 @@ test("defaults", () => {
   assert.equal(c.ociRuntime, "runc");
   assert.equal(c.machineHostAccess, false);
   assert.equal(c.wsPingIntervalMs, 15_000);
+  assert.equal(c.runscPlatform, "ptrace");
 });
 
 for (const [name, value, pattern] of [
   ["KILN_PORT", "eighty", /KILN_PORT/],
   ["KILN_PORT", "70000", /KILN_PORT/],
   ["KILN_OCI_RUNTIME", "crun", /KILN_OCI_RUNTIME must be one of runc, runsc/],
+  ["KILN_RUNSC_PLATFORM", "tcg", /KILN_RUNSC_PLATFORM must be one of ptrace, systrap, kvm/],
   ["KILN_DATABASE_URL", "mysql://x", /KILN_DATABASE_URL/],
   ["KILN_MACHINE_HOST_ACCESS", "maybe", /KILN_MACHINE_HOST_ACCESS/],
   ["KILN_API_KEY", "short", /KILN_API_KEY/],
