@@ -2,10 +2,7 @@
 // rootfs), the exec round trip of `true` (beside a plain HTTP round trip to the same server), and idle machines' memory.
 
 import { execFileSync, spawn } from "node:child_process";
-import { mkdtemp, rm, writeFile, mkdir } from "node:fs/promises";
-import { tmpdir } from "node:os";
-import { join } from "node:path";
-import { request } from "undici";
+import { api, bareRun } from "./api.ts";
 import { median, percentile } from "./report.ts";
 import type { BenchResult } from "./report.ts";
 import type { BenchContext } from "./run.ts";
@@ -14,39 +11,7 @@ const CREATES = Number(process.env.KILN_BENCH_CREATES ?? 50);
 const EXECS = 300;
 const IDLE = Number(process.env.KILN_BENCH_IDLE ?? 50);
 
-async function json(ctx: BenchContext, method: string, path: string, body?: unknown) {
-  const res = await request(ctx.kiln.url + path, {
-    method: method as "POST",
-    headers: { authorization: `Bearer ${ctx.key}`, ...(body === undefined ? {} : { "content-type": "application/json" }) },
-    body: body === undefined ? undefined : JSON.stringify(body),
-  });
-  const parsed = (await res.body.json()) as any;
-  if (res.statusCode >= 400) throw new Error(`${method} ${path}: ${res.statusCode} ${JSON.stringify(parsed)}`);
-  return parsed;
-}
-
-/** A bare `runc run` of /bin/true on a plain copy-free bind of the base layer: the floor any runc-based machine pays. */
-async function bareRunc(layer: string, n: number): Promise<number[]> {
-  const dir = await mkdtemp(join(tmpdir(), "kiln-bench-runc-"));
-  try {
-    execFileSync("runc", ["spec", "--bundle", dir]);
-    const spec = JSON.parse(execFileSync("cat", [join(dir, "config.json")], { encoding: "utf8" }));
-    spec.root = { path: layer, readonly: true };
-    spec.process.args = ["/bin/true"];
-    spec.process.terminal = false;
-    await writeFile(join(dir, "config.json"), JSON.stringify(spec));
-    await mkdir(join(dir, "state"), { recursive: true });
-    const times: number[] = [];
-    for (let i = 0; i < n; i++) {
-      const t0 = performance.now();
-      execFileSync("runc", ["--root", join(dir, "state"), "run", "--bundle", dir, `kiln-bench-${process.pid}-${i}`], { stdio: "ignore" });
-      times.push(performance.now() - t0);
-    }
-    return times;
-  } finally {
-    await rm(dir, { recursive: true, force: true });
-  }
-}
+const json = (ctx: BenchContext, method: string, path: string, body?: unknown) => api(ctx.kiln.url, ctx.key, method, path, body);
 
 export async function run(ctx: BenchContext): Promise<BenchResult[]> {
   const results: BenchResult[] = [];
@@ -72,7 +37,7 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
   }
   const coldTimes: number[] = [];
   for (let i = 0; i < Math.min(CREATES, 30); i++) coldTimes.push(await timeCreate({ template: "local/base", vcpus: 2 }));
-  const runcTimes = await bareRunc(base.layers[base.layers.length - 1], Math.min(CREATES, 30));
+  const runcTimes = await bareRun("runc", base.layers[base.layers.length - 1], Math.min(CREATES, 30));
   const runcBaseline = { name: "bare `runc run /bin/true`, same rootfs", median: median(runcTimes), p99: percentile(runcTimes, 99) };
   results.push({
     name: `machine create → first exec answered, warm pool (${CREATES} machines)`,

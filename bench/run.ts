@@ -15,7 +15,10 @@ export interface BenchContext {
 
 const only = process.argv.slice(2);
 const here = import.meta.dirname;
-const files = (await readdir(here)).filter((f) => f.endsWith(".bench.ts") && (only.length === 0 || only.some((o) => f.startsWith(o)))).sort();
+// gVisor last: tearing its sandboxes down slows the host for a while, which would show in whatever ran next.
+const files = (await readdir(here))
+  .filter((f) => f.endsWith(".bench.ts") && (only.length === 0 || only.some((o) => f.startsWith(o))))
+  .sort((a, b) => Number(a.startsWith("gvisor")) - Number(b.startsWith("gvisor")) || (a < b ? -1 : 1));
 
 const kiln = await startTestKiln({ env: { KILN_LOG_LEVEL: "info" }, captureLogs: false });
 const results: BenchResult[] = [];
@@ -40,6 +43,11 @@ const NOTES = `## Reading these numbers
   \`node:http\`).
 - **Exec** costs a process start as another user in its own process group inside the machine (≈ 4 ms on this
   host) plus two local HTTP hops.
+- **gVisor** rows come from a second Kiln with \`KILN_OCI_RUNTIME=runsc\` (ptrace platform) started beside the
+  first. A warm create is quick because the pool absorbs gVisor's boot (≈ 0.2 s of \`runsc run\` plus the agent's
+  start under gVisor). An exec pays for process creation inside gVisor's kernel: each new address space is a new
+  host stub process under ptrace, and a fork + exec of Node's child costs tens of milliseconds there (bash running
+  \`/bin/true\` in a loop measured ≈ 30 ms each inside such a machine, ≈ 1 ms under runc).
 - **Ready throughput** includes bearer-key verification, a request log line, and the readiness body; the baseline
   is a bare Fastify route with no logger. Both share the host's 2 cores with the load generator.
 - **Stream throughput** is base64 in JSON text frames, as the protocol defines, through two WebSocket hops
