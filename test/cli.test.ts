@@ -13,6 +13,8 @@ import { request } from "undici";
 import { startTestKiln, TEST_KEY } from "./support/kiln.ts";
 import type { TestKiln } from "./support/kiln.ts";
 import { TEST_CACHE_DIR } from "./support/paths.ts";
+import { createOciDriver } from "../src/runtime/oci/driver.ts";
+import { createLogger } from "../src/log.ts";
 
 const run = promisify(execFile);
 const KILN = join(import.meta.dirname, "..", "bin", "kiln");
@@ -94,9 +96,10 @@ test("kiln serve finishes an in-flight request on SIGTERM, then exits 0", async 
     assert.equal(res.statusCode, 200);
     assert.equal(((await res.body.json()) as { stdout: string }).stdout, "done\n");
     assert.equal(await exited, 0);
-    // Machines outlive the control plane (they are adopted at the next start); clean this one up by hand.
-    await run("runc", ["--root", join(dataDir, "oci-state", "runc"), "delete", "--force", `kiln-${machine.id}`]).catch(() => undefined);
-    await run("umount", ["-l", join(dataDir, "machines", machine.id, "rootfs")]).catch(() => undefined);
+    // Machines outlive the control plane (they are adopted at the next start): remove this one as Kiln would, so
+    // its mount, cgroups and slirp4netns go too.
+    const driver = createOciDriver({ dataDir, runtime: "runc", hostAccess: false, log: createLogger({ level: "silent", pretty: false }), guestRuntimeDir: "" });
+    await driver.destroy(machine.id);
   } finally {
     server.kill("SIGKILL");
     await rm(dataDir, { recursive: true, force: true });
