@@ -244,15 +244,42 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   }
 
   async function destroy(id: string, reason?: string): Promise<MachineView> {
-    return withLock(id, async () => {
-      const row = await load(id);
-      if (row.status === "destroyed" || row.status === "failed") return machineView(row);
-      await detach(id);
-      await driver.destroy(id);
-      const set: MachineUpdate = { status: "destroyed", destroyed_at: new Date().toISOString() };
-      if (reason) set.failure_reason = reason;
-      return machineView(await transition(id, set, "destroy"));
-    });
+    return withLock(id, async () => machineView(await destroyLocked(await load(id), reason)));
+  }
+
+  /** Destroys a machine whose lock the caller holds; a destroyed or failed one is left as it is. */
+  async function destroyLocked(row: MachineRow, reason?: string): Promise<MachineRow> {
+    if (row.status === "destroyed" || row.status === "failed") return row;
+    await detach(row.id);
+    await driver.destroy(row.id);
+    const set: MachineUpdate = { status: "destroyed", destroyed_at: new Date().toISOString() };
+    if (reason) set.failure_reason = reason;
+    return transition(row.id, set, "destroy");
+  }
+
+  /**
+   * Machines whose processes are gone without Kiln stopping them (killed from outside, the host's OOM killer, a
+   * crash of the runtime) are destroyed — so their mount, cgroups and network helper go too — and say why.
+   * Rows are read before the runtime's list, so a machine that became running in between was already live.
+   */
+  async function reapDead(): Promise<number> {
+    const rows = await db.selectFrom("machines").select("id").where("status", "in", ["running", "hibernated"]).execute();
+    if (rows.length === 0) return 0;
+    const live = new Set((await driver.listLive()).map((m) => m.id));
+    let reaped = 0;
+    for (const { id } of rows) {
+      if (live.has(id)) continue;
+      await withLock(id, async () => {
+        const row = await load(id);
+        // Checked again under the lock: a concurrent destroy may have got there first.
+        if (row.status !== "running" && row.status !== "hibernated") return;
+        if ((await driver.listLive()).some((m) => m.id === id)) return;
+        log.warn({ machine_id: id }, "machine stopped unexpectedly; destroying it");
+        await destroyLocked(row, "the machine stopped unexpectedly");
+        reaped++;
+      }).catch((err: unknown) => log.error({ err, machine_id: id }, "destroying a machine that stopped failed"));
+    }
+    return reaped;
   }
 
   /** The guest agent of a running machine; 409 machine_not_running for any other state. */
@@ -300,8 +327,18 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     return { adopted, lost, removed: live.size };
   }
 
+  /** Expiry every second; every fifth second also a look for machines that stopped on their own. */
   function startSweeper(intervalMs = 1000) {
-    sweeper = setInterval(() => void sweepExpired().catch((err: unknown) => log.error({ err }, "expiry sweep failed")), intervalMs);
+    let tick = 0;
+    let reaping = false;
+    sweeper = setInterval(() => {
+      void sweepExpired().catch((err: unknown) => log.error({ err }, "expiry sweep failed"));
+      if (++tick % 5 !== 0 || reaping) return;
+      reaping = true;
+      void reapDead()
+        .catch((err: unknown) => log.error({ err }, "looking for stopped machines failed"))
+        .finally(() => (reaping = false));
+    }, intervalMs);
     sweeper.unref();
   }
 
@@ -311,7 +348,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     for (const id of [...agents.keys()]) await detach(id);
   }
 
-  return { create, get, list, update, hibernate, resume, destroy, agentOf, adopt, sweepExpired, startSweeper, onStatus, close };
+  return { create, get, list, update, hibernate, resume, destroy, agentOf, adopt, sweepExpired, reapDead, startSweeper, onStatus, close };
 }
 
 export type MachineService = ReturnType<typeof createMachineService>;

@@ -200,6 +200,30 @@ test("internet: false leaves only loopback", async () => {
   assert.equal(r.stdout.trim(), "lo");
 });
 
+test("a machine killed from outside Kiln is found and destroyed with a reason, leaving nothing behind", async () => {
+  const m = await create({ internet: true });
+  const dir = `${k.dataDir}/machines/${m.id}`;
+  const slirpPid = Number(readFileSync(`${dir}/slirp.pid`, "utf8"));
+  const pid = (await k.kiln.services.driver.listLive()).find((l) => l.id === m.id)!.pid;
+  process.kill(pid, "SIGKILL");
+  // The server looks every few seconds; ask now, as that look would (gVisor's first process may stay a zombie a while).
+  for (let i = 0; i < 50 && (await k.call("GET", `/v1/machines/${m.id}`)).body.status !== "destroyed"; i++) {
+    await k.kiln.services.machines.reapDead();
+    await new Promise((res) => setTimeout(res, 200));
+  }
+  const g = await k.call("GET", `/v1/machines/${m.id}`);
+  assert.equal(g.body.status, "destroyed");
+  assert.equal(g.body.failure_reason, "the machine stopped unexpectedly");
+  assert.deepEqual(await events(m.id), ["create", "destroy"]);
+  assert.equal(existsSync(dir), false);
+  assert.ok(!readFileSync("/proc/self/mountinfo", "utf8").includes(m.id), "no mount left");
+  assert.ok(!existsSync(`/proc/${slirpPid}/cmdline`) || !readFileSync(`/proc/${slirpPid}/cmdline`, "utf8").startsWith("slirp4netns"), "slirp4netns is gone");
+  // A live machine is left alone.
+  const alive = await create();
+  assert.equal(await k.kiln.services.machines.reapDead(), 0);
+  assert.equal((await k.call("GET", `/v1/machines/${alive.id}`)).body.status, "running");
+});
+
 test("a restarted server adopts live machines and marks gone ones destroyed", async () => {
   const dataDir = k.dataDir;
   const keep = await create();
