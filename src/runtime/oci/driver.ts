@@ -5,7 +5,7 @@ import { execFile, spawn } from "node:child_process";
 import { connect, createServer } from "node:net";
 import { get as httpGet } from "node:http";
 import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync } from "node:fs";
-import { chmod, chown, link, mkdir, readdir, readFile, rm, rmdir, writeFile } from "node:fs/promises";
+import { chmod, chown, link, mkdir, readFile, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import type { DriverReadiness, LiveMachine, MachineDriver, MachineSpec } from "../driver.ts";
@@ -13,26 +13,18 @@ import type { Logger } from "../../log.ts";
 import { guestRuntimeComplete } from "../guest-runtime.ts";
 import { HOST_ID_BASE } from "./idmap.ts";
 import { AGENT_SOCKET_NAME, machineSpec } from "./spec.ts";
-import { detectCgroups } from "./cgroups.ts";
+import { detectCgroups, removeCgroups } from "./cgroups.ts";
 import { isMounted } from "./mounts.ts";
 import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, makeNetns, removeNetns, startSlirp, stopSlirp } from "./network.ts";
+import { createRuntimeCli, RUNSC_MIN_RELEASE } from "./runtime-cli.ts";
 
 export { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
+export { containerName } from "./runtime-cli.ts";
 
 const exec = promisify(execFile);
-export const CONTAINER_PREFIX = "kiln-";
-/**
- * The runtime's name for a machine. runsc takes any unambiguous prefix of a name as that name, so `delete kiln-a`
- * could reach `kiln-ab`; a suffix with a character machine ids never hold makes no name a prefix of another.
- */
-export function containerName(runtime: "runc" | "runsc", id: string): string {
-  return runtime === "runsc" ? `${CONTAINER_PREFIX}${id}.m` : CONTAINER_PREFIX + id;
-}
 
 const AGENT_WAIT_MS = 15_000;
 const PIDS_LIMIT = 4096;
-/** Older runsc cannot network on Linux 6.x or stat with AT_NO_AUTOMOUNT (coreutils does), nor pass --oci-seccomp. */
-const RUNSC_MIN_RELEASE = "20240729";
 /** Machine ids become path components and runtime ids: nothing but these characters. */
 const SAFE_ID = /^[A-Za-z0-9][A-Za-z0-9_-]{0,100}$/;
 
@@ -155,54 +147,9 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   const cgroups = detectCgroups();
   const nofile = hostNofile();
   const paths = (id: string) => machinePaths(machinesDir, id, opts.runtime);
-  const name = (id: string) => containerName(opts.runtime, id);
+  const cli = createRuntimeCli({ runtime: opts.runtime, stateRoot, runscPlatform: opts.runscPlatform });
   const passFd = opts.runtime === "runc";
   let readinessCache: { at: number; value: DriverReadiness } | undefined;
-
-  /**
-   * runsc: the configured platform (ptrace unless told: KVM is unusable on these hosts), host-uds so the agent's
-   * socket works across the bind mount, no overlay of its own (writes go to the machine's overlayfs upper dir, so
-   * they survive a restart and count as the machine's disk), and the spec's seccomp profile inside the sandbox.
-   */
-  function runtimeArgs(): string[] {
-    const base = ["--root", stateRoot];
-    if (opts.runtime === "runsc") base.push(`--platform=${opts.runscPlatform ?? "ptrace"}`, "--host-uds=all", "--overlay2=none", "--oci-seccomp");
-    return base;
-  }
-
-  /**
-   * The command line that starts a machine. runsc with a network decides it is in the host's root namespace when
-   * /proc/sys/net/core/rmem_default exists — which Linux 6.x shows in every namespace — and refuses to start, so it
-   * runs in a private mount namespace of its own with /proc/sys/net hidden under an empty tmpfs.
-   */
-  function runCommand(spec: MachineSpec, p: Paths, passListener: boolean): [string, string[]] {
-    const network = opts.runtime === "runsc" ? [`--network=${spec.internet ? "sandbox" : "none"}`] : [];
-    const args = [...runtimeArgs(), ...network, "run", "--detach", "--pid-file", p.pidFile, ...(passListener ? ["--preserve-fds", "1"] : []), "--bundle", p.dir, name(spec.id)];
-    if (opts.runtime !== "runsc" || !spec.internet) return [opts.runtime, args];
-    const hide = 'mount -t tmpfs -o size=4k,mode=555 kiln-hidden /proc/sys/net && exec "$0" "$@"';
-    return ["unshare", ["--mount", "--propagation", "private", "sh", "-c", hide, opts.runtime, ...args]];
-  }
-
-  /** Every runtime call but `run` goes through here, so every failure names the command and says why. */
-  async function runtime(args: string[], timeoutMs = 30_000): Promise<string> {
-    try {
-      const { stdout } = await exec(opts.runtime, [...runtimeArgs(), ...args], { timeout: timeoutMs, maxBuffer: 16 * 1024 * 1024 });
-      return stdout;
-    } catch (err) {
-      const e = err as { stderr?: string; message: string; killed?: boolean };
-      const why = e.killed ? `timed out after ${timeoutMs} ms` : (e.stderr || e.message).trim().slice(-600);
-      throw new Error(`${opts.runtime} ${args.join(" ")} failed: ${why}`);
-    }
-  }
-
-  async function state(id: string): Promise<{ pid: number; status: string } | undefined> {
-    try {
-      return JSON.parse(await runtime(["state", name(id)], 10_000)) as { pid: number; status: string };
-    } catch (err) {
-      if (/does not exist|not found|no such/i.test((err as Error).message)) return undefined;
-      throw err;
-    }
-  }
 
   /** Machine root (host uid 100000+) must be able to reach its bundle: give the data dirs o+x if they lack it. */
   function ensureTraversable(dir: string) {
@@ -303,7 +250,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const log = openSync(p.log, "a");
     try {
       await new Promise<void>((resolve, reject) => {
-        const [command, args] = runCommand(spec, p, listener !== undefined);
+        const [command, args] = cli.runCommand({ id: spec.id, bundleDir: p.dir, pidFile: p.pidFile, internet: spec.internet, passListener: listener !== undefined });
         const child = spawn(command, args, { stdio: listener ? ["ignore", log, log, listener.fd] : ["ignore", log, log] });
         child.once("error", (err) => reject(new Error(`${opts.runtime} could not be started: ${err.message}`)));
         child.once("exit", (code, signal) => (code === 0 ? resolve() : reject(new Error(`${opts.runtime} run of ${spec.id} exited ${code ?? signal}`))));
@@ -348,37 +295,11 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     await removeNetns(p.netns);
   }
 
-  /** Kills and deletes the container; also clears a runtime state left by a crash (delete --force). */
-  async function removeContainer(id: string) {
-    const container = name(id);
-    const gone = (err: Error) => /does not exist|not found|no such/i.test(err.message);
-    try {
-      await runtime(["delete", "--force", container], 20_000);
-    } catch (err) {
-      if (gone(err as Error)) return;
-      // A frozen container cannot be killed on cgroup v1 until it is thawed.
-      await runtime(["resume", container], 10_000).catch(() => undefined);
-      await runtime(["delete", "--force", container], 20_000).catch((again: Error) => {
-        if (!gone(again)) throw again;
-      });
-    }
-  }
-
-  /**
-   * The runtime removes a machine's cgroups when it deletes the container, but not after a failed start or a
-   * crash: remove whatever is left (an empty cgroup directory is removed with rmdir).
-   */
-  async function removeCgroups(id: string) {
-    if (cgroups.version === "none") return;
-    // v1 and hybrid hosts have one hierarchy per controller (and a named systemd one): look under each.
-    const roots = cgroups.version === "v2" ? ["/sys/fs/cgroup"] : (await readdir("/sys/fs/cgroup")).map((c) => join("/sys/fs/cgroup", c));
-    await Promise.all(roots.map((root) => rmdir(join(root, "kiln", id)).catch(() => undefined)));
-  }
 
   async function destroy(id: string): Promise<void> {
     const p = paths(id);
-    await removeContainer(id);
-    await Promise.all([releaseNetwork(p), removeCgroups(id)]);
+    await cli.remove(id);
+    await Promise.all([releaseNetwork(p), removeCgroups(cgroups, `kiln/${id}`)]);
     await unmountRoot(p);
     // Only once nothing is mounted under it: rm -r through a live overlay would write whiteouts, not free space.
     await rm(p.dir, { recursive: true, force: true });
@@ -389,7 +310,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const problems: string[] = [];
     let version = "";
     try {
-      version = (await exec(opts.runtime, ["--version"])).stdout.split("\n")[0];
+      version = await cli.version();
     } catch {
       problems.push(`${opts.runtime} is not installed`);
     }
@@ -420,8 +341,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
 
     async stop(id) {
       const p = paths(id);
-      await removeContainer(id);
-      await Promise.all([releaseNetwork(p), removeCgroups(id)]);
+      await cli.remove(id);
+      await Promise.all([releaseNetwork(p), removeCgroups(cgroups, `kiln/${id}`)]);
       await unmountRoot(p);
     },
 
@@ -431,18 +352,18 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
         throw new Error(`machine ${id} does not exist on this host`);
       })) as MachineSpec;
       // A start after a crash may find the old container still registered (stopped): clear it first.
-      await removeContainer(id);
+      await cli.remove(id);
       await releaseNetwork(p);
       return boot(spec);
     },
 
     async hibernate(id) {
-      await runtime(["pause", name(id)]);
+      await cli.pause(id);
     },
 
     async resume(id) {
-      await runtime(["resume", name(id)]);
-      const st = await state(id);
+      await cli.resume(id);
+      const st = await cli.state(id);
       if (!st || st.status !== "running") throw new Error(`machine ${id} is ${st?.status ?? "gone"} after resume`);
       return { id, state: "running", agentSocket: paths(id).socket, pid: st.pid };
     },
@@ -450,15 +371,11 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     destroy,
 
     async listLive() {
-      if (!existsSync(stateRoot)) return [];
-      const list = JSON.parse((await runtime(["list", "--format", "json"], 20_000)).trim() || "null") as { id: string; pid: number; status: string }[] | null;
       const live: LiveMachine[] = [];
-      for (const c of list ?? []) {
-        const suffix = containerName(opts.runtime, "").slice(CONTAINER_PREFIX.length);
-        if (!c.id.startsWith(CONTAINER_PREFIX) || !c.id.endsWith(suffix) || (c.status !== "running" && c.status !== "paused")) continue;
-        const id = c.id.slice(CONTAINER_PREFIX.length, c.id.length - suffix.length);
-        if (!SAFE_ID.test(id) || !alive(c.pid) || isZombie(c.pid)) continue;
-        live.push({ id, state: c.status === "paused" ? "paused" : "running", agentSocket: paths(id).socket, pid: c.pid });
+      for (const c of await cli.list()) {
+        if (c.status !== "running" && c.status !== "paused") continue;
+        if (!SAFE_ID.test(c.id) || !alive(c.pid) || isZombie(c.pid)) continue;
+        live.push({ id: c.id, state: c.status === "paused" ? "paused" : "running", agentSocket: paths(c.id).socket, pid: c.pid });
       }
       return live;
     },

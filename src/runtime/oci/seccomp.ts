@@ -1,5 +1,6 @@
-// The default seccomp profile of every runc machine: allow by default, refuse what reaches past a container —
-// kernel modules, kexec, clocks, swap, keyrings, BPF, perf, io_uring, raw handles, new namespaces — as Docker's does.
+// The default seccomp profile of every machine (under runsc, applied inside the sandbox): allow by default, refuse
+// what reaches past a container — kernel modules, kexec, clocks, swap, keyrings, BPF, perf, io_uring, raw handles,
+// new namespaces — as Docker's does.
 
 /** Refused with EPERM: each needs a capability machines never hold, or exposes host kernel state or attack surface. */
 const DENIED = [
