@@ -32,7 +32,8 @@ RUNSC_MIN=20240729
 runsc_version() { runsc --version 2>/dev/null | sed -n 's/.*[~-]\([0-9]\{8\}\).*/\1/p' | head -1; }
 if [ "$(runsc_version || true)" \< "$RUNSC_MIN" ]; then
   if [ "$(id -u)" != 0 ]; then
-    echo "kiln: gVisor's runsc $RUNSC_MIN or newer is missing; as root: apt-get install -t bookworm-backports runsc" >&2
+    echo "kiln: gVisor's runsc $RUNSC_MIN or newer is missing; run this script as root once, or add bookworm-backports" >&2
+    echo "  to apt's sources and: sudo apt-get install -y -t bookworm-backports runsc" >&2
     exit 1
   fi
   . /etc/os-release
