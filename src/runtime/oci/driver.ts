@@ -213,10 +213,10 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   async function boot(spec: MachineSpec): Promise<LiveMachine> {
     const t0 = performance.now();
     const p = paths(spec.id);
-    // runsc takes its network from a namespace that is already wired when the sandbox starts.
+    // runsc takes its network from a namespace that is already wired when the sandbox starts. (A fresh machine has
+    // none yet; start() released the last boot's before calling here.)
     const netnsFirst = opts.runtime === "runsc" && spec.internet;
     if (netnsFirst) {
-      await stopSlirp(p.slirpPid);
       await makeNetns(p.netns);
       await startSlirp({ target: { netnsPath: p.netns }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog });
     }
@@ -294,7 +294,6 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     await stopSlirp(p.slirpPid);
     await removeNetns(p.netns);
   }
-
 
   async function destroy(id: string): Promise<void> {
     const p = paths(id);

@@ -64,9 +64,11 @@ export async function stopSlirp(pidFile: string): Promise<void> {
   await rm(pidFile, { force: true });
 }
 
-/** A new, empty network namespace that lives as long as the bind mount on `path` (util-linux unshare makes it). */
+/**
+ * A new, empty network namespace that lives as long as the bind mount on `path` (util-linux unshare makes it).
+ * `path` must not hold one already: removeNetns first.
+ */
 export async function makeNetns(path: string): Promise<void> {
-  await removeNetns(path);
   await writeFile(path, "");
   try {
     await exec("unshare", [`--net=${path}`, "true"]);
