@@ -93,6 +93,59 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.createIndex("template_aliases_template").on("template_aliases").column("template_id").execute();
       },
     },
+    // Template builds: build records, their durable logs, the layer cache, and what artifacts now carry (image
+    // config, the source digest the final-artifact cache matches on, retention) and templates (name claims).
+    "0005_builds": {
+      async up(db: Kysely<any>) {
+        await db.schema
+          .createTable("builds")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("template_id", "text", (c) => c.notNull().references("templates.id"))
+          .addColumn("name", "text", (c) => c.notNull())
+          .addColumn("tags_json", "text", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("build_backend", "text", (c) => c.notNull())
+          .addColumn("source_type", "text", (c) => c.notNull())
+          .addColumn("source_digest", "text")
+          .addColumn("context_digest", "text")
+          .addColumn("dockerfile_digest", "text")
+          .addColumn("triggered_by", "text")
+          .addColumn("queued_at", "text", (c) => c.notNull())
+          .addColumn("started_at", "text")
+          .addColumn("finished_at", "text")
+          .addColumn("duration_ms", "bigint")
+          .addColumn("failure_phase", "text")
+          .addColumn("failure_reason", "text")
+          .addColumn("cache_summary_json", "text", (c) => c.notNull())
+          .addColumn("artifact_ids_json", "text", (c) => c.notNull())
+          .addColumn("retention_expires_at", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .execute();
+        await db.schema.createIndex("builds_template_created").on("builds").columns(["template_id", "created_at", "id"]).execute();
+        await db.schema.createIndex("builds_status").on("builds").column("status").execute();
+        await db.schema
+          .createTable("build_logs")
+          .addColumn("build_id", "text", (c) => c.notNull())
+          .addColumn("seq", "integer", (c) => c.notNull())
+          .addColumn("kind", "text", (c) => c.notNull())
+          .addColumn("entry_json", "text", (c) => c.notNull())
+          .addPrimaryKeyConstraint("build_logs_pk", ["build_id", "seq"])
+          .execute();
+        await db.schema
+          .createTable("build_cache")
+          .addColumn("key", "text", (c) => c.primaryKey())
+          .addColumn("layer_dir", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("last_used_at", "text", (c) => c.notNull())
+          .execute();
+        await db.schema.alterTable("artifacts").addColumn("config_json", "text").execute();
+        await db.schema.alterTable("artifacts").addColumn("source_digest", "text").execute();
+        await db.schema.alterTable("artifacts").addColumn("retention_expires_at", "text").execute();
+        await db.schema.createIndex("artifacts_source_digest").on("artifacts").column("source_digest").execute();
+        await db.schema.alterTable("templates").addColumn("name_claim_hash", "text").execute();
+      },
+    },
   };
 }
 

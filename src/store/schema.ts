@@ -22,6 +22,8 @@ export interface TemplatesTable {
   canonical_ref: string; // "<namespace>/<name>", unique
   created_at: string;
   updated_at: string;
+  /** SHA-256 of the name_claim_token the template was first built with; later builds must present it. */
+  name_claim_hash?: string | null;
 }
 
 export interface TemplateAliasesTable {
@@ -38,6 +40,12 @@ export interface ArtifactsTable {
   layers_json: string;
   digest: string;
   created_at: string;
+  /** ArtifactConfig JSON (image config, layer digests, start/ready commands); null for the base template. */
+  config_json?: string | null;
+  /** The build input digest the final-artifact cache matches on. */
+  source_digest?: string | null;
+  /** Set when no tag points at the artifact any more; the collector removes it after this time. */
+  retention_expires_at?: string | null;
 }
 
 export interface ArtifactTagsTable {
@@ -78,6 +86,48 @@ export interface EventsTable {
   occurred_at: string;
 }
 
+export interface BuildsTable {
+  id: string; // bld_…
+  template_id: string;
+  name: string;
+  tags_json: string;
+  status: string; // BUILD_STATUSES
+  build_backend: string;
+  source_type: string;
+  source_digest: string | null;
+  context_digest: string | null;
+  dockerfile_digest: string | null;
+  triggered_by: string | null;
+  queued_at: string;
+  started_at: string | null;
+  finished_at: string | null;
+  duration_ms: number | null;
+  failure_phase: string | null;
+  failure_reason: string | null;
+  cache_summary_json: string;
+  artifact_ids_json: string;
+  retention_expires_at: string | null;
+  created_at: string;
+  updated_at: string;
+}
+
+export interface BuildLogsTable {
+  build_id: string;
+  seq: number;
+  kind: string;
+  /** One SPEC.md build log entry, JSON. */
+  entry_json: string;
+}
+
+export interface BuildCacheTable {
+  /** sha256 of the parent layer's key, the step's Dockerfile text and its inputs' digests. */
+  key: string;
+  /** The step's layer directory; null for steps that change no file (env, user). */
+  layer_dir: string | null;
+  created_at: string;
+  last_used_at: string;
+}
+
 export interface Database {
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
@@ -86,6 +136,9 @@ export interface Database {
   artifact_tags: ArtifactTagsTable;
   machines: MachinesTable;
   events: EventsTable;
+  builds: BuildsTable;
+  build_logs: BuildLogsTable;
+  build_cache: BuildCacheTable;
 }
 
 export type Db = Kysely<Database>;
@@ -95,4 +148,5 @@ export type MachineUpdate = Updateable<MachinesTable>;
 export type ApiKeyRow = Selectable<ApiKeysTable>;
 export type TemplateRow = Selectable<TemplatesTable>;
 export type ArtifactRow = Selectable<ArtifactsTable>;
+export type BuildRow = Selectable<BuildsTable>;
 export type EventRow = Selectable<EventsTable>;
