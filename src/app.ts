@@ -36,12 +36,16 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
   const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, runscPlatform: config.runscPlatform, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool });
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS });
   await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });
 
   const adoption = await services.machines.adopt();
   if (adoption.adopted + adoption.lost + adoption.removed > 0) log.info(adoption, "machines reconciled after start");
   services.machines.startSweeper();
+  // Builds a previous process left running end `error` (their build machines went with adoption above).
+  const interrupted = await services.builds.recoverInterrupted();
+  if (interrupted > 0) log.warn({ builds: interrupted }, "builds interrupted by the last stop were marked error");
+  services.builds.startCollector();
 
   const baseReady = ensureBaseTemplate({ cacheDir: config.cacheDir, mirror: config.debianMirror, log, onProgress: (line) => log.info({ phase: "base-template" }, line) })
     .then(async ({ layerDir, digest }) => {
@@ -62,6 +66,8 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   let closing: Promise<void> | undefined;
   async function close() {
     closing ??= (async () => {
+      // Running builds end first (as `error`: the server stopped), so their log streams close and app.close can finish.
+      await services.builds.close();
       await app.close();
       await services.pool.close();
       await services.machines.close();

@@ -22,6 +22,10 @@ export const SECRET_FIELDS = [
   "key",
   "cookie",
   "x-api-key",
+  "build_envs",
+  "name_claim_token",
+  "base_image_auth",
+  "registry_credentials",
 ] as const;
 
 const SECRET_SET = new Set<string>(SECRET_FIELDS);

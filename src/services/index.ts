@@ -9,13 +9,18 @@ import { createMachineService } from "./machines.ts";
 import { createExecService } from "./exec.ts";
 import { createFileService } from "./files.ts";
 import { createWarmPool } from "./warm-pool.ts";
+import { createBuildService } from "./builds.ts";
+import type { BuildExtensions } from "./builds.ts";
+import { createTemplateCatalog } from "./template-catalog.ts";
 
-export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number }) {
+export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number; dataDir: string; buildRetentionS: number; buildExtensions?: BuildExtensions }) {
   const { store, driver, log } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool });
+  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, extensions: deps.buildExtensions });
+  const templateCatalog = createTemplateCatalog({ db: store.db, templateIdOf: builds.templateIdOf });
   return {
     store,
     driver,
@@ -25,6 +30,8 @@ export function createServices(deps: { store: Store; driver: MachineDriver; log:
     machines,
     exec: createExecService(machines),
     files: createFileService(machines),
+    builds,
+    templateCatalog,
   };
 }
 

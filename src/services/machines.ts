@@ -11,6 +11,8 @@ import type { AgentClient } from "../runtime/agent-client.ts";
 import type { TemplateService } from "./templates.ts";
 import type { WarmPool } from "./warm-pool.ts";
 import type { Logger } from "../log.ts";
+import { artifactConfig } from "../builder/artifact-config.ts";
+import { runStartCommand } from "./start-command.ts";
 
 export const MACHINE_STATUSES = ["creating", "running", "hibernated", "destroyed", "failed"] as const;
 export type MachineStatus = (typeof MACHINE_STATUSES)[number];
@@ -128,6 +130,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
 
   async function create(input: CreateMachineInput): Promise<MachineView> {
     const resolved = await templates.resolve(input.template ?? deps.baseTemplateRef);
+    // A built template's image config gives the defaults: its envs, working directory and user.
+    const image = artifactConfig(resolved.artifact);
     const now = new Date();
     const timeoutS = input.timeout_s ?? MACHINE_DEFAULTS.timeoutS;
     const vcpus = input.vcpus ?? MACHINE_DEFAULTS.vcpus;
@@ -140,8 +144,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       artifact_id: resolved.artifact.id,
       name: input.name ?? null,
       status: "creating",
-      cwd: input.cwd ?? null,
-      user: input.user ?? MACHINE_DEFAULTS.user,
+      cwd: input.cwd ?? image.image.workingDir ?? null,
+      user: input.user ?? image.image.user ?? MACHINE_DEFAULTS.user,
       metadata_json: JSON.stringify(input.metadata ?? {}),
       vcpus,
       memory_mb: memoryMb,
@@ -172,7 +176,10 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
         await agent.user(row.user).catch((err: unknown) => {
           throw err instanceof AgentError && err.code === "not_found" ? new KilnError("invalid_request", `No user ${JSON.stringify(row.user)} in template ${resolved.template.canonical_ref}`) : err;
         });
-        if (input.envs && Object.keys(input.envs).length > 0) await agent.setEnvs(input.envs);
+        // The start command sees the template's envs only; create-time envs apply to what runs after it.
+        if (Object.keys(image.image.env).length > 0) await agent.setEnvs(image.image.env);
+        await runStartCommand(agent, image, row.user);
+        if (input.envs && Object.keys(input.envs).length > 0) await agent.setEnvs({ ...image.image.env, ...input.envs });
         // The machine's cwd is where its commands start: make sure it exists, owned by the machine's user.
         if (row.cwd) await agent.mkdir(row.cwd, { user: row.user });
         return machineView(await transition(row.id, { status: "running" }, "create"));
