@@ -171,7 +171,7 @@ test("replay with a stock EventSource client follows a running build, and reconn
   await build(k, { name: "replayed", steps: [{ type: "run", command: "echo a; sleep 1; echo b" }] }, { stopAfter: (e) => ((buildId = e.data.build_id), true) });
   const sentLastIds: (string | undefined)[] = [];
   const dispatcher = new Agent().compose((dispatch: Dispatcher["dispatch"]) => (opts, handler) => {
-    const headers = { ...(opts.headers as Record<string, string>), authorization: `Bearer ${TEST_KEY}` };
+    const headers: Record<string, string> = { ...(opts.headers as Record<string, string>), authorization: `Bearer ${TEST_KEY}` };
     sentLastIds.push(headers["last-event-id"] ?? headers["Last-Event-ID"]);
     return dispatch({ ...opts, headers }, handler);
   });
