@@ -373,7 +373,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       await Promise.all([releaseNetwork(p), removeCgroups(cgroups, `kiln/${id}`)]);
       await unmountRoot(p);
       await rename(p.upper, destDir);
-      await destroy(id);
+      // What is left (bundle, work dir, sockets) goes as in destroy; the runtime already has no container.
+      await rm(p.dir, { recursive: true, force: true });
     },
 
     destroy,
