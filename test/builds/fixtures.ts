@@ -58,7 +58,8 @@ function makeGitRepo(root: string) {
   git(["update-server-info"], join(root, "repo.git"));
 }
 
-export async function startFixtures(): Promise<Fixtures> {
+/** `npmCli` also serves npm itself (the host's copy, tarred), for images that have no npm. */
+export async function startFixtures(opts: { npmCli?: boolean } = {}): Promise<Fixtures> {
   const root = mkdtempSync(join(tmpdir(), "kiln-build-fixtures-"));
   mkdirSync(join(root, "simple", "kilnpkg"), { recursive: true });
   makeWheel(root);
@@ -69,6 +70,7 @@ export async function startFixtures(): Promise<Fixtures> {
   writeFileSync(join(root, "tool.sh"), fileContent);
   makeNpmTarball(root);
   makeGitRepo(root);
+  if (opts.npmCli) execFileSync("tar", ["-czf", join(root, "npm-cli.tgz"), "-C", "/usr/lib/node_modules", "npm"]);
   const server: Server = createServer((req, res) => {
     let path = normalize(decodeURIComponent((req.url ?? "/").split("?")[0]));
     if (path.includes("..")) return void res.writeHead(400).end();
