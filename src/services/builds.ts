@@ -31,6 +31,7 @@ import type { BuildSource, SourceLayers } from "../builder/sources/source.ts";
 import type { ArtifactConfig } from "../builder/artifact-config.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
 import { selectContext } from "../builder/context.ts";
+import { verifyStartCommand } from "../builder/phases/startup.ts";
 import { BuildCancelled, BuildFailure } from "../builder/failure.ts";
 import { decodeCursor, encodeCursor } from "../store/cursor.ts";
 
@@ -66,6 +67,10 @@ export interface BuildListQuery {
   source_type?: SourceType;
   limit: number;
   cursor?: string;
+}
+
+function buildVm(req: BuildRequestT) {
+  return { vcpus: req.vm?.vcpus ?? BUILD_DEFAULTS.vcpus, memoryMb: req.vm?.memory_mb ?? BUILD_DEFAULTS.memoryMb, internet: req.vm?.internet ?? BUILD_DEFAULTS.internet };
 }
 
 function hashToken(token: string): string {
@@ -298,7 +303,7 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
           steps: p.steps,
           context: p.context,
           buildEnvs: req.build_envs ?? {},
-          vm: { vcpus: req.vm?.vcpus ?? BUILD_DEFAULTS.vcpus, memoryMb: req.vm?.memory_mb ?? BUILD_DEFAULTS.memoryMb, internet: req.vm?.internet ?? BUILD_DEFAULTS.internet },
+          vm: buildVm(req),
           skipCache: req.skip_cache === true,
           maxAttempts: BUILD_DEFAULTS.maxAttempts,
           signal,
@@ -312,12 +317,14 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
         if (req.runtime_defaults?.cwd) image.workingDir = req.runtime_defaults.cwd;
         if (req.runtime_defaults?.user) image.user = req.runtime_defaults.user;
         const config: ArtifactConfig = { image, layerDigests: layers.map((l) => l.digest), runtimeDefaults: req.runtime_defaults, startCmd: req.start_cmd, readyCmd: req.ready_cmd };
+        if (config.startCmd) {
+          await verifyStartCommand({ driver: deps.driver, layers: layers.map((l) => l.dir), config, vm: buildVm(req), log: emit });
+          if (signal.aborted) throw new BuildCancelled();
+          emit({ kind: "message", phase: "snapshot", message: "start_cmd got ready; no checkpoint is taken (CRIU cannot checkpoint on this host): machines made from this template start start_cmd at create and wait for its readiness" });
+        }
         artifactId = await recordArtifact(p, layers.map((l) => l.dir), config, srcDigest);
         count("final_artifact_stores");
         emit({ kind: "cache", phase: "finalize", cache_layer: "final_artifact", cache_outcome: "stored", cache_target: p.name, message: `artifact ${artifactId} stored`, level: "debug" });
-      }
-      if (req.start_cmd) {
-        emit({ kind: "message", phase: "startup", message: "start_cmd: machines made from this template start it at create and wait for ready_cmd (runc cannot checkpoint a running process here)" });
       }
       artifactIds = [artifactId];
       status = "ready";

@@ -12,7 +12,7 @@ import type { TemplateService } from "./templates.ts";
 import type { WarmPool } from "./warm-pool.ts";
 import type { Logger } from "../log.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
-import { runStartCommand } from "./start-command.ts";
+import { runStartCommand } from "../builder/phases/startup.ts";
 
 export const MACHINE_STATUSES = ["creating", "running", "hibernated", "destroyed", "failed"] as const;
 export type MachineStatus = (typeof MACHINE_STATUSES)[number];

@@ -7,7 +7,7 @@ import { execFileSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
-import { buildOk, machineFrom, putBlob, sh } from "./support.ts";
+import { build, buildOk, machineFrom, putBlob, sh } from "./support.ts";
 import type { SseEvent } from "./support.ts";
 import { startFixtures } from "./fixtures.ts";
 import type { Fixtures } from "./fixtures.ts";
@@ -133,7 +133,7 @@ test("the alias resolves wherever a ref does, and is listed under the template's
 });
 
 test("start_cmd runs in machines made from the template before create answers, without create-time envs", async () => {
-  await buildOk(k, {
+  const b = await buildOk(k, {
     name: "with-start",
     steps: [{ type: "write_file", path: "/srv/serve.sh", content: "echo \"${CREATE_ONLY:-unset}\" > /tmp/start-env\nwhile true; do date +%s > /tmp/heartbeat; sleep 0.2; done\n", mode: "0755" }],
     start_cmd: "/srv/serve.sh",
@@ -142,4 +142,16 @@ test("start_cmd runs in machines made from the template before create answers, w
   const m = await machineFrom(k, "with-start", { envs: { CREATE_ONLY: "create-time" } });
   const r = await sh(k, m, "cat /tmp/start-env; test -s /tmp/heartbeat && echo ready; pgrep -f serve.sh >/dev/null && echo running; echo $CREATE_ONLY");
   assert.equal(r.stdout, "unset\nready\nrunning\ncreate-time\n");
+  const phases = b.events.map((e) => e.data.phase);
+  assert.ok(phases.includes("startup") && phases.includes("readiness"), "the build tried the start command");
+  assert.ok(b.events.some((e) => e.data.phase === "snapshot" && /start start_cmd at create/.test(e.data.message)), "the log says which way machines get the running state");
+});
+
+test("a start command that does not stay up fails the build in phase readiness", async () => {
+  const r = await build(k, { name: "bad-start", start_cmd: "echo bye" });
+  const last = r.events.at(-1)!;
+  assert.equal(last.event, "error");
+  assert.equal(last.data.error_detail.code, "build_error");
+  assert.equal(last.data.error_detail.phase, "readiness");
+  assert.equal((await k.call("GET", "/v1/templates/bad-start/builds")).body.builds[0].failure_phase, "readiness");
 });
