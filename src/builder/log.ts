@@ -83,6 +83,7 @@ export function createBuildLogs(deps: { db: Db; log: Logger }) {
     if (!l) throw new Error(`build log ${buildId} is not open`);
     if (l.done) return { seq: l.entries.length, entry };
     entry.message = scrub(entry.message, l.redact);
+    if (entry.cache_target) entry.cache_target = scrub(entry.cache_target, l.redact);
     if (entry.error_detail?.message) entry.error_detail.message = scrub(entry.error_detail.message, l.redact);
     const e = { seq: l.entries.length + 1, entry };
     l.entries.push(e);
