@@ -44,7 +44,7 @@ export const SSE_KEEPALIVE = ": keepalive\n\n";
 
 interface LiveLog {
   entries: SequencedEntry[];
-  followers: Set<(e: SequencedEntry) => void>;
+  followers: Set<(e: SequencedEntry | null) => void>;
   /** Writes to the store, chained so they land in order. */
   writing: Promise<void>;
   pending: SequencedEntry[];
@@ -99,6 +99,8 @@ export function createBuildLogs(deps: { db: Db; log: Logger }) {
     const l = live.get(buildId);
     if (!l) return;
     l.done = true;
+    // Followers still waiting (a build that ended without a terminal entry, which a store failure can cause) end too.
+    for (const f of [...l.followers]) f(null);
     await l.writing;
     live.delete(buildId);
   }
@@ -118,7 +120,8 @@ export function createBuildLogs(deps: { db: Db; log: Logger }) {
         l.followers.delete(deliver);
         onEnd();
       };
-      const deliver = (e: SequencedEntry) => {
+      const deliver = (e: SequencedEntry | null) => {
+        if (e === null) return end();
         if (e.seq <= last || ended) return;
         last = e.seq;
         onEntry(e);

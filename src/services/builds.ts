@@ -240,7 +240,9 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
       .execute();
     logs.open(p.buildId, Object.values(p.request.build_envs ?? {}).concat((p.request.secrets ?? []).map((s) => s.value)));
     const abort = new AbortController();
-    const done = pipeline(p, abort.signal).finally(() => running.delete(p.buildId));
+    const done = pipeline(p, abort.signal)
+      .catch((err: unknown) => log.error({ err, build_id: p.buildId }, "recording the end of a build failed"))
+      .finally(() => running.delete(p.buildId));
     running.set(p.buildId, { abort, done });
     return { buildId: p.buildId, templateId: p.template.id };
   }
