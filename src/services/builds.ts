@@ -28,6 +28,7 @@ import { createLayerCache } from "../builder/cache/layers.ts";
 import { contextDigest, sourceDigest } from "../builder/cache/keys.ts";
 import { templateBaseSource } from "../builder/sources/template-base.ts";
 import type { BuildSource, SourceLayers } from "../builder/sources/source.ts";
+import { emptyConfig } from "../builder/sources/source.ts";
 import type { ArtifactConfig } from "../builder/artifact-config.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
 import { selectContext } from "../builder/context.ts";
@@ -144,6 +145,9 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
       }
     } else if (!req.dockerfile) {
       source = templateBaseSource(await templates.resolve(BASE_TEMPLATE_REF), "declarative");
+    } else {
+      // A Dockerfile names its own FROM: the buildkit backend produces every layer.
+      source = { type: "dockerfile", digest: sha256(""), description: req.dockerfile_path ?? "Dockerfile", layers: [], config: emptyConfig() };
     }
 
     const steps = planSteps(req.steps ?? [], source?.config.user ?? "root");
@@ -304,6 +308,9 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
           source,
           steps: p.steps,
           context: p.context,
+          dockerfile: req.dockerfile
+            ? { text: req.dockerfile, path: req.dockerfile_path, buildArgs: req.build_args, target: req.target, secrets: req.secrets, registryCredentials: req.registry_credentials, baseImageAuth: req.base_image_auth }
+            : undefined,
           buildEnvs: req.build_envs ?? {},
           vm: buildVm(req),
           skipCache: req.skip_cache === true,

@@ -48,6 +48,11 @@ test("unknown fields are rejected, at the top and inside steps", async () => {
 
 test("Dockerfile input with the native backend is rejected", async () => {
   await refused({ name: "df", dockerfile: "FROM scratch\n", build_backend: "native" }, 400, "invalid_request", /native/);
+  // Without the buildkit backend or the OCI importer wired in, those inputs are refused, not half-built.
+  await refused({ name: "df", dockerfile: "FROM scratch\n" }, 422, "build_rejected");
+  await refused({ name: "df", base_image: "docker.io/library/alpine:3.20" }, 422, "build_rejected");
+  await refused({ name: "df", steps: [{ type: "run", command: "true" }], secrets: [{ id: "s", value: "v" }] }, 400, "invalid_request", /buildkit/);
+  assert.ok(!(await templateNames()).includes("local/df"));
 });
 
 test("a context blob that is missing or does not match its sha256 fails before the stream", async () => {

@@ -19,9 +19,22 @@ export interface PlannedStep {
   transient: boolean;
 }
 
+/** A Dockerfile build's inputs (buildkit only). Secret and credential values go to the worker, never to a record. */
+export interface DockerfileInput {
+  text: string;
+  path?: string;
+  buildArgs?: Record<string, string>;
+  target?: string;
+  secrets?: { id: string; value: string }[];
+  registryCredentials?: { registry: string; username: string; password: string }[];
+  baseImageAuth?: unknown;
+}
+
 export interface BuildContext {
   buildId: string;
+  /** For a Dockerfile build: an empty source (no layers); the backend's output is the whole image. */
   source: BuildSource;
+  dockerfile?: DockerfileInput;
   steps: PlannedStep[];
   /** Context files by path (blobs already verified), for COPY. */
   context: ContextFile[];
