@@ -23,7 +23,7 @@ import type { ContextFile } from "../builder/context.ts";
 import { planSteps } from "../builder/steps/index.ts";
 import { assembleDockerfile, sha256 } from "../builder/dockerfile.ts";
 import type { BuildBackend, PlannedStep } from "../builder/backends/backend.ts";
-import { createNativeBackend } from "../builder/backends/native.ts";
+import { createNativeBackend, MAX_LAYERS, stackFits, touchesFiles } from "../builder/backends/native.ts";
 import { createLayerCache } from "../builder/cache/layers.ts";
 import { contextDigest, sourceDigest } from "../builder/cache/keys.ts";
 import { templateBaseSource } from "../builder/sources/template-base.ts";
@@ -151,6 +151,10 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
     }
 
     const steps = planSteps(req.steps ?? [], source?.config.user ?? "root");
+    const stack = (source?.layers.length ?? 0) + steps.filter(touchesFiles).length;
+    if (!stackFits(source?.layers.map((l) => l.dir) ?? [], steps.filter(touchesFiles).length, layersDir)) {
+      throw new KilnError("invalid_request", `This build would stack ${stack} layers; a template may have at most ${MAX_LAYERS} (merge steps, e.g. several commands in one run step)`);
+    }
     const dockerfile = req.dockerfile ?? assembleDockerfile(req.base_image ?? BASE_TEMPLATE_REF, steps.map((s) => s.text));
 
     // Claim the name, or find it; an alias another template owns is a conflict. Nothing stream-related happened yet.

@@ -46,6 +46,13 @@ test("unknown fields are rejected, at the top and inside steps", async () => {
   await refused({ name: "x", vm: { gpus: 1 } }, 400, "invalid_request");
 });
 
+test("a build that would stack more layers than a machine root can mount is refused before the stream", async () => {
+  const steps = Array.from({ length: 45 }, (_v, i) => ({ type: "run", command: `echo ${i}` }));
+  await refused({ name: "too-deep", steps }, 400, "invalid_request", /at most 40/);
+  const envOnly = Array.from({ length: 45 }, (_v, i) => ({ type: "env", envs: { [`V${i}`]: "x" } }));
+  await buildOk(k, { name: "many-env-steps", steps: envOnly });
+});
+
 test("Dockerfile input with the native backend is rejected", async () => {
   await refused({ name: "df", dockerfile: "FROM scratch\n", build_backend: "native" }, 400, "invalid_request", /native/);
   // Without the buildkit backend or the OCI importer wired in, those inputs are refused, not half-built.

@@ -35,8 +35,24 @@ export function applyConfig(config: ImageConfig, instructions: Instruction[]): I
   return next;
 }
 
+/**
+ * How many read-only layers a machine's root may stack. overlayfs takes its lower dirs as one mount option string,
+ * and the kernel caps mount options at a page (4 KiB), so long stacks of long paths do not mount. Squashing older
+ * layers into one would lift this; until then a build that would pass it is refused before it starts.
+ */
+export const MAX_LAYERS = 40;
+const MOUNT_OPTIONS_MAX = 4000;
+
+/** Whether a machine root of `lowers` plus `added` new layers under `layersDir` fits overlayfs's option page. */
+export function stackFits(lowers: string[], added: number, layersDir: string): boolean {
+  if (lowers.length + added > MAX_LAYERS) return false;
+  // lowerdir=…,upperdir=<machine>/upper,workdir=<machine>/work; a machine dir is about as long as layersDir + 35.
+  const bytes = lowers.reduce((n, d) => n + d.length + 1, 0) + added * (layersDir.length + 31) + 2 * (layersDir.length + 45) + 40;
+  return bytes <= MOUNT_OPTIONS_MAX;
+}
+
 /** Steps that only change the config (env, user) leave no filesystem change and need no machine. */
-function touchesFiles(step: PlannedStep): boolean {
+export function touchesFiles(step: PlannedStep): boolean {
   return step.instructions.some((i) => i.op === "RUN" || i.op === "COPY" || i.op === "WORKDIR");
 }
 
@@ -190,7 +206,8 @@ export function createNativeBackend(deps: { driver: MachineDriver; layerCache: L
       }
       let dir: string | null = null;
       if (touchesFiles(step)) {
-        dir = join(deps.layersDir, `${key.slice("sha256:".length, "sha256:".length + 32)}-${newId("bld").slice(4).toLowerCase()}`);
+        // Short names keep the lower-dir mount option small: 20 hex of the key and the id's 8 random characters.
+        dir = join(deps.layersDir, `${key.slice("sha256:".length, "sha256:".length + 20)}-${newId("bld").slice(-8)}`);
         for (let attempt = 1; ; attempt++) {
           try {
             await runStep(ctx, step, lowers, configBefore, dir, attempt);
