@@ -1,10 +1,9 @@
 // Template builds: validation before any stream starts, the pipeline (sources → final-artifact cache → backend →
 // artifact and tags) with its durable log, build records with SPEC.md's fields, history, cancel, aliases, restart
-// recovery and the retention collector that keeps rebuilds from growing disk use without bound.
+// recovery, and the timer that runs the retention collector (build-retention.ts).
 
 import { createHash, timingSafeEqual } from "node:crypto";
 import { existsSync } from "node:fs";
-import { readdir, rm, stat } from "node:fs/promises";
 import { join } from "node:path";
 import type { ArtifactRow, BuildRow, Db, TemplateRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
@@ -35,6 +34,7 @@ import { selectContext } from "../builder/context.ts";
 import { verifyStartCommand } from "../builder/phases/startup.ts";
 import { BuildCancelled, BuildFailure } from "../builder/failure.ts";
 import { decodeCursor, encodeCursor } from "../store/cursor.ts";
+import { createBuildRetention } from "./build-retention.ts";
 
 export const BUILD_DEFAULTS = { tags: ["default"], vcpus: 1, memoryMb: 1024, internet: true, maxAttempts: 3 } as const;
 
@@ -86,6 +86,7 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
   const layerCache = createLayerCache(db);
   const native = createNativeBackend({ driver: deps.driver, layerCache, layersDir, log });
   const running = new Map<string, { abort: AbortController; done: Promise<void> }>();
+  const retention = createBuildRetention({ db, layersDir, retentionS: deps.retentionS, buildsRunning: () => running.size > 0 });
   let collector: NodeJS.Timeout | undefined;
   /** Set by close(): builds stopped by a shutdown end `error` (the server stopped), not `cancelled`. */
   let shuttingDown = false;
@@ -595,44 +596,8 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
     return rows.length;
   }
 
-  /**
-   * Removes artifacts past retention that no machine uses, then layer directories no artifact, cache entry of a live
-   * artifact or running build needs. Layers only the cache knows about go once they have not been used for the
-   * retention period, so rebuilds never grow disk use without bound.
-   */
-  async function collect(now = new Date()): Promise<{ artifacts: number; layers: number }> {
-    const iso = now.toISOString();
-    const expired = await db.selectFrom("artifacts").select("id").where("retention_expires_at", "is not", null).where("retention_expires_at", "<=", iso).execute();
-    let artifacts = 0;
-    for (const { id } of expired) {
-      const inUse = await db.selectFrom("machines").select("id").where("artifact_id", "=", id).where("status", "in", ["creating", "running", "hibernated"]).executeTakeFirst();
-      const tagged = await db.selectFrom("artifact_tags").select("tag").where("artifact_id", "=", id).executeTakeFirst();
-      if (inUse || tagged) continue;
-      await db.deleteFrom("artifacts").where("id", "=", id).execute();
-      artifacts++;
-    }
-    const staleBefore = new Date(now.getTime() - deps.retentionS * 1000).toISOString();
-    await db.deleteFrom("build_cache").where("last_used_at", "<", staleBefore).execute();
-    const keep = new Set<string>();
-    for (const a of await db.selectFrom("artifacts").select("layers_json").execute()) for (const d of JSON.parse(a.layers_json) as string[]) keep.add(d);
-    for (const c of await db.selectFrom("build_cache").select("layer_dir").execute()) if (c.layer_dir) keep.add(c.layer_dir);
-    let layers = 0;
-    const entries = await readdir(layersDir).catch(() => [] as string[]);
-    for (const name of entries) {
-      const dir = join(layersDir, name);
-      if (keep.has(dir)) continue;
-      // A layer being captured right now has no record yet: leave anything young alone while builds run.
-      const st = await stat(dir).catch(() => null);
-      if (!st || (running.size > 0 && now.getTime() - st.mtimeMs < 3600_000)) continue;
-      await db.deleteFrom("build_cache").where("layer_dir", "=", dir).execute();
-      await rm(dir, { recursive: true, force: true });
-      layers++;
-    }
-    return { artifacts, layers };
-  }
-
   function startCollector(intervalMs = 60_000) {
-    collector = setInterval(() => void collect().catch((err: unknown) => log.error({ err }, "build retention collection failed")), intervalMs);
+    collector = setInterval(() => void retention.collect().catch((err: unknown) => log.error({ err }, "build retention collection failed")), intervalMs);
     collector.unref();
   }
 
@@ -644,7 +609,7 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
     await Promise.all([...running.values()].map((r) => r.done.catch(() => undefined)));
   }
 
-  return { prepare, start, list, get, cancel, follow, aliases, blobs, recoverInterrupted, collect, startCollector, close, templateIdOf, isLive: logs.isLive };
+  return { prepare, start, list, get, cancel, follow, aliases, blobs, recoverInterrupted, collect: retention.collect, startCollector, close, templateIdOf, isLive: logs.isLive };
 }
 
 export type BuildService = ReturnType<typeof createBuildService>;
