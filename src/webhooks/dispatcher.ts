@@ -109,17 +109,25 @@ export function createDispatcher(opts: DispatcherOptions) {
     const now = new Date();
     const nowIso = now.toISOString();
     const skipClause = skip.length > 0 ? sql`and d.webhook_id not in (${sql.join(skip)})` : sql``;
-    const candidates = await sql<{ id: string }>`
-      select id from (
-        select c.id, c.next_attempt_at, row_number() over (partition by c.webhook_id order by c.next_attempt_at, c.id) as rn
+    const candidates = await sql<{ id: string; webhook_id: string }>`
+      select id, webhook_id from (
+        select c.id, c.webhook_id, c.next_attempt_at, row_number() over (partition by c.webhook_id order by c.next_attempt_at, c.id) as rn
         from (
           select d.id, d.webhook_id, d.next_attempt_at from webhook_deliveries d join webhooks w on w.id = d.webhook_id
           where d.status = 'queued' and d.next_attempt_at <= ${nowIso} and w.enabled = 1 ${skipClause}
           order by d.next_attempt_at, d.id limit ${n * 4}
         ) c
       ) r where r.rn <= ${maxPerWebhook} order by r.next_attempt_at, r.id limit ${n}`.execute(db);
-    if (candidates.rows.length === 0) return [];
-    const ids = sql.join(candidates.rows.map((r) => r.id));
+    // Each webhook gets only what it has left of its share, counting the requests already in flight to it.
+    const taken = new Map<string, number>();
+    const chosen = candidates.rows.filter((c) => {
+      const n = (taken.get(c.webhook_id) ?? perWebhook.get(c.webhook_id) ?? 0) + 1;
+      if (n > maxPerWebhook) return false;
+      taken.set(c.webhook_id, n);
+      return true;
+    });
+    if (chosen.length === 0) return [];
+    const ids = sql.join(chosen.map((r) => r.id));
     const expires = new Date(now.getTime() + claimTtlMs).toISOString();
     // The status check is repeated under the row lock; SKIP LOCKED lets several servers claim side by side.
     const lock = opts.dialect === "postgres" ? sql`for update skip locked` : sql``;
