@@ -132,7 +132,8 @@ function migrations(dialect: Dialect): Record<string, Migration> {
           .addColumn("updated_at", "text", (c) => c.notNull())
           .addColumn("completed_at", "text")
           .execute();
-        await db.schema.createIndex("webhook_deliveries_due").on("webhook_deliveries").columns(["status", "next_attempt_at"]).execute();
+        // Covers the dispatcher's claim (due order, and which webhook) without reading the rows' bodies.
+        await db.schema.createIndex("webhook_deliveries_due").on("webhook_deliveries").columns(["status", "next_attempt_at", "id", "webhook_id"]).execute();
         await db.schema.createIndex("webhook_deliveries_webhook").on("webhook_deliveries").columns(["webhook_id", "created_at", "id"]).execute();
         await db.schema
           .createTable("webhook_delivery_attempts")

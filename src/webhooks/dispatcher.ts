@@ -35,6 +35,9 @@ export interface DispatcherOptions {
   idleMs?: number;
 }
 
+/** What sending needs of a webhook, read with the claim so a PATCH (new URL, rotated secret) applies to the next attempt. */
+type HookTarget = Pick<WebhookRow, "url" | "signing_secret" | "previous_signing_secret" | "previous_secret_expires_at"> & { webhook_id: string };
+
 interface Outcome {
   row: DeliveryRow;
   startedAt: string;
@@ -50,8 +53,8 @@ interface Outcome {
 export function createDispatcher(opts: DispatcherOptions) {
   const { db, hostId, log } = opts;
   const timeoutMs = opts.timeoutMs ?? ATTEMPT_TIMEOUT_MS;
-  const maxInFlight = opts.maxInFlight ?? 128;
-  const maxPerWebhook = opts.maxPerWebhook ?? 8;
+  const maxInFlight = opts.maxInFlight ?? 256;
+  const maxPerWebhook = opts.maxPerWebhook ?? 32;
   const idleMs = opts.idleMs ?? (opts.dialect === "postgres" ? 1000 : 30_000);
   // A claim outlives the longest attempt by a wide margin; past it, another server may take the delivery over.
   const claimTtlMs = timeoutMs * 4;
@@ -69,16 +72,31 @@ export function createDispatcher(opts: DispatcherOptions) {
   const pending: Outcome[] = [];
   let flushing: Promise<void> | undefined;
 
+  let wakeQueued = false;
+
+  /**
+   * Claims what is due. Calls within one turn of the event loop (a burst of finished sends, a batch of events) are
+   * folded into one claim, so deliveries are claimed — and their outcomes written — in batches under load.
+   */
   function wake(): void {
-    if (closed) return;
+    if (closed || wakeQueued) return;
     if (claiming) {
       again = true;
       return;
     }
-    claiming = true;
-    void claimLoop().finally(() => {
-      claiming = false;
-      if (again && !closed) wake();
+    wakeQueued = true;
+    setImmediate(() => {
+      wakeQueued = false;
+      if (closed) return;
+      if (claiming) {
+        again = true;
+        return;
+      }
+      claiming = true;
+      void claimLoop().finally(() => {
+        claiming = false;
+        if (again && !closed) wake();
+      });
     });
   }
 
@@ -93,7 +111,7 @@ export function createDispatcher(opts: DispatcherOptions) {
         const free = maxInFlight - inFlight;
         if (free <= 0) return; // a finishing send wakes us
         const rows = await claim(free, saturated());
-        if (rows.length > 0) await startAll(rows);
+        if (rows.length > 0) startAll(rows);
         if (rows.length === free) again = true;
       } while (again && !closed);
       await armTimer();
@@ -104,20 +122,20 @@ export function createDispatcher(opts: DispatcherOptions) {
     }
   }
 
-  /** Takes up to n due deliveries of enabled webhooks, at most maxPerWebhook of one webhook, for this server. */
-  async function claim(n: number, skip: string[]): Promise<DeliveryRow[]> {
+  /**
+   * Takes up to n due deliveries of enabled webhooks for this server, at most a webhook's remaining share of each.
+   * Webhooks already at their share are left out of the query, so their backlog does not crowd out the others.
+   */
+  async function claim(n: number, skip: string[]): Promise<{ row: DeliveryRow; hook: HookTarget }[]> {
     const now = new Date();
     const nowIso = now.toISOString();
     const skipClause = skip.length > 0 ? sql`and d.webhook_id not in (${sql.join(skip)})` : sql``;
-    const candidates = await sql<{ id: string; webhook_id: string }>`
-      select id, webhook_id from (
-        select c.id, c.webhook_id, c.next_attempt_at, row_number() over (partition by c.webhook_id order by c.next_attempt_at, c.id) as rn
-        from (
-          select d.id, d.webhook_id, d.next_attempt_at from webhook_deliveries d join webhooks w on w.id = d.webhook_id
-          where d.status = 'queued' and d.next_attempt_at <= ${nowIso} and w.enabled = 1 ${skipClause}
-          order by d.next_attempt_at, d.id limit ${n * 4}
-        ) c
-      ) r where r.rn <= ${maxPerWebhook} order by r.next_attempt_at, r.id limit ${n}`.execute(db);
+    // Oldest due first, straight off the (status, next_attempt_at, id) index.
+    const candidates = await sql<{ id: string } & HookTarget>`
+      select d.id, w.id as webhook_id, w.url, w.signing_secret, w.previous_signing_secret, w.previous_secret_expires_at
+      from webhook_deliveries d join webhooks w on w.id = d.webhook_id
+      where d.status = 'queued' and d.next_attempt_at <= ${nowIso} and w.enabled = 1 ${skipClause}
+      order by d.next_attempt_at, d.id limit ${n * 4}`.execute(db);
     // Each webhook gets only what it has left of its share, counting the requests already in flight to it.
     const taken = new Map<string, number>();
     const chosen = candidates.rows.filter((c) => {
@@ -130,26 +148,21 @@ export function createDispatcher(opts: DispatcherOptions) {
     const ids = sql.join(chosen.map((r) => r.id));
     const expires = new Date(now.getTime() + claimTtlMs).toISOString();
     // The status check is repeated under the row lock; SKIP LOCKED lets several servers claim side by side.
-    const lock = opts.dialect === "postgres" ? sql`for update skip locked` : sql``;
+    const which = opts.dialect === "postgres" ? sql`id in (select id from webhook_deliveries where id in (${ids}) and status = 'queued' for update skip locked)` : sql`id in (${ids}) and status = 'queued'`;
     const claimed = await sql<DeliveryRow>`
       update webhook_deliveries set status = 'in_progress', attempts = attempts + 1, claimed_by = ${hostId},
         claimed_at = ${nowIso}, claim_expires_at = ${expires}, updated_at = ${nowIso}
-      where id in (select id from webhook_deliveries where id in (${ids}) and status = 'queued' ${lock})
-      returning *`.execute(db);
-    return claimed.rows;
+      where ${which} returning *`.execute(db);
+    const hooks = new Map(chosen.map((c) => [c.id, c]));
+    return claimed.rows.map((row) => ({ row, hook: hooks.get(row.id)! }));
   }
 
-  async function startAll(rows: DeliveryRow[]): Promise<void> {
-    const hookIds = [...new Set(rows.map((r) => r.webhook_id))];
-    const hooks = new Map((await db.selectFrom("webhooks").selectAll().where("id", "in", hookIds).execute()).map((h) => [h.id, h]));
-    for (const row of rows) {
-      const hook = hooks.get(row.webhook_id);
+  function startAll(claimed: { row: DeliveryRow; hook: HookTarget }[]): void {
+    for (const { row, hook } of claimed) {
       inFlight++;
       perWebhook.set(row.webhook_id, (perWebhook.get(row.webhook_id) ?? 0) + 1);
-      const p: Promise<void> = (hook ? attempt(row, hook) : Promise.resolve(null))
-        .then((outcome) => {
-          if (outcome) record(outcome);
-        })
+      const p: Promise<void> = attempt(row, hook)
+        .then(record)
         .catch((err: unknown) => log.error({ err, delivery_id: row.id }, "a webhook delivery attempt failed unexpectedly"))
         .finally(() => {
           sending.delete(p);
@@ -163,7 +176,7 @@ export function createDispatcher(opts: DispatcherOptions) {
     }
   }
 
-  async function attempt(row: DeliveryRow, hook: WebhookRow): Promise<Outcome> {
+  async function attempt(row: DeliveryRow, hook: HookTarget): Promise<Outcome> {
     const started = new Date();
     const t0 = performance.now();
     let statusCode: number | null = null;
@@ -177,7 +190,7 @@ export function createDispatcher(opts: DispatcherOptions) {
       if (problem) throw new ReceiverRefusedError(problem);
       const secrets = [hook.signing_secret];
       if (hook.previous_signing_secret && hook.previous_secret_expires_at && hook.previous_secret_expires_at > started.toISOString()) secrets.push(hook.previous_signing_secret);
-      const headers = deliveryHeaders({ webhookId: hook.id, deliveryId: row.id, eventId: row.event_id, body: row.body, secrets, timestamp: Math.floor(started.getTime() / 1000) });
+      const headers = deliveryHeaders({ webhookId: hook.webhook_id, deliveryId: row.id, eventId: row.event_id, body: row.body, secrets, timestamp: Math.floor(started.getTime() / 1000) });
       const res = await request(url, {
         method: "POST",
         headers: { ...headers, "content-type": "application/json", "user-agent": "Kiln-Webhooks/0.1" },
@@ -208,19 +221,21 @@ export function createDispatcher(opts: DispatcherOptions) {
       }
     }
     if (gone) error = "the receiver answered 410 Gone: the webhook is disabled";
-    log.debug({ delivery_id: row.id, webhook_id: hook.id, attempt: row.attempts, status_code: statusCode, error, status }, "webhook delivery attempt");
+    log.debug({ delivery_id: row.id, webhook_id: hook.webhook_id, attempt: row.attempts, status_code: statusCode, error, status }, "webhook delivery attempt");
     return { row, startedAt: started.toISOString(), durationMs, statusCode, error, excerpt, status, nextAttemptAt, disableWebhook: gone };
   }
 
   /** Outcomes are written in batches: one transaction per flush however many attempts finished meanwhile. */
   function record(outcome: Outcome): void {
     pending.push(outcome);
-    flushing ??= flush().finally(() => (flushing = undefined));
+    flushing ??= new Promise<void>((resolve) => setImmediate(resolve)).then(flush).finally(() => (flushing = undefined));
   }
 
   async function flush(): Promise<void> {
+    let requeued = false;
     while (pending.length > 0) {
       const batch = pending.splice(0);
+      requeued ||= batch.some((o) => o.status === "queued");
       try {
         await db.transaction().execute(async (tx) => {
           for (const o of batch) {
@@ -259,22 +274,24 @@ export function createDispatcher(opts: DispatcherOptions) {
         log.error({ err, deliveries: batch.length }, "recording webhook delivery attempts failed");
       }
     }
-    wake();
+    // A retry was scheduled: the sleep until the next due delivery may have to be shorter now.
+    if (requeued) wake();
   }
 
   /** Sleeps until the next queued delivery is due (or idleMs, to see other servers' work), unless woken first. */
   async function armTimer(): Promise<void> {
     if (closed || inFlight >= maxInFlight) return;
+    // Sends in flight wake the dispatcher as they finish; a short timer covers retries of other webhooks falling
+    // due meanwhile, without a query per loop.
+    if (inFlight > 0) return arm(Math.min(idleMs, 1000));
     const skip = saturated();
-    let q = db
-      .selectFrom("webhook_deliveries as d")
-      .innerJoin("webhooks as w", "w.id", "d.webhook_id")
-      .select((eb) => eb.fn.min("d.next_attempt_at").as("due"))
-      .where("d.status", "=", "queued")
-      .where("w.enabled", "=", 1);
-    if (skip.length > 0) q = q.where("d.webhook_id", "not in", skip);
-    const { due } = (await q.executeTakeFirst()) ?? { due: null };
-    const wait = due ? Math.max(0, Date.parse(due as string) - Date.now()) : idleMs;
+    const skipClause = skip.length > 0 ? sql`and d.webhook_id not in (${sql.join(skip)})` : sql``;
+    const next = await sql<{ next_attempt_at: string }>`
+      select d.next_attempt_at from webhook_deliveries d
+      where d.status = 'queued' ${skipClause} and exists (select 1 from webhooks w where w.id = d.webhook_id and w.enabled = 1)
+      order by d.next_attempt_at, d.id limit 1`.execute(db);
+    const due = next.rows[0]?.next_attempt_at;
+    const wait = due ? Math.max(0, Date.parse(due) - Date.now()) : idleMs;
     arm(Math.min(wait, idleMs));
   }
 

@@ -1,7 +1,8 @@
 // Webhook signatures: Standard Webhooks (HMAC-SHA256 over "<event id>.<timestamp>.<body>") carried under both
 // Kiln's x-service-* header names and the standard webhook-* ones, so stock verifiers work unchanged.
 
-import { createHmac, randomBytes } from "node:crypto";
+import { createHmac, createSecretKey, randomBytes } from "node:crypto";
+import type { KeyObject } from "node:crypto";
 
 export const SIGNATURE_VERSION = "v1";
 const PREFIX = "whsec_";
@@ -32,9 +33,22 @@ export function secretProblem(secret: string): string | null {
   return null;
 }
 
+// Key objects of recently used secrets: making one per signature costs more than the HMAC of a small body.
+const keys = new Map<string, KeyObject>();
+
+function keyObject(secret: string): KeyObject {
+  let key = keys.get(secret);
+  if (!key) {
+    if (keys.size >= 256) keys.delete(keys.keys().next().value!);
+    key = createSecretKey(secretKey(secret));
+    keys.set(secret, key);
+  }
+  return key;
+}
+
 /** `v1,<base64 HMAC-SHA256>` of one delivery under one secret. */
 export function sign(secret: string, eventId: string, timestamp: number, body: string): string {
-  const mac = createHmac("sha256", secretKey(secret)).update(`${eventId}.${timestamp}.${body}`).digest("base64");
+  const mac = createHmac("sha256", keyObject(secret)).update(`${eventId}.${timestamp}.${body}`).digest("base64");
   return `${SIGNATURE_VERSION},${mac}`;
 }
 
