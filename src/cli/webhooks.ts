@@ -12,7 +12,7 @@ export function webhookCommands(program: Command) {
   hooks
     .command("create <url>")
     .description("Register a webhook; prints its id and, when Kiln made it, the signing secret (shown only this once)")
-    .option("-o, --operation <op>", "lifecycle operation to receive (repeatable or comma list): create, update, hibernate, resume, destroy", collect)
+    .option("-o, --operation <op>", "lifecycle operation to receive (repeatable or comma list; default create,destroy): create, update, hibernate, resume, destroy", collect)
     .option("--secret-stdin", "read the signing secret from stdin instead of letting Kiln make one")
     .option("--json", "print the whole record")
     .action(async (url: string, opts: { operation?: string[]; secretStdin?: boolean; json?: boolean }) => {

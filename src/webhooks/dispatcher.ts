@@ -71,7 +71,6 @@ export function createDispatcher(opts: DispatcherOptions) {
   let unsubscribe: (() => void) | undefined;
   const pending: Outcome[] = [];
   let flushing: Promise<void> | undefined;
-
   let wakeQueued = false;
 
   /**
@@ -130,7 +129,7 @@ export function createDispatcher(opts: DispatcherOptions) {
     const now = new Date();
     const nowIso = now.toISOString();
     const skipClause = skip.length > 0 ? sql`and d.webhook_id not in (${sql.join(skip)})` : sql``;
-    // Oldest due first, straight off the (status, next_attempt_at, id) index.
+    // Oldest due first, straight off the covering (status, next_attempt_at, id, webhook_id) index.
     const candidates = await sql<{ id: string } & HookTarget>`
       select d.id, w.id as webhook_id, w.url, w.signing_secret, w.previous_signing_secret, w.previous_secret_expires_at
       from webhook_deliveries d join webhooks w on w.id = d.webhook_id
@@ -362,7 +361,7 @@ export function createDispatcher(opts: DispatcherOptions) {
     await agent.close();
   }
 
-  return { start, close, wake, stats: () => ({ inFlight }) };
+  return { start, close, wake };
 }
 
 export type Dispatcher = ReturnType<typeof createDispatcher>;
