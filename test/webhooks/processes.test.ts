@@ -14,6 +14,9 @@ import { startPostgres } from "../support/postgres.ts";
 import { TEST_RUNTIME } from "../support/paths.ts";
 import { createOciDriver } from "../../src/runtime/oci/driver.ts";
 import { createLogger } from "../../src/log.ts";
+import { openStore } from "../../src/store/db.ts";
+import { newId } from "../../src/store/ids.ts";
+import { enqueueDeliveries } from "../../src/webhooks/outbox.ts";
 
 const cleanups: (() => Promise<unknown>)[] = [];
 after(async () => {
@@ -122,6 +125,45 @@ test("two servers on one PostgreSQL deliver each event exactly once, and neither
   const ids = rx.received.filter((r) => r.path === "/both").map((r) => String(r.headers["x-service-event-id"]));
   assert.equal(ids.length, events, "no event arrived twice");
   assert.equal(new Set(ids).size, events);
+
+  // A backlog neither server was told about (written straight into the shared outbox): both dispatchers find it on
+  // their own and claim side by side; SKIP LOCKED gives each delivery to exactly one of them.
+  const backlog = await a.call("POST", "/v1/lifecycle/webhooks", { url: `${rx.url}/backlog`, operations: ["update"] });
+  rx.respond = async () => {
+    await new Promise((r) => setTimeout(r, 20));
+    return { status: 200 };
+  };
+  const store = await openStore({ dataDir: "/nonexistent", databaseUrl: pg.url });
+  try {
+    await store.db.transaction().execute(async (tx) => {
+      for (let i = 0; i < 300; i++) {
+        const id = newId("evt");
+        await enqueueDeliveries(tx, { id, operation: "update", occurredAt: new Date().toISOString(), payload: { id, operation: "update", n: i } });
+      }
+    });
+  } finally {
+    await store.close();
+  }
+  const got = await rx.waitForCount((r) => r.path === "/backlog", 300, 60_000);
+  assert.equal(new Set(got.map((r) => String(r.headers["x-service-event-id"]))).size, 300);
+  for (let i = 0; ; i++) {
+    const all: any[] = [];
+    let cursor: string | null = null;
+    do {
+      const page: any = (await b.call("GET", `/v1/lifecycle/webhooks/${backlog.body.id}/deliveries?limit=100${cursor ? `&cursor=${cursor}` : ""}`)).body;
+      all.push(...page.deliveries);
+      cursor = page.next_cursor;
+    } while (cursor);
+    if (all.length === 300 && all.every((d) => d.status === "succeeded")) {
+      for (const d of all) assert.equal(d.attempts.length, 1, d.id);
+      break;
+    }
+    assert.ok(i < 200, "the backlog was recorded as delivered");
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  assert.equal(rx.received.filter((r) => r.path === "/backlog").length, 300, "no delivery of the backlog arrived twice");
+  const sentBy = (s: ServerProcess) => got.filter((r) => s.output().includes(String(r.headers["x-service-delivery-id"]))).length;
+  process.stderr.write(`backlog of 300: server A sent ${sentBy(a)}, server B sent ${sentBy(b)}\n`);
   await a.stop();
   await b.stop();
 });
