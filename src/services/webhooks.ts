@@ -10,6 +10,8 @@ import { generateSecret, secretProblem } from "../webhooks/signing.ts";
 import { addressProblem, ipLiteral } from "../webhooks/ssrf.ts";
 import type { DeliveryStatus } from "../webhooks/dispatcher.ts";
 
+export { DELIVERY_STATUSES } from "../webhooks/dispatcher.ts";
+
 /** What a webhook may subscribe to: one list, shared with the machine lifecycle that emits them. */
 export const WEBHOOK_OPERATIONS = LIFECYCLE_OPERATIONS;
 

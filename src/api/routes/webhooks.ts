@@ -4,8 +4,7 @@
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { WEBHOOK_OPERATIONS } from "../../services/webhooks.ts";
-import { DELIVERY_STATUSES } from "../../webhooks/dispatcher.ts";
+import { DELIVERY_STATUSES, WEBHOOK_OPERATIONS } from "../../services/webhooks.ts";
 import { errors, Cursor, Id, Limit } from "../schemas.ts";
 import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
 import { KilnError } from "../../errors.ts";
