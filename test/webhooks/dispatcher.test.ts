@@ -116,6 +116,36 @@ test("SSRF: a receiver name resolving to loopback is refused at delivery time un
   }
 });
 
+test("SSRF: IP-literal receivers are checked at delivery time too (a metadata address even with private addresses allowed)", async () => {
+  const loose = service(true);
+  const literal = await loose.create({ url: `${rx.url}/literal`, operations: ["resume"] });
+  // A row the API would refuse (the store may predate a rule, or be written by hand): the dispatcher refuses it anyway.
+  const metadata = await loose.create({ url: `${rx.url}/metadata`, operations: ["resume"] });
+  await store.db.updateTable("webhooks").set({ url: "http://169.254.169.254/latest/meta-data/" }).where("id", "=", metadata.id).execute();
+  const strict = dispatcher({ allowPrivate: false });
+  await strict.start();
+  try {
+    const evt = await emit("resume");
+    const toLoopback = await statusOf(evt, literal.id);
+    assert.match(toLoopback.attempts[0].error ?? "", /^refused: .*127\.0\.0\.1 is private or loopback/);
+    const toMetadata = await statusOf(evt, metadata.id);
+    assert.match(toMetadata.attempts[0].error ?? "", /^refused: .*169\.254\.169\.254 is link-local/);
+  } finally {
+    await strict.close();
+  }
+  const permissive = dispatcher({ allowPrivate: true });
+  await permissive.start();
+  try {
+    const evt = await emit("resume");
+    assert.match((await statusOf(evt, metadata.id)).attempts[0].error ?? "", /^refused: .*link-local/, "metadata stays refused");
+    assert.equal((await statusOf(evt, literal.id)).status, "succeeded");
+  } finally {
+    await permissive.close();
+    await loose.remove(literal.id);
+    await loose.remove(metadata.id);
+  }
+});
+
 test("one slow receiver never holds up the others", async () => {
   const hooks = service(true);
   const slow = await hooks.create({ url: `${rx.url}/slow`, operations: ["update"] });
