@@ -18,6 +18,7 @@ import { machineRoutes } from "./routes/machines.ts";
 import { fileRoutes } from "./routes/files.ts";
 import { machineWsRoutes } from "./routes/machine-ws.ts";
 import { templateRoutes } from "./routes/templates.ts";
+import { webhookRoutes } from "./routes/webhooks.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -109,6 +110,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(machineRoutes, { services: opts.services });
   await app.register(fileRoutes, { services: opts.services });
   await app.register(templateRoutes, { services: opts.services });
+  await app.register(webhookRoutes, { services: opts.services });
   await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
 

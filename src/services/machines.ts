@@ -13,6 +13,7 @@ import type { WarmPool } from "./warm-pool.ts";
 import type { Logger } from "../log.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
 import { runStartCommand } from "../builder/phases/startup.ts";
+import { announceDeliveries, recordEvent } from "../webhooks/outbox.ts";
 
 export const MACHINE_STATUSES = ["creating", "running", "hibernated", "destroyed", "failed"] as const;
 export type MachineStatus = (typeof MACHINE_STATUSES)[number];
@@ -65,8 +66,8 @@ export function machineView(row: MachineRow) {
 }
 export type MachineView = ReturnType<typeof machineView>;
 
-export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool }) {
-  const { db, driver, templates, log } = deps;
+export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool; hostId: string }) {
+  const { db, driver, templates, log, hostId } = deps;
   const agents = new Map<string, AgentClient>();
   const locks = new Map<string, Promise<unknown>>();
   let sweeper: NodeJS.Timeout | undefined;
@@ -95,17 +96,19 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   /** Applies a state change and records its lifecycle event in the same transaction. */
   async function transition(id: string, set: MachineUpdate, operation: LifecycleOperation | null): Promise<MachineRow> {
     const now = new Date().toISOString();
+    let queued = 0;
     return db.transaction().execute(async (tx) => {
       await tx.updateTable("machines").set({ ...set, updated_at: now }).where("id", "=", id).execute();
       const row = await tx.selectFrom("machines").selectAll().where("id", "=", id).executeTakeFirstOrThrow();
       if (operation) {
         const eventId = newId("evt");
         const payload = { id: eventId, operation, occurred_at: now, machine: machineView(row) };
-        await tx.insertInto("events").values({ id: eventId, operation, machine_id: id, payload_json: JSON.stringify(payload), occurred_at: now }).execute();
+        queued = await recordEvent(tx, { id: eventId, operation, occurredAt: now, payload, machineId: id });
       }
       return row;
     }).then((row) => {
       if (set.status) statusChanges.emit("status", id, set.status as MachineStatus);
+      if (queued > 0) announceDeliveries(db);
       return row;
     });
   }
@@ -156,6 +159,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       updated_at: now.toISOString(),
       destroyed_at: null,
       failure_reason: null,
+      host_id: hostId,
     };
     await db.insertInto("machines").values(row).execute();
     return withLock(row.id, async () => {
@@ -270,7 +274,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
    * Rows are read before the runtime's list, so a machine that became running in between was already live.
    */
   async function reapDead(): Promise<number> {
-    const rows = await db.selectFrom("machines").select("id").where("status", "in", ["running", "hibernated"]).execute();
+    const rows = await db.selectFrom("machines").select("id").where("host_id", "=", hostId).where("status", "in", ["running", "hibernated"]).execute();
     if (rows.length === 0) return 0;
     const live = new Set((await driver.listLive()).map((m) => m.id));
     let reaped = 0;
@@ -300,7 +304,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   /** Destroys machines whose timeout has passed. Runs every second; cheap because of the status index. */
   async function sweepExpired(): Promise<void> {
     const now = new Date().toISOString();
-    const due = await db.selectFrom("machines").select("id").where("status", "in", ["running", "hibernated"]).where("expires_at", "<=", now).execute();
+    const due = await db.selectFrom("machines").select("id").where("host_id", "=", hostId).where("status", "in", ["running", "hibernated"]).where("expires_at", "<=", now).execute();
     for (const { id } of due) {
       await destroy(id, "timeout").catch((err: unknown) => log.error({ err, machine_id: id }, "destroying an expired machine failed"));
     }
@@ -312,7 +316,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
    */
   async function adopt(): Promise<{ adopted: number; lost: number; removed: number }> {
     const live = new Map((await driver.listLive()).map((m) => [m.id, m]));
-    const rows = await db.selectFrom("machines").selectAll().where("status", "in", ["creating", "running", "hibernated"]).execute();
+    // Records from before hosts were named belong to the first server that starts on this store again.
+    await db.updateTable("machines").set({ host_id: hostId }).where("host_id", "is", null).execute();
+    const rows = await db.selectFrom("machines").selectAll().where("host_id", "=", hostId).where("status", "in", ["creating", "running", "hibernated"]).execute();
     let adopted = 0;
     let lost = 0;
     for (const row of rows) {

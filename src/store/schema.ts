@@ -73,6 +73,8 @@ export interface MachinesTable {
   updated_at: string;
   destroyed_at: string | null;
   failure_reason: string | null;
+  /** The host (data dir) whose runtime runs the machine; only that server reconciles, expires and adopts it. */
+  host_id: string | null;
 }
 
 export interface EventsTable {
@@ -128,6 +130,54 @@ export interface BuildCacheTable {
   last_used_at: string;
 }
 
+export interface WebhooksTable {
+  id: string; // whk_…
+  url: string;
+  operations_json: string; // JSON array of lifecycle operations
+  enabled: number;
+  /** The one place a signing secret is stored (it signs deliveries); never in a response, log or event. */
+  signing_secret: string;
+  /** The secret before the last rotation, still signing beside the new one until previous_secret_expires_at. */
+  previous_signing_secret: string | null;
+  previous_secret_expires_at: string | null;
+  created_at: string;
+  updated_at: string;
+}
+
+export interface WebhookDeliveriesTable {
+  id: string; // dlv_…
+  webhook_id: string;
+  event_id: string;
+  operation: string;
+  /** The exact request body sent on every attempt (the signature covers it). */
+  body: string;
+  status: string; // queued | in_progress | succeeded | dead_letter
+  /** Attempts made so far, interrupted ones included. */
+  attempts: number;
+  /** attempts at the last manual retry: the schedule restarts from there. */
+  schedule_base: number;
+  next_attempt_at: string;
+  /** Host id of the server sending it now (in_progress), and until when that claim holds. */
+  claimed_by: string | null;
+  claimed_at: string | null;
+  claim_expires_at: string | null;
+  last_status_code: number | null;
+  last_error: string | null;
+  created_at: string;
+  updated_at: string;
+  completed_at: string | null;
+}
+
+export interface WebhookDeliveryAttemptsTable {
+  delivery_id: string;
+  attempt: number;
+  started_at: string;
+  duration_ms: number;
+  status_code: number | null;
+  error: string | null;
+  response_excerpt: string | null;
+}
+
 export interface Database {
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
@@ -139,6 +189,9 @@ export interface Database {
   builds: BuildsTable;
   build_logs: BuildLogsTable;
   build_cache: BuildCacheTable;
+  webhooks: WebhooksTable;
+  webhook_deliveries: WebhookDeliveriesTable;
+  webhook_delivery_attempts: WebhookDeliveryAttemptsTable;
 }
 
 export type Db = Kysely<Database>;
@@ -150,3 +203,6 @@ export type TemplateRow = Selectable<TemplatesTable>;
 export type ArtifactRow = Selectable<ArtifactsTable>;
 export type BuildRow = Selectable<BuildsTable>;
 export type EventRow = Selectable<EventsTable>;
+export type WebhookRow = Selectable<WebhooksTable>;
+export type DeliveryRow = Selectable<WebhookDeliveriesTable>;
+export type DeliveryAttemptRow = Selectable<WebhookDeliveryAttemptsTable>;
