@@ -9,6 +9,8 @@ import { createMachineService } from "./machines.ts";
 import { createExecService } from "./exec.ts";
 import { createFileService } from "./files.ts";
 import { createWarmPool } from "./warm-pool.ts";
+import { createGitService } from "./git.ts";
+import { createCodeService } from "./code.ts";
 
 export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number }) {
   const { store, driver, log } = deps;
@@ -25,6 +27,8 @@ export function createServices(deps: { store: Store; driver: MachineDriver; log:
     machines,
     exec: createExecService(machines),
     files: createFileService(machines),
+    git: createGitService(machines),
+    code: createCodeService(machines),
   };
 }
 
