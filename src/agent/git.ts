@@ -98,6 +98,7 @@ async function prepareScratch(auth: GitAuth, uid: number, gid: number): Promise<
         "-o StrictHostKeyChecking=accept-new",
         `-o 'UserKnownHostsFile=${dir}/known_hosts ~/.ssh/known_hosts'`,
         "-o ConnectTimeout=20",
+        "-o LogLevel=ERROR", // no "Permanently added … to the list of known hosts" in every summary
       ].join(" ");
     }
     return { dir, env };

@@ -179,7 +179,9 @@ export function createGitService(machines: MachineService) {
 
   return {
     async push(id: string, input: Common & WithAuth & { remote?: string; branch?: string; set_upstream?: boolean }, signal?: AbortSignal) {
-      const args = ["push", ...(input.set_upstream ? ["--set-upstream"] : []), "--end-of-options", input.remote ?? GIT_DEFAULT_REMOTE, input.branch ?? "HEAD"];
+      // Without a branch: the current one by name (so git's summary says `main -> main` and -u has a branch to track).
+      const branch = input.branch ?? (await git(id, input, ["symbolic-ref", "--quiet", "--short", "HEAD"]).catch(() => undefined))?.stdout.trim();
+      const args = ["push", ...(input.set_upstream ? ["--set-upstream"] : []), "--end-of-options", input.remote ?? GIT_DEFAULT_REMOTE, branch || "HEAD"];
       const r = await git(id, input, args, { signal });
       return { summary: summaryOf(r) };
     },
@@ -245,7 +247,8 @@ export function createGitService(machines: MachineService) {
     },
 
     async checkout(id: string, input: Common & { branch: string; create?: boolean }) {
-      await git(id, input, input.create ? ["checkout", "-b", input.branch, "--"] : ["checkout", "--end-of-options", input.branch, "--"]);
+      // `switch` (not `checkout`, whose --end-of-options miscounts refs in git 2.39); a new name is glued to its option.
+      await git(id, input, input.create ? ["switch", `--create=${input.branch}`] : ["switch", "--end-of-options", input.branch]);
       const st = await status(id, input);
       return { branch: st.branch, commit: st.commit, detached: st.detached };
     },

@@ -8,7 +8,11 @@ import { randomUUID } from "node:crypto";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { startTestKiln } from "../support/kiln.ts";
+import { createServer } from "node:net";
+import type { Server, Socket } from "node:net";
+import type { AddressInfo } from "node:net";
+import { request } from "undici";
+import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { commitOnServer, filesContaining, HTTP_USER, makeBareRepo, serverLog, startHttpGitServer, startSshGitServer } from "./git-servers.ts";
 import type { HttpGitServer, SshGitServer } from "./git-servers.ts";
@@ -267,6 +271,76 @@ test("an SSH key with a passphrase: the right one pushes, a wrong one is auth_fa
   await assertGone(wrong);
   await assertGone(ssh.keys.passphrase);
   await assertGone(ssh.keys.encrypted.split("\n")[1]);
+});
+
+test("the secret search finds a secret that is there (the sweep can fail)", async () => {
+  const planted = `planted-${randomUUID()}`;
+  await sh(`echo ${planted} > /workspace/planted.txt`, "user");
+  await assert.rejects(assertGone(planted), /machine's files/);
+  assert.ok((await filesContaining(k.dataDir, planted)).some((f) => f.endsWith("planted.txt")), "a machine's writes are in the data dir searched");
+  await sh("rm /workspace/planted.txt");
+});
+
+/** A TCP server that accepts and never answers: a git remote that hangs. */
+async function hangingServer(): Promise<{ port: number; close(): Promise<void> }> {
+  const sockets = new Set<Socket>();
+  const server: Server = createServer((s) => {
+    sockets.add(s);
+    s.on("error", () => undefined);
+  });
+  await new Promise<void>((r) => server.listen(0, "127.0.0.1", r));
+  return {
+    port: (server.address() as AddressInfo).port,
+    close: () =>
+      new Promise((r) => {
+        for (const s of sockets) s.destroy();
+        server.close(() => r());
+      }),
+  };
+}
+
+test("a push past its timeout is 422 timeout, and the scratch dir and secret are gone", async () => {
+  const hang = await hangingServer();
+  try {
+    const password = freshPassword();
+    await sh(`cd /workspace/app && git remote add hang http://host.kiln.internal:${hang.port}/x.git`, "user");
+    const started = Date.now();
+    const res = await git("push", { path: "/workspace/app", remote: "hang", auth: { kind: "https", username: HTTP_USER, password }, timeout_s: 2 });
+    assert.equal(res.status, 422, res.text);
+    assert.equal(res.body.error_detail.details.reason, "timeout");
+    assert.ok(Date.now() - started < 15_000);
+    await assertGone(password);
+  } finally {
+    await hang.close();
+  }
+});
+
+test("a client that hangs up cancels its git run: the process and the scratch dir go", async () => {
+  const hang = await hangingServer();
+  try {
+    const password = freshPassword();
+    const controller = new AbortController();
+    const pending = request(`${k.url}/v1/machines/${m.id}/git/push`, {
+      method: "POST",
+      headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json" },
+      body: JSON.stringify({ path: "/workspace/app", remote: "hang", auth: { kind: "https", username: HTTP_USER, password } }),
+      signal: controller.signal,
+    }).catch((err: Error) => err);
+    // Wait until git is really running (its scratch dir exists), then hang up.
+    for (let i = 0; i < 200 && !/kiln-git-/.test((await sh("ls -a /tmp")).stdout); i++) await new Promise((r) => setTimeout(r, 25));
+    controller.abort();
+    assert.ok((await pending) instanceof Error);
+    let left = "";
+    for (let i = 0; i < 200; i++) {
+      left = (await sh("ls -a /tmp; ps -eo args | grep -c '[g]it.*push' || true")).stdout;
+      if (!/kiln-git-/.test(left) && /^0$/m.test(left)) break;
+      await new Promise((r) => setTimeout(r, 25));
+    }
+    assert.ok(!/kiln-git-/.test(left) && /^0$/m.test(left), left);
+    await assertGone(password);
+  } finally {
+    await hang.close();
+  }
 });
 
 test("git runs as the user asked for", async () => {
