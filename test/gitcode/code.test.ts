@@ -227,3 +227,13 @@ test("bad input is a 400 envelope and changes nothing; unknown machines are 404"
   assert.equal((await k.call("POST", "/v1/machines/mch_nope/code/execute", { body: { code: "1" } })).status, 404);
   assert.equal((await k.call("GET", "/v1/machines/mch_nope/code/contexts")).status, 404);
 });
+
+test("contexts live in the machine: a restarted Kiln finds them with their state", async () => {
+  await run("survivor = 'still here'");
+  await k.stop();
+  k = await startTestKiln({ dataDir: k.dataDir });
+  const list = await k.call("GET", `/v1/machines/${m.id}/code/contexts`);
+  assert.equal(list.status, 200, list.text);
+  assert.ok(list.body.contexts.some((c: any) => c.id === py.id));
+  assert.equal(resultText((await run("survivor")).frames), "'still here'");
+});
