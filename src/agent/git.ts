@@ -123,13 +123,13 @@ export async function runGit(req: GitRunRequest, signal: AbortSignal): Promise<G
   try {
     const env = processEnv(user, {
       GIT_TERMINAL_PROMPT: "0",
-      GIT_CONFIG_NOSYSTEM: "1",
       // No askpass at all without credentials: a prompt must fail, not hang or reach a desktop helper.
       ...(scratch ? scratch.env : { GIT_ASKPASS: "/bin/false", SSH_ASKPASS: "/bin/false", SSH_ASKPASS_REQUIRE: "never", GIT_SSH_COMMAND: "ssh -o BatchMode=yes -o StrictHostKeyChecking=accept-new" }),
       ...req.envs,
     });
-    // protocol.ext runs arbitrary commands; an empty credential.helper list keeps secrets out of any store.
-    const argv = ["-c", "protocol.ext.allow=never", "-c", "credential.helper=", "-c", "core.askPass=", ...req.args];
+    // protocol.ext runs arbitrary commands; an empty credential.helper resets the helper list from every config
+    // file, so no store or cache ever sees the credentials. GIT_ASKPASS wins over any core.askPass.
+    const argv = ["-c", "protocol.ext.allow=never", "-c", "credential.helper=", ...req.args];
     const result = await new Promise<GitRunResult>((resolve, reject) => {
       let child: ChildProcess;
       try {

@@ -273,6 +273,20 @@ test("an SSH key with a passphrase: the right one pushes, a wrong one is auth_fa
   await assertGone(ssh.keys.encrypted.split("\n")[1]);
 });
 
+test("a credential store configured in the machine never receives the credentials", async () => {
+  await sh("git config --global credential.helper store", "user");
+  await sh("git config --system credential.helper 'cache --timeout=3600'");
+  const password = freshPassword();
+  const res = await git("fetch", { path: "/workspace/app", auth: { kind: "https", username: HTTP_USER, password } });
+  assert.equal(res.status, 200, res.text);
+  const stored = await sh("ls -a /home/user; ls -a /home/user/.cache 2>/dev/null; true");
+  assert.ok(!stored.stdout.includes(".git-credentials"), stored.stdout);
+  assert.ok(!/git-credential-cache/.test((await sh("ps -eo args")).stdout), "no credential cache daemon was started");
+  await sh("git config --global --unset credential.helper", "user");
+  await sh("git config --system --unset credential.helper");
+  await assertGone(password);
+});
+
 test("the secret search finds a secret that is there (the sweep can fail)", async () => {
   const planted = `planted-${randomUUID()}`;
   await sh(`echo ${planted} > /workspace/planted.txt`, "user");
