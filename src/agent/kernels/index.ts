@@ -94,7 +94,7 @@ class Kernel {
         } else if (frame.type === "fatal") {
           clearTimeout(timer);
           reject(new AgentFailure("invalid_request", `The ${this.info.language} kernel could not start: ${frame.error}`));
-        } else this.current?.onFrame(frame);
+        } else if (this.child === child) this.current?.onFrame(frame);
       });
       child.once("error", (e: NodeJS.ErrnoException) => {
         clearTimeout(timer);
@@ -102,6 +102,8 @@ class Kernel {
       });
       child.once("close", (code, signal) => {
         clearTimeout(timer);
+        // A process replaced by a restart that took long to exit must not touch the new one's state.
+        if (this.child !== child) return;
         this.dead = true;
         reject(new AgentFailure("internal", `The ${this.info.language} kernel exited at start (${signal ?? code}): ${this.stderrTail.slice(-500)}`));
         this.current?.onFrame({ type: "error", name: "KernelDied", value: `The kernel process exited (${signal ?? `code ${code}`}); restart the context`, traceback: "" });
@@ -110,10 +112,11 @@ class Kernel {
     });
     child.stdin!.on("error", () => undefined);
     child.stderr!.on("data", (b: Buffer) => {
+      if (this.child !== child) return;
       if (this.info.language === "javascript") this.current?.onFrame({ type: "stderr", text: b.toString("utf8") });
       else this.stderrTail = (this.stderrTail + b.toString("utf8")).slice(-4000);
     });
-    if (this.info.language === "javascript") child.stdout!.on("data", (b: Buffer) => this.current?.onFrame({ type: "stdout", text: b.toString("utf8") }));
+    if (this.info.language === "javascript") child.stdout!.on("data", (b: Buffer) => this.child === child && this.current?.onFrame({ type: "stdout", text: b.toString("utf8") }));
     try {
       await ready;
     } catch (err) {
