@@ -8,6 +8,8 @@ import { createLogger } from "../log.ts";
 import { machineCommands } from "./machines.ts";
 import { keyCommands } from "./keys.ts";
 import { templateCommands } from "./templates.ts";
+import { codeCommands } from "./code.ts";
+import { gitCommands } from "./git.ts";
 
 const program = new Command("kiln")
   .description("Kiln: isolated Linux machines for AI agents, self-hosted")
@@ -60,5 +62,7 @@ withServerFlags(program.command("serve").description("Run the Kiln server (makes
 keyCommands(program);
 templateCommands(program);
 machineCommands(program);
+codeCommands(program);
+gitCommands(program);
 
 await program.parseAsync(process.argv);

@@ -237,3 +237,24 @@ test("contexts live in the machine: a restarted Kiln finds them with their state
   assert.ok(list.body.contexts.some((c: any) => c.id === py.id));
   assert.equal(resultText((await run("survivor")).frames), "'still here'");
 });
+
+test("kiln code run streams a cell's output and exits non-zero when it fails", async () => {
+  const { execFile } = await import("node:child_process");
+  const bin = new URL("../../bin/kiln", import.meta.url).pathname;
+  const cli = (args: string[], input?: string) =>
+    new Promise<{ code: number | null; stdout: string; stderr: string }>((resolve) => {
+      const child = execFile(bin, args, { env: { ...process.env, KILN_URL: k.url, KILN_API_KEY: TEST_KEY } }, (err, stdout, stderr) =>
+        resolve({ code: err ? ((err as { code?: number }).code ?? 1) : 0, stdout, stderr }),
+      );
+      child.stdin!.end(input ?? "");
+    });
+  const ok = await cli(["code", "run", m.id, "-c", py.id, "print('from cli'); 6 * 7"]);
+  assert.equal(ok.code, 0, ok.stderr);
+  assert.equal(ok.stdout, "from cli\n42\n");
+  const piped = await cli(["code", "run", m.id, "-l", "javascript", "-"], "const z = await Promise.resolve(5); z * 2");
+  assert.equal(piped.stdout, "10\n");
+  const bad = await cli(["code", "run", m.id, "-c", py.id, "raise ValueError('nope')"]);
+  assert.equal(bad.code, 1);
+  assert.match(bad.stderr, /ValueError: nope/);
+  assert.match((await cli(["code", "contexts", m.id])).stdout, new RegExp(`${py.id}\\tpython\\t/workspace`));
+});

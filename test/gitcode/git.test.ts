@@ -357,6 +357,31 @@ test("a client that hangs up cancels its git run: the process and the scratch di
   }
 });
 
+test("kiln git clone, commit and push take the password from the environment, never argv", async () => {
+  const { execFile } = await import("node:child_process");
+  const bin = new URL("../../bin/kiln", import.meta.url).pathname;
+  const password = freshPassword();
+  const cli = (args: string[]) =>
+    new Promise<{ code: number | null; stdout: string; stderr: string }>((resolve) =>
+      execFile(bin, args, { env: { ...process.env, KILN_URL: k.url, KILN_API_KEY: TEST_KEY, KILN_GIT_PASSWORD: password } }, (err, stdout, stderr) =>
+        resolve({ code: err ? ((err as { code?: number }).code ?? 1) : 0, stdout, stderr }),
+      ),
+    );
+  const clone = await cli(["git", "clone", m.id, httpUrl(), "/workspace/cli-app", "--https-user", HTTP_USER]);
+  assert.equal(clone.code, 0, clone.stderr);
+  assert.equal(clone.stdout, "/workspace/cli-app (main)\n");
+  await sh("echo cli > /workspace/cli-app/cli.txt", "user");
+  const status = await cli(["git", "status", m.id, "/workspace/cli-app"]);
+  assert.match(status.stdout, /^main → origin\/main \(ahead 0, behind 0\)\n  untracked\tcli.txt\n$/);
+  const commit = await cli(["git", "commit", m.id, "/workspace/cli-app", "-m", "from the cli", "--author-name", "Cli", "--author-email", "cli@example.com"]);
+  assert.match(commit.stdout, /^[0-9a-f]{40} on main\n$/);
+  const push = await cli(["git", "push", m.id, "/workspace/cli-app", "--https-user", HTTP_USER]);
+  assert.equal(push.code, 0, push.stderr);
+  assert.match(push.stdout, /main -> main/);
+  assert.match(serverLog(httpRepo), /Cli <cli@example.com> from the cli/);
+  await assertGone(password);
+});
+
 test("git runs as the user asked for", async () => {
   const st = await git("status", { path: "/workspace/ssh-app", user: "root" });
   // root reading a repository owned by user: git's safe.directory check refuses it, and says so.
