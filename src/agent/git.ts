@@ -3,7 +3,7 @@
 
 import { spawn } from "node:child_process";
 import type { ChildProcess } from "node:child_process";
-import { chmod, chown, mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
+import { chmod, chown, lchown, mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { AgentFailure } from "./errors.ts";
@@ -66,14 +66,16 @@ export function checkAuth(auth: unknown): GitAuth | undefined {
 
 /** Writes the scratch directory for one operation and returns the environment that makes git and ssh use it. */
 async function prepareScratch(auth: GitAuth, uid: number, gid: number): Promise<{ dir: string; env: Record<string, string> }> {
+  // Filled while it is still root's (0700), handed to the user only when complete: the user can never swap a file
+  // for a symlink between its write and its chown (lchown, too, never follows one).
   const dir = await mkdtemp(join(tmpdir(), SCRATCH_PREFIX));
+  const files: string[] = [];
   try {
     await chmod(dir, 0o700);
-    await chown(dir, uid, gid);
     const put = async (name: string, text: string, mode: number) => {
-      // Created with its final mode (no window where it is readable by others), then handed to the user.
+      // Created with its final mode: there is no moment at which it is readable by others.
       await writeFile(join(dir, name), text, { mode, flag: "wx" });
-      await chown(join(dir, name), uid, gid);
+      files.push(join(dir, name));
     };
     await put("askpass", ASKPASS, 0o700);
     const askpass = join(dir, "askpass");
@@ -101,6 +103,8 @@ async function prepareScratch(auth: GitAuth, uid: number, gid: number): Promise<
         "-o LogLevel=ERROR", // no "Permanently added … to the list of known hosts" in every summary
       ].join(" ");
     }
+    for (const f of files) await lchown(f, uid, gid);
+    await chown(dir, uid, gid);
     return { dir, env };
   } catch (err) {
     await rm(dir, { recursive: true, force: true });
