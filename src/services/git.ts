@@ -180,7 +180,10 @@ export function createGitService(machines: MachineService) {
   return {
     async push(id: string, input: Common & WithAuth & { remote?: string; branch?: string; set_upstream?: boolean }, signal?: AbortSignal) {
       // Without a branch: the current one by name (so git's summary says `main -> main` and -u has a branch to track).
-      const branch = input.branch ?? (await git(id, input, ["symbolic-ref", "--quiet", "--short", "HEAD"]).catch(() => undefined))?.stdout.trim();
+      // The lookup is local: it gets no credentials.
+      checkAuth(input.auth);
+      const local = { path: input.path, user: input.user, timeout_s: input.timeout_s };
+      const branch = input.branch ?? (await git(id, local, ["symbolic-ref", "--quiet", "--short", "HEAD"]).catch(() => undefined))?.stdout.trim();
       const args = ["push", ...(input.set_upstream ? ["--set-upstream"] : []), "--end-of-options", input.remote ?? GIT_DEFAULT_REMOTE, branch || "HEAD"];
       const r = await git(id, input, args, { signal });
       return { summary: summaryOf(r) };
