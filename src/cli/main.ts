@@ -9,6 +9,8 @@ import { machineCommands } from "./machines.ts";
 import { keyCommands } from "./keys.ts";
 import { templateCommands } from "./templates.ts";
 import { webhookCommands } from "./webhooks.ts";
+import { codeCommands } from "./code.ts";
+import { gitCommands } from "./git.ts";
 
 const program = new Command("kiln")
   .description("Kiln: isolated Linux machines for AI agents, self-hosted")
@@ -62,5 +64,7 @@ keyCommands(program);
 templateCommands(program);
 machineCommands(program);
 webhookCommands(program);
+codeCommands(program);
+gitCommands(program);
 
 await program.parseAsync(process.argv);

@@ -14,6 +14,8 @@ import type { BuildExtensions } from "./builds.ts";
 import { createTemplateCatalog } from "./template-catalog.ts";
 import { createWebhookService } from "./webhooks.ts";
 import { createDispatcher } from "../webhooks/dispatcher.ts";
+import { createGitService } from "./git.ts";
+import { createCodeService } from "./code.ts";
 
 export interface WebhookSettings {
   retryScheduleMs: number[];
@@ -54,6 +56,8 @@ export function createServices(deps: {
     templateCatalog,
     webhooks,
     dispatcher,
+    git: createGitService(machines),
+    code: createCodeService(machines),
   };
 }
 
