@@ -51,7 +51,10 @@ export interface AgentClient {
   connectPort(port: number): Promise<Socket>;
   /** The stream socket (StreamClientFrame/StreamServerFrame as JSON text); the caller owns its lifecycle. */
   openStream(): WebSocket;
+  /** Waits for requests in flight, then closes. */
   close(): Promise<void>;
+  /** Closes now: requests in flight fail as unavailable (the agent then ends the commands they started). */
+  destroy(): Promise<void>;
 }
 
 export function createAgentClient(socketPath: string): AgentClient {
@@ -141,5 +144,6 @@ export function createAgentClient(socketPath: string): AgentClient {
     },
     openStream: () => new WebSocket(`ws+unix://${socketPath}:/ws`, { perMessageDeflate: false }),
     close: () => pool.close(),
+    destroy: () => pool.destroy(),
   };
 }
