@@ -138,12 +138,17 @@ export function spawnAs(req: SpawnRequest, opts: { stdin: boolean }): ChildProce
     stdio: [opts.stdin ? "pipe" : "ignore", "pipe", "pipe"],
   });
   raiseOomScore(child.pid);
-  spawnedAs.set(child, user);
+  spawned.set(child, { user, atTick: ticksNow() });
   return child;
 }
 
-/** The user each spawned process runs as: finding what it left behind is done with that user's eyes. */
-const spawnedAs = new WeakMap<ChildProcess, UserInfo>();
+/**
+ * Who each spawned process runs as (what it left behind is looked for with that user's eyes) and when it started:
+ * only processes started after it can have inherited its stdio.
+ */
+const spawned = new WeakMap<ChildProcess, { user: UserInfo; atTick: number }>();
+/** Slack for comparing our wall clock with the kernel's start times (ticks are 10 ms). */
+const START_SLACK_TICKS = 5;
 
 export function signalName(signal: NodeJS.Signals | null): string | null {
   return signal ?? null;
@@ -184,13 +189,25 @@ function processIds(): number[] {
   return readdirSync("/proc").filter((n) => /^\d+$/.test(n)).map(Number);
 }
 
-function parentOf(pid: number): number | undefined {
+/** Parent pid and start time (clock ticks since boot) from /proc/<pid>/stat, which anyone may read. */
+function statOf(pid: number): { ppid: number; start: number } | undefined {
   try {
     const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
-    return Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1]);
+    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+    return { ppid: Number(fields[1]), start: Number(fields[19]) };
   } catch {
     return undefined;
   }
+}
+
+/**
+ * Now, in the clock ticks since boot (USER_HZ, 100 on Linux) that /proc/<pid>/stat start times use: our own start
+ * time plus the monotonic time since (the runtime starts a little after the kernel counts us started, which only
+ * makes this earlier, never later).
+ */
+const SELF_START_TICKS = statOf(process.pid)?.start ?? 0;
+function ticksNow(): number {
+  return SELF_START_TICKS + performance.now() / 10;
 }
 
 /**
@@ -220,7 +237,7 @@ function openFds(user: UserInfo | undefined): Map<number, Map<string, string>> {
     fds.set(pid, links);
   }
   if (!denied || !user || user.uid === 0) return fds;
-  const ls = spawnSync("/bin/sh", ["-c", "exec ls -l /proc/[0-9]*/fd/ 2>/dev/null"], { uid: user.uid, gid: user.gid, encoding: "utf8", timeout: 2000, maxBuffer: 64 * 1024 * 1024 });
+  const ls = spawnSync("/bin/sh", ["-c", "exec ls -l /proc/[0-9]*/fd/ 2>/dev/null"], { uid: user.uid, gid: user.gid, encoding: "utf8", timeout: 5000, maxBuffer: 64 * 1024 * 1024 });
   let links: Map<string, string> | undefined;
   for (const line of (ls.stdout ?? "").split("\n")) {
     const header = /^\/proc\/(\d+)\/fd\/?:$/.exec(line);
@@ -242,15 +259,14 @@ export function signalTree(child: ChildProcess, signal: NodeJS.Signals = "SIGKIL
   killGroup(child, signal);
   const ends = [childEndOf(child.stdin), childEndOf(child.stdout), childEndOf(child.stderr)].filter((p): p is string => p !== undefined);
   for (let round = 0; round < 3; round++) {
-    const all = processIds();
-    const parents = new Map<number, number | undefined>(all.map((pid) => [pid, parentOf(pid)]));
+    const stats = new Map(processIds().map((pid) => [pid, statOf(pid)] as const));
     const targets = new Set<number>();
     const tree: Set<number> = new Set([root]);
     // Descendants: grow the set until no process has a parent in it.
     for (let grew = true; grew; ) {
       grew = false;
-      for (const [pid, ppid] of parents) {
-        if (ppid !== undefined && tree.has(ppid) && !tree.has(pid)) {
+      for (const [pid, stat] of stats) {
+        if (stat && tree.has(stat.ppid) && !tree.has(pid)) {
           tree.add(pid);
           grew = true;
         }
@@ -259,13 +275,16 @@ export function signalTree(child: ChildProcess, signal: NodeJS.Signals = "SIGKIL
     // The child itself only while it is not reaped (its pid may be reused after).
     const alive = child.exitCode === null && child.signalCode === null;
     for (const pid of [...tree]) if (pid !== root || alive) targets.add(pid);
-    if (ends.length > 0) {
-      const fds = openFds(spawnedAs.get(child));
+    const origin = spawned.get(child);
+    if (ends.length > 0 && origin) {
+      const fds = openFds(origin.user);
       // While the child lives, its own fds 0-2 say exactly which ends are its.
       const wanted = new Set(ends);
       const own = fds.get(root);
       if (alive && own) for (const fd of ["0", "1", "2"]) if (/^(socket|pipe):/.test(own.get(fd) ?? "")) wanted.add(own.get(fd)!);
-      for (const [pid, links] of fds) if ([...links.values()].some((l) => wanted.has(l))) targets.add(pid);
+      // A holder must have started after the child did: the inode guess can never hit an older process.
+      const startedAfter = (pid: number) => (stats.get(pid)?.start ?? 0) >= origin.atTick - START_SLACK_TICKS;
+      for (const [pid, links] of fds) if (startedAfter(pid) && [...links.values()].some((l) => wanted.has(l))) targets.add(pid);
     }
     targets.delete(process.pid);
     targets.delete(1);
