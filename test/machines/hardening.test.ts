@@ -276,6 +276,9 @@ test("a stdin flood into a process that does not read is held back: the server's
   const growth = (process.memoryUsage().rss - rss0) / 1024 / 1024;
   assert.ok(sent < 400, `all ${sent} MB went through: nothing held the client back`);
   assert.ok(growth < 150, `server RSS grew by ${growth.toFixed(0)} MB after ${sent} MB of stdin`);
+  // The agent held back too (a shell line's parent is the agent).
+  const agentRss = Number(/VmRSS:\s+(\d+) kB/.exec((await sh(m.id, "cat /proc/$PPID/status")).stdout)?.[1]) / 1024;
+  assert.ok(agentRss < 200, `the agent's RSS is ${agentRss.toFixed(0)} MB`);
   c.ws.terminate();
   await until("the flooded process ended with its socket", async () => (await processesLike(m.id, "sleep 4243")) === 0, 20_000);
 });
