@@ -94,7 +94,10 @@ export function checkSpawnRequest(req: { cmd?: unknown; args?: unknown; cwd?: un
   }
 }
 
-/** Marks a process the agent started as the OOM killer's first choice (the agent's own score stays low). */
+/**
+ * Marks a process the agent started as the OOM killer's first choice (the agent's own score stays low). Written
+ * synchronously: a thread-pool write measured slower than the syscall itself.
+ */
 export function raiseOomScore(pid: number | undefined) {
   if (pid === undefined) return;
   try {
@@ -137,7 +140,8 @@ export function spawnAs(req: SpawnRequest, opts: { stdin: boolean }): ChildProce
     detached: true, // own process group: kill(-pid) reaches everything it started
     stdio: [opts.stdin ? "pipe" : "ignore", "pipe", "pipe"],
   });
-  raiseOomScore(child.pid);
+  // A shell line raises its own score before its first command (see argvOf); a program is raised from here.
+  if (req.args !== undefined) raiseOomScore(child.pid);
   spawned.set(child, { user, atTick: ticksNow() });
   return child;
 }
