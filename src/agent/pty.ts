@@ -6,7 +6,8 @@ import { randomUUID } from "node:crypto";
 import * as nodePty from "@lydell/node-pty";
 import type { IPty } from "@lydell/node-pty";
 import { constants } from "node:os";
-import { processEnv, resolveUser, argvOf, workingDir, checkSpawnRequest, raiseOomScore } from "./process.ts";
+import { processEnv, resolveUser, argvOf, workingDir, checkSpawnRequest } from "./process.ts";
+import { raiseOomScore } from "./oom.ts";
 import type { StreamServerFrame } from "./protocol.ts";
 
 export const RING_BYTES = 1024 * 1024;

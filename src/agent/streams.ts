@@ -6,7 +6,9 @@ import type { WebSocket } from "ws";
 import type { ChildProcess } from "node:child_process";
 import { PtySession } from "./pty.ts";
 import type { PtySink } from "./pty.ts";
-import { spawnAs, signalTree, isSignal, oomKills, wasOomKilled } from "./process.ts";
+import { spawnAs, isSignal } from "./process.ts";
+import { signalTree } from "./process-tree.ts";
+import { oomKills, wasOomKilled } from "./oom.ts";
 import { AgentFailure } from "./errors.ts";
 import type { AgentErrorCode, StreamServerFrame } from "./protocol.ts";
 
