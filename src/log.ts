@@ -19,6 +19,7 @@ export const SECRET_FIELDS = [
   "token",
   "secrets",
   "envs",
+  "stdin",
   "edge_token",
   "api_key",
   "apiKey",

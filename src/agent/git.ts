@@ -7,7 +7,8 @@ import { chmod, chown, lchown, mkdtemp, readdir, rm, writeFile } from "node:fs/p
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { AgentFailure } from "./errors.ts";
-import { killGroup, processEnv, resolveUser, workingDir } from "./process.ts";
+import { processEnv, resolveUser, workingDir } from "./process.ts";
+import { killGroup } from "./process-tree.ts";
 import type { GitAuth, GitRunRequest, GitRunResult } from "./protocol.ts";
 
 const SCRATCH_PREFIX = "kiln-git-";

@@ -8,7 +8,7 @@ import { chmodSync, unlinkSync, existsSync, mkdirSync } from "node:fs";
 import { randomUUID } from "node:crypto";
 import { dirname, isAbsolute } from "node:path";
 import { AgentFailure } from "./errors.ts";
-import { execOnce, resolveUser, setMachineEnvs } from "./process.ts";
+import { checkSpawnRequest, execOnce, resolveUser, setMachineEnvs } from "./process.ts";
 import { fileInfo, listDir, makeDirs, move, remove, writeFileAtomic } from "./files.ts";
 import { lookupUser } from "./users.ts";
 import { createReadStream } from "node:fs";
@@ -47,6 +47,7 @@ async function readJson(req: IncomingMessage): Promise<Record<string, any>> {
 
 function absolutePath(p: unknown, what = "path"): string {
   if (typeof p !== "string" || !isAbsolute(p)) throw new AgentFailure("invalid_request", `${what} must be an absolute path`);
+  if (p.includes("\0")) throw new AgentFailure("invalid_request", `${what} must not contain a NUL byte`);
   return p;
 }
 
@@ -73,6 +74,7 @@ async function route(req: IncomingMessage, res: ServerResponse) {
       const body = await readJson(req);
       const envs = body.envs ?? {};
       if (typeof envs !== "object" || Object.values(envs).some((v) => typeof v !== "string")) throw new AgentFailure("invalid_request", "envs must map names to strings");
+      checkSpawnRequest({ envs });
       setMachineEnvs(envs);
       return send(res, 200, { ok: true });
     }
@@ -81,7 +83,12 @@ async function route(req: IncomingMessage, res: ServerResponse) {
     case "POST /exec": {
       const body = (await readJson(req)) as ExecRequest;
       if (typeof body.cmd !== "string" || !body.cmd) throw new AgentFailure("invalid_request", "cmd is required");
-      return send(res, 200, await execOnce(body));
+      // The caller going away (timeout on its side, the machine being destroyed or hibernated) ends the command.
+      const gone = new AbortController();
+      res.once("close", () => {
+        if (!res.writableFinished) gone.abort();
+      });
+      return send(res, 200, await execOnce(body, gone.signal));
     }
     case "GET /files": {
       const path = absolutePath(q.get("path"));

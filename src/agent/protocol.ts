@@ -48,6 +48,8 @@ export interface ExecResult {
   stderr_base64: string;
   duration_ms: number;
   timed_out: boolean;
+  /** Present when the process died of SIGKILL and the machine's memory cgroup counted an OOM kill meanwhile. */
+  oom_killed?: true;
 }
 
 export interface FileInfo {
@@ -176,6 +178,8 @@ export interface ExecExitFrame {
   exit_code: number | null;
   /** Signal name ("SIGKILL") when the process died of one. */
   signal: string | null;
+  /** Present when the kernel's OOM killer ended the process (as far as the machine's memory cgroup tells). */
+  oom_killed?: true;
 }
 export interface PtyStartedFrame {
   type: "pty.started";

@@ -92,6 +92,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     const { status, body } = toEnvelope(err, req.id);
     if (status >= 500) req.log.error({ err }, "request failed");
     else req.log.info({ code: body.code, status }, "request refused");
+    if (status === 413) closeAfterReply(req, reply);
     return sendEnvelope(reply, status, body);
   });
 
@@ -120,6 +121,21 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
 
   app.get("/v1/openapi.json", { schema: { hide: true } }, async () => app.swagger());
   return app;
+}
+
+/**
+ * A body refused part-way leaves unread bytes on the connection: say `connection: close`, end our side once the
+ * answer is out, drop whatever the client still sends, and destroy the socket soon after, so nothing half-read
+ * outlives the request (a server close would otherwise wait on it).
+ */
+function closeAfterReply(req: FastifyRequest, reply: FastifyReply) {
+  reply.header("connection", "close");
+  const socket = req.raw.socket;
+  reply.raw.once("finish", () => {
+    socket.end();
+    socket.resume();
+    setTimeout(() => socket.destroy(), 1000).unref();
+  });
 }
 
 function sendEnvelope(reply: FastifyReply, status: number, body: unknown) {

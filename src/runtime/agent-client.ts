@@ -60,7 +60,10 @@ export interface AgentClient {
   codeDelete(id: string): Promise<{ deleted: true }>;
   /** NDJSON frames of one execute; errors come before the first line. Aborting `signal` interrupts it. */
   codeExecute(req: CodeExecuteRequest, signal?: AbortSignal): Promise<Readable>;
+  /** Waits for requests in flight, then closes. */
   close(): Promise<void>;
+  /** Closes now: requests in flight fail as unavailable (the agent then ends the commands they started). */
+  destroy(): Promise<void>;
 }
 
 export function createAgentClient(socketPath: string): AgentClient {
@@ -159,5 +162,6 @@ export function createAgentClient(socketPath: string): AgentClient {
       return res.body as unknown as Readable;
     },
     close: () => pool.close(),
+    destroy: () => pool.destroy(),
   };
 }

@@ -14,6 +14,7 @@ import type { Logger } from "../log.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
 import { runStartCommand } from "../builder/phases/startup.ts";
 import { announceDeliveries, recordEvent } from "../webhooks/outbox.ts";
+import { checkEnvs, checkMetadata } from "./input-limits.ts";
 
 export const MACHINE_STATUSES = ["creating", "running", "hibernated", "destroyed", "failed"] as const;
 export type MachineStatus = (typeof MACHINE_STATUSES)[number];
@@ -21,6 +22,8 @@ export const LIFECYCLE_OPERATIONS = ["create", "update", "hibernate", "resume", 
 export type LifecycleOperation = (typeof LIFECYCLE_OPERATIONS)[number];
 
 export const MACHINE_DEFAULTS = { user: "user", timeoutS: 300, vcpus: 1, memoryMb: 1024, internet: true } as const;
+/** Expired machines destroyed at once by the sweeper. */
+const EXPIRY_CONCURRENCY = 8;
 export const MACHINE_LIMITS = { maxTimeoutS: 7 * 24 * 3600, maxVcpus: 64, minMemoryMb: 64, maxMemoryMb: 262_144 } as const;
 
 export interface CreateMachineInput {
@@ -71,6 +74,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   const agents = new Map<string, AgentClient>();
   const locks = new Map<string, Promise<unknown>>();
   let sweeper: NodeJS.Timeout | undefined;
+  /** Machines an expiry sweep is destroying right now. */
+  const expiring = new Set<string>();
   // Tells streams (WebSockets) attached to a machine that its execution changed under them.
   const statusChanges = new EventEmitter<{ status: [id: string, status: MachineStatus] }>();
   statusChanges.setMaxListeners(0);
@@ -125,13 +130,16 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     return client;
   }
 
+  /** Drops a machine's agent client without waiting: execs in flight answer 409 and the agent ends their commands. */
   async function detach(id: string) {
     const client = agents.get(id);
     agents.delete(id);
-    await client?.close().catch(() => undefined);
+    await client?.destroy().catch(() => undefined);
   }
 
   async function create(input: CreateMachineInput): Promise<MachineView> {
+    checkEnvs(input.envs);
+    checkMetadata(input.metadata);
     const resolved = await templates.resolve(input.template ?? deps.baseTemplateRef);
     // A built template's image config gives the defaults: its envs, working directory and user.
     const image = artifactConfig(resolved.artifact);
@@ -217,6 +225,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   }
 
   async function update(id: string, input: UpdateMachineInput): Promise<MachineView> {
+    checkMetadata(input.metadata);
     return withLock(id, async () => {
       const row = await load(id);
       if (row.status === "destroyed" || row.status === "failed") throw new KilnError("conflict", `Machine ${id} is ${row.status}`);
@@ -236,7 +245,15 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       const row = await load(id);
       if (row.status === "hibernated") return machineView(row);
       if (row.status !== "running") throw new KilnError("machine_not_running", `Machine ${id} is ${row.status}`);
-      await driver.hibernate(id);
+      // Execs in flight end here (409 to their callers, their commands killed by the agent), not at resume.
+      const socketPath = agents.get(id)?.socketPath;
+      await detach(id);
+      try {
+        await driver.hibernate(id);
+      } catch (err) {
+        if (socketPath) agents.set(id, createAgentClient(socketPath));
+        throw err;
+      }
       return machineView(await transition(id, { status: "hibernated" }, "hibernate"));
     });
   }
@@ -301,13 +318,25 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     return { row, agent };
   }
 
-  /** Destroys machines whose timeout has passed. Runs every second; cheap because of the status index. */
+  /**
+   * Destroys machines whose timeout has passed. Runs every second; cheap because of the status index. Up to
+   * EXPIRY_CONCURRENCY destroys run at once across sweeps, so one slow destroy never delays another's expiry.
+   */
   async function sweepExpired(): Promise<void> {
     const now = new Date().toISOString();
     const due = await db.selectFrom("machines").select("id").where("host_id", "=", hostId).where("status", "in", ["running", "hibernated"]).where("expires_at", "<=", now).execute();
-    for (const { id } of due) {
-      await destroy(id, "timeout").catch((err: unknown) => log.error({ err, machine_id: id }, "destroying an expired machine failed"));
-    }
+    const queue = due.map((r) => r.id).filter((id) => !expiring.has(id));
+    const expireNext = async (): Promise<void> => {
+      const id = queue.shift();
+      if (id === undefined) return;
+      expiring.add(id);
+      await destroy(id, "timeout")
+        .catch((err: unknown) => log.error({ err, machine_id: id }, "destroying an expired machine failed"))
+        .finally(() => expiring.delete(id));
+      return expireNext();
+    };
+    const slots = Math.max(0, EXPIRY_CONCURRENCY - expiring.size);
+    await Promise.all(Array.from({ length: Math.min(slots, queue.length) }, expireNext));
   }
 
   /**

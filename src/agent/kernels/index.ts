@@ -8,7 +8,8 @@ import { basename, dirname, join } from "node:path";
 import { createInterface } from "node:readline";
 import type { IncomingMessage, ServerResponse } from "node:http";
 import { AgentFailure } from "../errors.ts";
-import { killGroup, processEnv, resolveUser, workingDir } from "../process.ts";
+import { processEnv, resolveUser, workingDir } from "../process.ts";
+import { killGroup } from "../process-tree.ts";
 import type { CodeContext, CodeContextCreate, CodeExecuteRequest, CodeFrame, CodeLanguage } from "../protocol.ts";
 
 const LANGUAGES: readonly CodeLanguage[] = ["python", "javascript"];
