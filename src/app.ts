@@ -36,12 +36,14 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
   const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, runscPlatform: config.runscPlatform, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool });
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir });
   await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });
 
   const adoption = await services.machines.adopt();
   if (adoption.adopted + adoption.lost + adoption.removed > 0) log.info(adoption, "machines reconciled after start");
   services.machines.startSweeper();
+  const volumes = await services.volumes.start();
+  if (volumes.mounted + volumes.cleaned > 0) log.info(volumes, "volumes restored after start");
 
   const baseReady = ensureBaseTemplate({ cacheDir: config.cacheDir, mirror: config.debianMirror, log, onProgress: (line) => log.info({ phase: "base-template" }, line) })
     .then(async ({ layerDir, digest }) => {
@@ -55,7 +57,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     });
   services.templates.setPending("the base template is being made (first start); try again in a minute");
 
-  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs });
+  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, volumeWatchQueue: config.volumeWatchQueue });
   let url = "";
   if (opts.listen !== false) url = await app.listen({ host: config.host, port: config.port });
 
@@ -64,6 +66,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     closing ??= (async () => {
       await app.close();
       await services.pool.close();
+      await services.volumes.close();
       await services.machines.close();
       await driver.close();
       await store.close();

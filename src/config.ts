@@ -23,6 +23,8 @@ export interface Config {
   debianMirror: string | undefined;
   /** Machines of the base template kept booted ahead of time (0 turns the pool off). */
   warmPool: number;
+  /** Volume watch frames a socket may hold unsent per watch before it drops them for a resync_required. */
+  volumeWatchQueue: number;
 }
 
 export class ConfigError extends Error {}
@@ -46,6 +48,7 @@ export const CONFIG_VARS = [
   ["KILN_BODY_LIMIT_BYTES", "104857600", "largest request body accepted (file uploads included)"],
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
   ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
+  ["KILN_VOLUME_WATCH_QUEUE", "4096", "volume watch events held per watch for a slow client before resync_required"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -83,6 +86,7 @@ export function loadConfig(env: Env = process.env): Config {
     bodyLimitBytes: intVar(env, "KILN_BODY_LIMIT_BYTES", 100 * 1024 * 1024, 1024, 16 * 1024 * 1024 * 1024),
     debianMirror: env.KILN_DEBIAN_MIRROR || undefined,
     warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
+    volumeWatchQueue: intVar(env, "KILN_VOLUME_WATCH_QUEUE", 4096, 1, 1_000_000),
   };
 }
 

@@ -17,6 +17,8 @@ import { keyRoutes } from "./routes/keys.ts";
 import { machineRoutes } from "./routes/machines.ts";
 import { fileRoutes } from "./routes/files.ts";
 import { machineWsRoutes } from "./routes/machine-ws.ts";
+import { volumeRoutes } from "./routes/volumes.ts";
+import { volumeWsRoutes } from "./routes/volume-ws.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -25,6 +27,8 @@ export interface ServerOptions {
   services: Services;
   bodyLimitBytes: number;
   wsPingIntervalMs: number;
+  /** Per-watch bound of unsent volume watch frames (KILN_VOLUME_WATCH_QUEUE). */
+  volumeWatchQueue?: number;
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
@@ -109,6 +113,8 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(fileRoutes, { services: opts.services });
   await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
+  await app.register(volumeRoutes, { services: opts.services });
+  await app.register(volumeWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs, queueSize: opts.volumeWatchQueue ?? 4096 });
 
   app.get("/v1/openapi.json", { schema: { hide: true } }, async () => app.swagger());
   return app;

@@ -9,13 +9,15 @@ import { createMachineService } from "./machines.ts";
 import { createExecService } from "./exec.ts";
 import { createFileService } from "./files.ts";
 import { createWarmPool } from "./warm-pool.ts";
+import { createVolumeService } from "./volumes.ts";
 
-export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number }) {
+export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number; dataDir: string }) {
   const { store, driver, log } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
-  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool });
+  const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log });
+  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, volumes });
   return {
     store,
     driver,
@@ -25,6 +27,7 @@ export function createServices(deps: { store: Store; driver: MachineDriver; log:
     machines,
     exec: createExecService(machines),
     files: createFileService(machines),
+    volumes,
   };
 }
 

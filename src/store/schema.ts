@@ -78,6 +78,24 @@ export interface EventsTable {
   occurred_at: string;
 }
 
+export interface VolumesTable {
+  id: string; // vol_…
+  name: string;
+  size_mb: number;
+  status: string; // creating | ready | deleting
+  created_at: string;
+  updated_at: string;
+}
+
+/** One row per volume a machine mounts; kept after the machine is gone (its status says whether it is live). */
+export interface MachineVolumesTable {
+  machine_id: string;
+  volume_id: string;
+  path: string;
+  read_only: number;
+  created_at: string;
+}
+
 export interface Database {
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
@@ -86,6 +104,8 @@ export interface Database {
   artifact_tags: ArtifactTagsTable;
   machines: MachinesTable;
   events: EventsTable;
+  volumes: VolumesTable;
+  machine_volumes: MachineVolumesTable;
 }
 
 export type Db = Kysely<Database>;
@@ -96,3 +116,4 @@ export type ApiKeyRow = Selectable<ApiKeysTable>;
 export type TemplateRow = Selectable<TemplatesTable>;
 export type ArtifactRow = Selectable<ArtifactsTable>;
 export type EventRow = Selectable<EventsTable>;
+export type VolumeRow = Selectable<VolumesTable>;

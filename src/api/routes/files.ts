@@ -123,7 +123,7 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
 }
 
 /** Passes a byte stream through, failing it with payload_too_large once it exceeds `limit` (chunked uploads). */
-function limitBytes(source: Readable, limit: number): Readable {
+export function limitBytes(source: Readable, limit: number): Readable {
   let seen = 0;
   const counter = new Transform({
     transform(chunk: Buffer, _enc, cb) {

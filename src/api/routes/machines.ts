@@ -7,6 +7,16 @@ import { MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES } from "../../servic
 import { errors, Cursor, Id, Limit, Machine, MachinePath, StringMap, UserName } from "../schemas.ts";
 import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
 import { KilnError } from "../../errors.ts";
+import { VOLUME_LIMITS } from "../../services/volumes.ts";
+
+const VolumeMountRequest = Type.Object(
+  {
+    volume_id: Id,
+    path: Type.String({ minLength: 2, maxLength: 4096, pattern: "^/", description: "Absolute mount point in the machine" }),
+    read_only: Type.Optional(Type.Boolean({ default: false })),
+  },
+  { additionalProperties: false },
+);
 
 const TimeoutS = Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxTimeoutS });
 const Params = Type.Object({ id: Id });
@@ -23,6 +33,8 @@ const CreateMachine = Type.Object(
     vcpus: Type.Optional(Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxVcpus })),
     memory_mb: Type.Optional(Type.Integer({ minimum: MACHINE_LIMITS.minMemoryMb, maximum: MACHINE_LIMITS.maxMemoryMb })),
     internet: Type.Optional(Type.Boolean({ default: true })),
+    // Volumes mounted at boot (room: volumes).
+    volumes: Type.Optional(Type.Array(VolumeMountRequest, { maxItems: VOLUME_LIMITS.maxPerMachine })),
   },
   { additionalProperties: false },
 );
