@@ -150,17 +150,17 @@ export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger
     const mounts: VolumeMount[] = [];
     try {
       for (const r of requests) {
-      const mount = await withLock(r.volume_id, async () => {
-        const row = await load(r.volume_id).catch((err: unknown) => {
-          throw err instanceof KilnError && err.code === "not_found" ? new KilnError("invalid_request", `No volume ${r.volume_id}`) : err;
+        const mount = await withLock(r.volume_id, async () => {
+          const row = await load(r.volume_id).catch((err: unknown) => {
+            throw err instanceof KilnError && err.code === "not_found" ? new KilnError("invalid_request", `No volume ${r.volume_id}`) : err;
+          });
+          const paths = volumePaths(dataDir, row.id);
+          await mountVolumeStorage(paths);
+          const guestPath = guestPaths.get(r)!;
+          await db.insertInto("machine_volumes").values({ machine_id: machineId, volume_id: row.id, path: guestPath, read_only: r.read_only ? 1 : 0, created_at: new Date().toISOString() }).execute();
+          return { hostPath: paths.mount, guestPath, readOnly: r.read_only === true };
         });
-        const paths = volumePaths(dataDir, row.id);
-        await mountVolumeStorage(paths);
-        const guestPath = guestPaths.get(r)!;
-        await db.insertInto("machine_volumes").values({ machine_id: machineId, volume_id: row.id, path: guestPath, read_only: r.read_only ? 1 : 0, created_at: new Date().toISOString() }).execute();
-        return { hostPath: paths.mount, guestPath, readOnly: r.read_only === true };
-      });
-      mounts.push(mount);
+        mounts.push(mount);
       }
     } catch (err) {
       // The machine will not be made: its half-recorded mounts must not hold the volumes.
@@ -175,15 +175,20 @@ export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger
    * looks up where the volume lives and returns a plane that routes there; every subscription asks afresh.
    */
   async function resolveDataPlane(id: string): Promise<DataPlane> {
-    await load(id);
-    let plane = planes.get(id);
-    if (!plane) {
-      const paths = volumePaths(dataDir, id);
-      await mountVolumeStorage(paths);
-      plane = localDataPlane({ mountPath: paths.mount, log: log.child({ volume_id: id }) });
-      planes.set(id, plane);
-    }
-    return plane;
+    const known = planes.get(id);
+    if (known) return known;
+    // Under the volume's lock: a plane is never made for a volume whose delete is under way.
+    return withLock(id, async () => {
+      await load(id);
+      let plane = planes.get(id);
+      if (!plane) {
+        const paths = volumePaths(dataDir, id);
+        await mountVolumeStorage(paths);
+        plane = localDataPlane({ mountPath: paths.mount, log: log.child({ volume_id: id }) });
+        planes.set(id, plane);
+      }
+      return plane;
+    });
   }
 
   function onDeleted(listener: (id: string) => void): () => void {
