@@ -3,6 +3,7 @@
 
 import { EventEmitter } from "node:events";
 import { posix } from "node:path";
+import { mkdir } from "node:fs/promises";
 import type { Db, VolumeRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
@@ -184,7 +185,8 @@ export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger
       if (!plane) {
         const paths = volumePaths(dataDir, id);
         await mountVolumeStorage(paths);
-        plane = localDataPlane({ mountPath: paths.mount, log: log.child({ volume_id: id }) });
+        await mkdir(paths.watchRoot, { recursive: true, mode: 0o700 });
+        plane = localDataPlane({ mountPath: paths.mount, stagingDir: paths.watchRoot, log: log.child({ volume_id: id }) });
         planes.set(id, plane);
       }
       return plane;

@@ -20,7 +20,7 @@ export interface DataPlane {
 
 export const LOCAL_HOST = "local";
 
-export function localDataPlane(opts: { mountPath: string; log: Logger }): DataPlane {
+export function localDataPlane(opts: { mountPath: string; stagingDir: string; log: Logger }): DataPlane {
   const files = volumeFiles(opts.mountPath);
   const sinks = new Set<WatcherSink>();
   let watcher: VolumeWatcher | undefined;
@@ -45,7 +45,7 @@ export function localDataPlane(opts: { mountPath: string; log: Logger }): DataPl
   async function subscribe(sink: WatcherSink): Promise<() => Promise<void>> {
     await serial(async () => {
       if (!watcher) {
-        const w = new VolumeWatcher({ mountPath: opts.mountPath, files, sink: fanOut, log: opts.log });
+        const w = new VolumeWatcher({ mountPath: opts.mountPath, stagingDir: opts.stagingDir, files, sink: fanOut, log: opts.log });
         try {
           await w.start();
         } catch (err) {

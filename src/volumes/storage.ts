@@ -22,12 +22,14 @@ export interface VolumePaths {
   dir: string;
   image: string;
   mount: string;
+  /** Empty directory the watcher's private root is mounted on, inside the watcher's own mount namespace. */
+  watchRoot: string;
 }
 
 export function volumePaths(dataDir: string, id: string): VolumePaths {
   if (!SAFE_ID.test(id)) throw new Error(`invalid volume id ${JSON.stringify(id)}`);
   const dir = join(dataDir, "volumes", id);
-  return { dir, image: join(dir, "image.ext4"), mount: join(dir, "mnt") };
+  return { dir, image: join(dir, "image.ext4"), mount: join(dir, "mnt"), watchRoot: join(dir, "watch-root") };
 }
 
 /** Free bytes on the filesystem that holds the data dir (volumes are sparse: this is what they can still grow into). */

@@ -8,11 +8,22 @@ import { posix } from "node:path";
 import type { Logger } from "../log.ts";
 import type { VolumeFiles } from "./files.ts";
 import { UPLOAD_PREFIX } from "./files.ts";
+import { WATCH_ROOT, sandboxEnv, sandboxedInotifywait } from "./watch-sandbox.ts";
 
 export const FILE_EVENT_KINDS = ["create", "write", "remove", "rename", "chmod"] as const;
 export type FileEventKind = (typeof FILE_EVENT_KINDS)[number];
 export const RESYNC_REASONS = ["overflow", "slow_client", "watcher_restarted", "too_many_new_entries"] as const;
 export type ResyncReason = (typeof RESYNC_REASONS)[number];
+
+export interface WatcherOptions {
+  /** The volume's host mount. */
+  mountPath: string;
+  /** An empty host directory the watcher's private root is mounted on (in its own namespace only). */
+  stagingDir: string;
+  files: VolumeFiles;
+  sink: WatcherSink;
+  log: Logger;
+}
 
 export interface FileEvent {
   event: FileEventKind;
@@ -49,9 +60,9 @@ export class VolumeWatcher {
   private readonly recentCreates = new Map<string, number>();
   private readonly scannedDirs = new Map<string, number>();
   private readonly mount: string;
-  private readonly opts: { mountPath: string; files: VolumeFiles; sink: WatcherSink; log: Logger };
+  private readonly opts: WatcherOptions;
 
-  constructor(opts: { mountPath: string; files: VolumeFiles; sink: WatcherSink; log: Logger }) {
+  constructor(opts: WatcherOptions) {
     this.opts = opts;
     this.mount = opts.mountPath.replace(/\/+$/, "");
   }
@@ -68,9 +79,11 @@ export class VolumeWatcher {
 
   private spawn(): Promise<void> {
     return new Promise((resolve, reject) => {
-      // -P: never follow a symlink a machine made (it would watch, and name, host directories).
-      const args = ["-m", "-r", "-P", "--no-newline", "--format", "%e %w%f%0", ...INOTIFY_EVENTS.flatMap((e) => ["-e", e]), this.mount];
-      const child = spawn("inotifywait", args, { stdio: ["ignore", "pipe", "pipe"] });
+      // -P: never follow a symlink a machine made; the sandbox makes sure that even a swapped parent leads nowhere.
+      const args = ["-m", "-r", "-P", "--no-newline", "--format", "%e %w%f%0", ...INOTIFY_EVENTS.flatMap((e) => ["-e", e]), WATCH_ROOT];
+      const sandbox = { volumeMount: this.mount, stagingDir: this.opts.stagingDir };
+      const { command, args: argv } = sandboxedInotifywait({ ...sandbox, args });
+      const child = spawn(command, argv, { stdio: ["ignore", "pipe", "pipe"], env: sandboxEnv(sandbox) });
       this.child = child;
       this.pending = "";
       let ready = false;
@@ -140,12 +153,12 @@ export class VolumeWatcher {
     this.chain = this.chain.then(() => this.handle(records)).catch((err: unknown) => this.opts.log.error({ err }, "handling volume events failed"));
   }
 
-  /** Host path → volume path; undefined for paths outside the mount (never expected). */
-  private volumePath(hostPath: string): string | undefined {
-    const p = hostPath.replace(/\/+$/, "");
-    if (p === this.mount) return "/";
-    if (!p.startsWith(this.mount + "/")) return undefined;
-    return p.slice(this.mount.length);
+  /** The watcher's path (`/vol/…`) → volume path; undefined for anything else (never expected). */
+  private volumePath(watchPath: string): string | undefined {
+    const p = watchPath.replace(/\/+$/, "");
+    if (p === WATCH_ROOT) return "/";
+    if (!p.startsWith(WATCH_ROOT + "/")) return undefined;
+    return p.slice(WATCH_ROOT.length);
   }
 
   private async handle(records: string[]) {

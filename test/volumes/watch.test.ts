@@ -4,7 +4,7 @@
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { writeFileSync } from "node:fs";
+import { existsSync, statSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { WebSocket } from "ws";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
@@ -181,7 +181,7 @@ test("a client too slow for its bounded queue gets resync_required; the watch an
   }
 });
 
-test("a watcher that dies is restarted and says resync_required; events flow again", async () => {
+test("the watcher is confined to the volume; one that dies is restarted and says resync_required; events flow again", async () => {
   const v = await createVolume(k, "restart");
   const c = connect(k, v.id);
   await c.opened;
@@ -189,6 +189,9 @@ test("a watcher that dies is restarted and says resync_required; events flow aga
   const plane = await k.kiln.services.volumes.resolveDataPlane(v.id);
   const pid = plane.watcherPid();
   assert.ok(pid);
+  // The watcher lives in a root of its own: the volume at /vol and nothing of the host's files to be led to.
+  assert.ok(statSync(`/proc/${pid}/root/vol`).isDirectory());
+  assert.equal(existsSync(`/proc/${pid}/root/etc/passwd`), false);
   process.kill(pid, "SIGKILL");
   const resync = await c.next((f) => f.type === "resync_required" && f.watch_id === w);
   assert.equal(resync.reason, "watcher_restarted");
