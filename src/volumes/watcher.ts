@@ -45,6 +45,8 @@ const MAX_SYNTHESISED = 2000;
 /** How long a create is remembered to drop the copy that the scan of a new directory and inotify may both report. */
 const CREATE_DEDUP_MS = 2000;
 const RESTART_DELAYS_MS = [0, 100, 500, 2000];
+/** When a new directory is looked at again, by which time inotifywait watches everything below it. */
+const SETTLE_MS = 150;
 
 /**
  * The watcher of one mounted volume. `start()` resolves once every existing directory is watched, so events after
@@ -59,6 +61,9 @@ export class VolumeWatcher {
   private chain: Promise<void> = Promise.resolve();
   private readonly recentCreates = new Map<string, number>();
   private readonly scannedDirs = new Map<string, number>();
+  /** New directories being settled: what clients were told exists below each (path → is_dir), checked again soon. */
+  private readonly settling = new Map<string, Map<string, boolean>>();
+  private readonly timers = new Set<NodeJS.Timeout>();
   private readonly mount: string;
   private readonly opts: WatcherOptions;
 
@@ -138,6 +143,8 @@ export class VolumeWatcher {
 
   async stop(): Promise<void> {
     this.stopping = true;
+    for (const t of this.timers) clearTimeout(t);
+    this.timers.clear();
     const child = this.child;
     this.child = undefined;
     if (!child || child.exitCode !== null || child.signalCode !== null) return;
@@ -180,10 +187,12 @@ export class VolumeWatcher {
       const isDir = flags.includes("ISDIR");
       const kind = kindOf(flags);
       if (!kind) continue;
+      this.track({ event: kind, path, isDir });
       if (kind === "create") {
         // Only below a directory just scanned can inotify repeat what the scan announced.
-        if (this.underRecentScan(path) && !this.rememberCreate(path)) continue;
-        batch.push({ event: "create", path, isDir });
+        const repeated = this.underRecentScan(path) && !this.rememberCreate(path);
+        if (!repeated) batch.push({ event: "create", path, isDir });
+        // Scanned even when already announced: what it holds now may be newer than that scan.
         if (isDir && flags.includes("CREATE")) {
           flush();
           await this.announceEntriesOf(path);
@@ -211,12 +220,51 @@ export class VolumeWatcher {
     }
     if (entries.length > MAX_SYNTHESISED) return this.opts.sink.resync("too_many_new_entries");
     const batch: FileEvent[] = [];
+    const known = new Map<string, boolean>();
     for (const e of entries) {
-      if (e.name.startsWith(UPLOAD_PREFIX) || !this.rememberCreate(e.path)) continue;
+      if (e.name.startsWith(UPLOAD_PREFIX)) continue;
+      known.set(e.path, e.is_dir);
+      if (!this.rememberCreate(e.path)) continue;
       batch.push({ event: "create", path: e.path, isDir: e.is_dir });
       if (e.type === "file" && e.size > 0) batch.push({ event: "write", path: e.path, isDir: false });
     }
     if (batch.length > 0) this.opts.sink.events(batch);
+    // What changes below before inotifywait's own watches cover it (an entry made and removed at once) is seen by
+    // nobody: look again shortly, when they do, and announce the difference.
+    this.settling.set(dir, known);
+    const timer = setTimeout(() => {
+      this.timers.delete(timer);
+      this.chain = this.chain.then(() => this.settle(dir)).catch((err: unknown) => this.opts.log.error({ err }, "settling a new directory failed"));
+    }, SETTLE_MS);
+    this.timers.add(timer);
+  }
+
+  private async settle(dir: string) {
+    const known = this.settling.get(dir);
+    this.settling.delete(dir);
+    if (!known || this.stopping) return;
+    const present = new Map<string, boolean>();
+    const entries = await this.opts.files.list(dir, 64).catch(() => []);
+    for (const e of entries) if (!e.name.startsWith(UPLOAD_PREFIX)) present.set(e.path, e.is_dir);
+    const batch: FileEvent[] = [];
+    // Deepest first, as a real removal of a tree reports it.
+    const gone = [...known.keys()].filter((p) => !present.has(p)).sort((a, b) => b.length - a.length);
+    for (const p of gone) batch.push({ event: "remove", path: p, isDir: known.get(p)! });
+    for (const [p, isDir] of present) if (!known.has(p)) batch.push({ event: "create", path: p, isDir });
+    for (const e of batch) this.track(e);
+    if (batch.length > 0) this.opts.sink.events(batch);
+  }
+
+  /** Keeps the picture of directories being settled up to date with every event sent. */
+  private track(e: FileEvent) {
+    for (const [dir, known] of this.settling) {
+      if (!e.path.startsWith(dir + "/")) continue;
+      if (e.event === "create") known.set(e.path, e.isDir);
+      else if (e.event === "remove" || e.event === "rename") {
+        known.delete(e.path);
+        for (const p of known.keys()) if (p.startsWith(e.path + "/")) known.delete(p);
+      }
+    }
   }
 
   private underRecentScan(path: string): boolean {
