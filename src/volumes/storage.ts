@@ -2,9 +2,9 @@
 // $KILN_DATA_DIR/volumes/<id>/mnt. The filesystem's own size is the volume's size limit (ENOSPC past it).
 
 import { execFile } from "node:child_process";
-import { mkdir, open, rm, rmdir, statfs } from "node:fs/promises";
+import { chmod, mkdir, open, rm, rmdir, statfs } from "node:fs/promises";
 import { existsSync } from "node:fs";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 import { promisify } from "node:util";
 import { isMounted } from "../runtime/oci/mounts.ts";
 import { HOST_ID_BASE } from "../runtime/oci/idmap.ts";
@@ -44,7 +44,7 @@ export async function hostFreeBytes(dataDir: string): Promise<number> {
  * machines' user, and mounts it. No reserved blocks, so the whole size is usable from inside a machine.
  */
 export async function createVolumeStorage(paths: VolumePaths, sizeMb: number): Promise<void> {
-  await mkdir(paths.mount, { recursive: true, mode: 0o700 });
+  await makeMountPoint(paths);
   const fh = await open(paths.image, "wx", 0o600);
   try {
     await fh.truncate(sizeMb * 1024 * 1024);
@@ -64,10 +64,21 @@ export async function createVolumeStorage(paths: VolumePaths, sizeMb: number): P
  */
 export async function mountVolumeStorage(paths: VolumePaths): Promise<void> {
   if (isMounted(paths.mount)) return;
-  await mkdir(paths.mount, { recursive: true, mode: 0o700 });
+  await makeMountPoint(paths);
   const attached = await loopDevicesOf(paths.image);
   if (attached.length > 0) await exec("mount", ["-o", "nosuid,nodev,noatime", attached[0], paths.mount]);
   else await exec("mount", ["-o", MOUNT_OPTIONS, paths.image, paths.mount]);
+}
+
+/**
+ * The mount point and its parents: searchable but not listable by others (0711), as the machines' root dirs are —
+ * gVisor's gofer opens a bind source as an unprivileged id and must pass through them; the image stays 0600.
+ */
+async function makeMountPoint(paths: VolumePaths) {
+  for (const dir of [dirname(paths.dir), paths.dir, paths.mount]) {
+    await mkdir(dir, { recursive: true });
+    await chmod(dir, 0o711);
+  }
 }
 
 /** Loop devices backed by `image` (`losetup -j`). */

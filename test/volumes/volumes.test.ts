@@ -269,7 +269,14 @@ test("a server restart keeps volumes and their mounts usable, and deleting them 
   const m = await machine([{ volume_id: v.id, path: "/data" }]);
   assert.equal((await sh(m.id, "echo before > /data/f")).exit_code, 0);
   await k.stop();
+  // The host mount gone while the machine still holds the filesystem (a host reboot would take both): the next
+  // start mounts the loop device the machine uses, never a second one over the same image.
+  const mnt = join(k.dataDir, "volumes", v.id, "mnt");
+  execFileSync("umount", [mnt]);
+  const loopsBefore = hostHolds(k.dataDir).loops.length;
   k = await startTestKiln({ dataDir: k.dataDir, env: { KILN_WARM_POOL: "0" } });
+  assert.equal(hostHolds(k.dataDir).mounts.length, 1, "mounted again at start");
+  assert.equal(hostHolds(k.dataDir).loops.length, loopsBefore, "no second loop device over the image");
   assert.equal((await k.call("GET", `/v1/volumes/${v.id}`)).body.status, "ready");
   assert.equal((await get(v.id, "/f")).text, "before\n");
   assert.equal((await put(v.id, "/g", "after")).status, 200);
