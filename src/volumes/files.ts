@@ -20,6 +20,8 @@ const READ_FLAGS = fsc.O_RDONLY | fsc.O_NOFOLLOW | fsc.O_NONBLOCK;
 const CREATE_FLAGS = fsc.O_WRONLY | fsc.O_CREAT | fsc.O_EXCL | fsc.O_NOFOLLOW;
 /** Uploads in flight; the watcher hides them, so a watch sees the finished file appear once. */
 export const UPLOAD_PREFIX = ".kiln-upload-";
+/** The letter after the prefix of an upload that replaces an existing file. */
+export const UPLOAD_REPLACES = "w";
 
 /**
  * `/proc/self/fd/<dir>/<name>`: the kernel jumps to the open directory itself (not to a path that could have been
@@ -248,7 +250,8 @@ export function volumeFiles(mountPath: string) {
         const existing = await lstat(at(parent, name)).catch(() => undefined);
         if (existing?.isDirectory()) throw new KilnError("invalid_request", `${shown} is a directory`);
         const keep = existing?.isFile() ? existing : undefined;
-        const temp = UPLOAD_PREFIX + randomBytes(6).toString("hex");
+        // The temp name says whether a file is being replaced: the watcher then reports the rename as a write.
+        const temp = UPLOAD_PREFIX + (keep ? UPLOAD_REPLACES : "n") + randomBytes(6).toString("hex");
         const fh = await open(at(parent, temp), CREATE_FLAGS, 0o600);
         try {
           try {

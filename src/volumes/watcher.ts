@@ -7,7 +7,7 @@ import type { ChildProcess } from "node:child_process";
 import { posix } from "node:path";
 import type { Logger } from "../log.ts";
 import type { VolumeFiles } from "./files.ts";
-import { UPLOAD_PREFIX } from "./files.ts";
+import { UPLOAD_PREFIX, UPLOAD_REPLACES } from "./files.ts";
 import { WATCH_ROOT, sandboxEnv, sandboxedInotifywait } from "./watch-sandbox.ts";
 
 export const FILE_EVENT_KINDS = ["create", "write", "remove", "rename", "chmod"] as const;
@@ -64,6 +64,8 @@ export class VolumeWatcher {
   /** New directories being settled: what clients were told exists below each (path → is_dir), checked again soon. */
   private readonly settling = new Map<string, Map<string, boolean>>();
   private readonly timers = new Set<NodeJS.Timeout>();
+  /** The API upload whose rename into place comes next (its MOVED_FROM is hidden, its MOVED_TO is not). */
+  private upload: { dir: string; replaces: boolean } | undefined;
   private readonly mount: string;
   private readonly opts: WatcherOptions;
 
@@ -183,10 +185,19 @@ export class VolumeWatcher {
       }
       const path = space < 0 ? undefined : this.volumePath(record.slice(space + 1));
       if (!path || path === "/") continue;
-      if (posix.basename(path).startsWith(UPLOAD_PREFIX)) continue; // an API upload in flight; its rename is the event
+      const name = posix.basename(path);
+      if (name.startsWith(UPLOAD_PREFIX)) {
+        // An API upload in flight is not shown; its rename into place is the event (a write when it replaces a file).
+        if (flags.includes("MOVED_FROM")) this.upload = { dir: posix.dirname(path), replaces: name[UPLOAD_PREFIX.length] === UPLOAD_REPLACES };
+        continue;
+      }
       const isDir = flags.includes("ISDIR");
-      const kind = kindOf(flags);
+      let kind = kindOf(flags);
       if (!kind) continue;
+      if (flags.includes("MOVED_TO") && this.upload?.dir === posix.dirname(path)) {
+        if (this.upload.replaces) kind = "write";
+        this.upload = undefined;
+      }
       this.track({ event: kind, path, isDir });
       if (kind === "create") {
         // Only below a directory just scanned can inotify repeat what the scan announced.

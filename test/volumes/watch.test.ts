@@ -87,6 +87,8 @@ test("file_event frames for API changes, with volume-rooted paths; several watch
   assert.equal((await c.next(event(all, "create", "/docs/sub"))).is_dir, true);
   await put(k, v.id, "/docs/sub/deep.txt", "deep");
   await c.next(event(all, "create", "/docs/sub/deep.txt"));
+  await put(k, v.id, "/docs/sub/deep.txt", "deeper");
+  await c.next(event(all, "write", "/docs/sub/deep.txt"));
   await k.call("POST", `/v1/volumes/${v.id}/files/move`, { body: { src: "/docs/a.txt", dest: "/docs/b.txt" } });
   await c.next(event(docs, "rename", "/docs/a.txt"));
   await c.next(event(docs, "create", "/docs/b.txt"));
