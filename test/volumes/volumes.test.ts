@@ -120,7 +120,7 @@ test("two machines sharing a volume see each other's writes at once; a read_only
   assert.deepEqual(new Set(busy.body.error_detail.details.machine_ids), new Set([m1.id, m2.id, ro.id]));
   assert.equal((await get(v.id, "/hello.txt")).status, 200, "the refused delete changed nothing");
   for (const m of [m1, m2]) await k.call("DELETE", `/v1/machines/${m.id}`);
-  assert.equal((await k.call("DELETE", `/v1/volumes/${v.id}`)).status, 409, "a hibernated or running machine still holds it");
+  assert.equal((await k.call("DELETE", `/v1/volumes/${v.id}`)).status, 409, "the read-only machine, still running, holds it");
   await k.call("DELETE", `/v1/machines/${ro.id}`);
   assert.equal((await k.call("DELETE", `/v1/volumes/${v.id}`)).status, 204);
 });
