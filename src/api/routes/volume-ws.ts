@@ -113,7 +113,12 @@ export async function volumeWsRoutes(app: App, opts: { services: Services; pingI
       async function startWatch(f: { request_id?: string; path: string; recursive?: boolean }) {
         const request_id = f.request_id;
         if (watches.size >= MAX_WATCHES_PER_SOCKET) return sendError("invalid_request", `At most ${MAX_WATCHES_PER_SOCKET} watches per socket`, request_id ? { request_id } : {});
-        const path = volumePathOf(volumePathComponents(f.path));
+        let path: string;
+        try {
+          path = volumePathOf(volumePathComponents(f.path));
+        } catch (err) {
+          return sendError("invalid_request", (err as Error).message, request_id ? { request_id } : {});
+        }
         const w: Watch = { id: `w${nextWatch++}`, path, recursive: f.recursive === true, queue: [], resyncQueued: false, ready: false, unsubscribe: async () => undefined };
         watches.set(w.id, w);
         try {
@@ -165,8 +170,8 @@ export async function volumeWsRoutes(app: App, opts: { services: Services; pingI
         const check = checkWatchFrame(data.toString());
         if (!check.ok) return sendError("invalid_request", check.error, check.request_id ? { request_id: check.request_id } : {});
         const f = check.frame;
-        if (f.type === "file_watch") void startWatch(f);
-        else void stopWatch(f);
+        const work = f.type === "file_watch" ? startWatch(f) : stopWatch(f);
+        work.catch((err: unknown) => log.error({ err }, "a volume watch frame failed"));
       });
       client.on("close", () => shutdown(1000, "closed"));
       client.on("error", () => shutdown(1011, "client error"));
