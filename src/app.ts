@@ -50,6 +50,8 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   if (interrupted > 0) log.warn({ builds: interrupted }, "builds interrupted by the last stop were marked error");
   services.builds.startCollector();
   await services.dispatcher.start();
+  const volumes = await services.volumes.start();
+  if (volumes.mounted + volumes.cleaned > 0) log.info(volumes, "volumes restored after start");
 
   const baseReady = ensureBaseTemplate({ cacheDir: config.cacheDir, mirror: config.debianMirror, log, onProgress: (line) => log.info({ phase: "base-template" }, line) })
     .then(async ({ layerDir, digest }) => {
@@ -63,7 +65,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     });
   services.templates.setPending("the base template is being made (first start); try again in a minute");
 
-  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs });
+  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, volumeWatchQueue: config.volumeWatchQueue });
   let url = "";
   if (opts.listen !== false) url = await app.listen({ host: config.host, port: config.port });
 
@@ -74,6 +76,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
       await services.builds.close();
       await app.close();
       await services.pool.close();
+      await services.volumes.close();
       await services.machines.close();
       await services.dispatcher.close();
       await driver.close();

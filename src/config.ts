@@ -32,6 +32,8 @@ export interface Config {
   webhookAllowPrivate: boolean;
   /** How long a rotated-out signing secret keeps signing beside the new one. */
   webhookRotationGraceMs: number;
+  /** Volume watch frames a socket may hold unsent per watch before it drops them for a resync_required. */
+  volumeWatchQueue: number;
 }
 
 /** DESIGN.md §4: immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. */
@@ -63,6 +65,7 @@ export const CONFIG_VARS = [
   ["KILN_WEBHOOK_RETRY_SCHEDULE_MS", "0,5000,300000,1800000,7200000,18000000,36000000,36000000", "delay before each webhook delivery attempt, comma-separated"],
   ["KILN_WEBHOOK_ALLOW_PRIVATE", "0", "1 lets webhooks reach private and loopback addresses (link-local never)"],
   ["KILN_WEBHOOK_ROTATION_GRACE_MS", "86400000", "how long a rotated-out webhook signing secret keeps signing"],
+  ["KILN_VOLUME_WATCH_QUEUE", "4096", "volume watch events held per watch for a slow client before resync_required"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -105,6 +108,7 @@ export function loadConfig(env: Env = process.env): Config {
     webhookRetryScheduleMs: scheduleVar(env, "KILN_WEBHOOK_RETRY_SCHEDULE_MS", DEFAULT_WEBHOOK_RETRY_SCHEDULE_MS),
     webhookAllowPrivate: boolVar(env, "KILN_WEBHOOK_ALLOW_PRIVATE"),
     webhookRotationGraceMs: intVar(env, "KILN_WEBHOOK_ROTATION_GRACE_MS", 86_400_000, 0, 30 * 86_400_000),
+    volumeWatchQueue: intVar(env, "KILN_VOLUME_WATCH_QUEUE", 4096, 1, 1_000_000),
   };
 }
 

@@ -21,6 +21,8 @@ import { templateRoutes } from "./routes/templates.ts";
 import { webhookRoutes } from "./routes/webhooks.ts";
 import { gitRoutes } from "./routes/git.ts";
 import { codeRoutes } from "./routes/code.ts";
+import { volumeRoutes } from "./routes/volumes.ts";
+import { volumeWsRoutes } from "./routes/volume-ws.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -29,6 +31,8 @@ export interface ServerOptions {
   services: Services;
   bodyLimitBytes: number;
   wsPingIntervalMs: number;
+  /** Per-watch bound of unsent volume watch frames (KILN_VOLUME_WATCH_QUEUE). */
+  volumeWatchQueue?: number;
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
@@ -118,6 +122,8 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(codeRoutes, { services: opts.services });
   await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
+  await app.register(volumeRoutes, { services: opts.services });
+  await app.register(volumeWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs, queueSize: opts.volumeWatchQueue ?? 4096 });
 
   app.get("/v1/openapi.json", { schema: { hide: true } }, async () => app.swagger());
   return app;

@@ -11,6 +11,7 @@ import { templateCommands } from "./templates.ts";
 import { webhookCommands } from "./webhooks.ts";
 import { codeCommands } from "./code.ts";
 import { gitCommands } from "./git.ts";
+import { volumeCommands } from "./volumes.ts";
 
 const program = new Command("kiln")
   .description("Kiln: isolated Linux machines for AI agents, self-hosted")
@@ -66,5 +67,6 @@ machineCommands(program);
 webhookCommands(program);
 codeCommands(program);
 gitCommands(program);
+volumeCommands(program);
 
 await program.parseAsync(process.argv);

@@ -16,6 +16,7 @@ import { createWebhookService } from "./webhooks.ts";
 import { createDispatcher } from "../webhooks/dispatcher.ts";
 import { createGitService } from "./git.ts";
 import { createCodeService } from "./code.ts";
+import { createVolumeService } from "./volumes.ts";
 
 export interface WebhookSettings {
   retryScheduleMs: number[];
@@ -38,7 +39,8 @@ export function createServices(deps: {
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
-  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId });
+  const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log });
+  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes });
   const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, extensions: deps.buildExtensions });
   const templateCatalog = createTemplateCatalog({ db: store.db, templateIdOf: builds.templateIdOf });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
@@ -58,6 +60,7 @@ export function createServices(deps: {
     dispatcher,
     git: createGitService(machines),
     code: createCodeService(machines),
+    volumes,
   };
 }
 

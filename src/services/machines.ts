@@ -10,6 +10,7 @@ import { createAgentClient, AgentError } from "../runtime/agent-client.ts";
 import type { AgentClient } from "../runtime/agent-client.ts";
 import type { TemplateService } from "./templates.ts";
 import type { WarmPool } from "./warm-pool.ts";
+import type { VolumeMountRequest, VolumeService } from "./volumes.ts";
 import type { Logger } from "../log.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
 import { runStartCommand } from "../builder/phases/startup.ts";
@@ -37,6 +38,8 @@ export interface CreateMachineInput {
   vcpus?: number;
   memory_mb?: number;
   internet?: boolean;
+  /** Volumes mounted at boot (room: volumes). */
+  volumes?: VolumeMountRequest[];
 }
 
 export interface UpdateMachineInput {
@@ -69,7 +72,7 @@ export function machineView(row: MachineRow) {
 }
 export type MachineView = ReturnType<typeof machineView>;
 
-export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool; hostId: string }) {
+export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool; hostId: string; volumes?: VolumeService }) {
   const { db, driver, templates, log, hostId } = deps;
   const agents = new Map<string, AgentClient>();
   const locks = new Map<string, Promise<unknown>>();
@@ -148,7 +151,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     const vcpus = input.vcpus ?? MACHINE_DEFAULTS.vcpus;
     const memoryMb = input.memory_mb ?? MACHINE_DEFAULTS.memoryMb;
     // A machine already booted with exactly this shape answers at once; its id is the one it was booted with.
-    const warm = deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, internet: input.internet !== false });
+    // A warm machine booted without mounts; one with volumes boots fresh (room: volumes).
+    const warm = input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, internet: input.internet !== false });
     const row = {
       id: warm?.id ?? newId("mch"),
       template_id: resolved.template.id,
@@ -169,6 +173,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       failure_reason: null,
       host_id: hostId,
     };
+    // Volumes (room: volumes): checked and recorded before the row, so a racing volume delete already sees this machine.
+    const mounts = input.volumes?.length && deps.volumes ? await deps.volumes.attach(row.id, input.volumes) : [];
     await db.insertInto("machines").values(row).execute();
     return withLock(row.id, async () => {
       try {
@@ -181,7 +187,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
           vcpus: row.vcpus,
           memoryMb: row.memory_mb,
           internet: row.internet === 1,
-          mounts: [],
+          mounts,
         }));
         const agent = attach(live);
         // The user must exist in the machine's own /etc/passwd; envs live in the agent, never in a record.

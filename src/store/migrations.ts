@@ -201,6 +201,31 @@ function migrations(dialect: Dialect): Record<string, Migration> {
           .execute();
       },
     },
+    // Volumes, and which machines mount which volume (so a volume a live machine mounts is never deleted).
+    "0006_volumes": {
+      async up(db: Kysely<any>) {
+        await db.schema
+          .createTable("volumes")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("name", "text", (c) => c.notNull())
+          .addColumn("size_mb", "integer", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .execute();
+        await db.schema.createIndex("volumes_created").on("volumes").columns(["created_at", "id"]).execute();
+        await db.schema
+          .createTable("machine_volumes")
+          .addColumn("machine_id", "text", (c) => c.notNull())
+          .addColumn("volume_id", "text", (c) => c.notNull())
+          .addColumn("path", "text", (c) => c.notNull())
+          .addColumn("read_only", "integer", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addPrimaryKeyConstraint("machine_volumes_pk", ["machine_id", "path"])
+          .execute();
+        await db.schema.createIndex("machine_volumes_volume").on("machine_volumes").column("volume_id").execute();
+      },
+    },
   };
 }
 

@@ -178,6 +178,24 @@ export interface WebhookDeliveryAttemptsTable {
   response_excerpt: string | null;
 }
 
+export interface VolumesTable {
+  id: string; // vol_…
+  name: string;
+  size_mb: number;
+  status: string; // creating | ready | deleting
+  created_at: string;
+  updated_at: string;
+}
+
+/** One row per volume a machine mounts; kept after the machine is gone (its status says whether it is live). */
+export interface MachineVolumesTable {
+  machine_id: string;
+  volume_id: string;
+  path: string;
+  read_only: number;
+  created_at: string;
+}
+
 export interface Database {
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
@@ -192,6 +210,8 @@ export interface Database {
   webhooks: WebhooksTable;
   webhook_deliveries: WebhookDeliveriesTable;
   webhook_delivery_attempts: WebhookDeliveryAttemptsTable;
+  volumes: VolumesTable;
+  machine_volumes: MachineVolumesTable;
 }
 
 export type Db = Kysely<Database>;
@@ -206,3 +226,4 @@ export type EventRow = Selectable<EventsTable>;
 export type WebhookRow = Selectable<WebhooksTable>;
 export type DeliveryRow = Selectable<WebhookDeliveriesTable>;
 export type DeliveryAttemptRow = Selectable<WebhookDeliveryAttemptsTable>;
+export type VolumeRow = Selectable<VolumesTable>;

@@ -129,7 +129,7 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
 const tooLarge = (limit: number) => new KilnError("payload_too_large", `The file is larger than the ${limit}-byte limit`);
 
 /** Passes a byte stream through, failing it once it exceeds `limit` (chunked uploads); says whether it did. */
-function limitBytes(source: Readable, limit: number): { stream: Readable; exceeded: () => boolean } {
+export function limitBytes(source: Readable, limit: number): { stream: Readable; exceeded: () => boolean } {
   let seen = 0;
   const counter = new Transform({
     transform(chunk: Buffer, _enc, cb) {

@@ -9,6 +9,16 @@ import { INPUT_LIMITS } from "../../services/input-limits.ts";
 import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
 import { KilnError } from "../../errors.ts";
 import { EXEC_ENCODINGS } from "../../services/exec.ts";
+import { VOLUME_LIMITS } from "../../services/volumes.ts";
+
+const VolumeMountRequest = Type.Object(
+  {
+    volume_id: Id,
+    path: Type.String({ minLength: 2, maxLength: 4096, pattern: "^/", description: "Absolute mount point in the machine" }),
+    read_only: Type.Optional(Type.Boolean({ default: false })),
+  },
+  { additionalProperties: false },
+);
 
 const TimeoutS = Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxTimeoutS });
 const Params = Type.Object({ id: Id });
@@ -25,6 +35,8 @@ const CreateMachine = Type.Object(
     vcpus: Type.Optional(Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxVcpus })),
     memory_mb: Type.Optional(Type.Integer({ minimum: MACHINE_LIMITS.minMemoryMb, maximum: MACHINE_LIMITS.maxMemoryMb })),
     internet: Type.Optional(Type.Boolean({ default: true })),
+    // Volumes mounted at boot (room: volumes).
+    volumes: Type.Optional(Type.Array(VolumeMountRequest, { maxItems: VOLUME_LIMITS.maxPerMachine })),
   },
   { additionalProperties: false },
 );

@@ -62,7 +62,7 @@ export interface SpecInput {
    */
   listenFd: boolean;
   etc: { hosts: string; hostname: string; resolv: string };
-  mounts: { hostPath: string; guestPath: string }[];
+  mounts: { hostPath: string; guestPath: string; readOnly?: boolean }[];
   vcpus: number;
   memoryMb: number;
   pidsLimit: number;
@@ -120,7 +120,7 @@ export function machineSpec(input: SpecInput) {
       bind(input.etc.hosts, "/etc/hosts", true),
       bind(input.etc.hostname, "/etc/hostname", true),
       bind(input.etc.resolv, "/etc/resolv.conf", true),
-      ...input.mounts.map((m) => bind(m.hostPath, m.guestPath, false)),
+      ...input.mounts.map((m) => bind(m.hostPath, m.guestPath, m.readOnly === true)),
     ],
     linux: {
       uidMappings: idMap,
