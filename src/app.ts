@@ -36,12 +36,19 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
   const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, runscPlatform: config.runscPlatform, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool });
+  const services = createServices({
+    store,
+    driver,
+    log,
+    warmPoolSize: config.warmPool,
+    deployments: { dataDir: config.dataDir, publicUrl: config.publicUrl, maxCrashes: config.serviceMaxCrashes, backoffMs: config.serviceBackoffMs, edgeTokenTtlS: config.edgeTokenTtlS },
+  });
   await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });
 
   const adoption = await services.machines.adopt();
   if (adoption.adopted + adoption.lost + adoption.removed > 0) log.info(adoption, "machines reconciled after start");
   services.machines.startSweeper();
+  await services.deployments.start();
 
   const baseReady = ensureBaseTemplate({ cacheDir: config.cacheDir, mirror: config.debianMirror, log, onProgress: (line) => log.info({ phase: "base-template" }, line) })
     .then(async ({ layerDir, digest }) => {
@@ -55,14 +62,17 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     });
   services.templates.setPending("the base template is being made (first start); try again in a minute");
 
-  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs });
+  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, publicUrl: config.publicUrl });
   let url = "";
   if (opts.listen !== false) url = await app.listen({ host: config.host, port: config.port });
+  // Port 0 means "any free port": public URLs can name the real one only now.
+  if (url && new URL(config.publicUrl).port === "0") services.deployments.setPublicUrl(url);
 
   let closing: Promise<void> | undefined;
   async function close() {
     closing ??= (async () => {
       await app.close();
+      await services.deployments.close();
       await services.pool.close();
       await services.machines.close();
       await driver.close();

@@ -23,6 +23,11 @@ export interface Config {
   debianMirror: string | undefined;
   /** Machines of the base template kept booted ahead of time (0 turns the pool off). */
   warmPool: number;
+  /** Supervised deployment services: crashes in a row before `failed`, and the first restart delay. */
+  serviceMaxCrashes: number;
+  serviceBackoffMs: number;
+  /** Lifetime of a signed edge_token in a service's public URL. */
+  edgeTokenTtlS: number;
 }
 
 export class ConfigError extends Error {}
@@ -46,6 +51,9 @@ export const CONFIG_VARS = [
   ["KILN_BODY_LIMIT_BYTES", "104857600", "largest request body accepted (file uploads included)"],
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
   ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
+  ["KILN_SERVICE_MAX_CRASHES", "5", "crashes in a row after which a deployment's service ends failed"],
+  ["KILN_SERVICE_BACKOFF_MS", "500", "first delay before a crashed service starts again (doubles per crash, up to 30 s)"],
+  ["KILN_EDGE_TOKEN_TTL_S", "3600", "lifetime of the edge_token in a service's public URL (renewed whenever it is read)"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -83,6 +91,9 @@ export function loadConfig(env: Env = process.env): Config {
     bodyLimitBytes: intVar(env, "KILN_BODY_LIMIT_BYTES", 100 * 1024 * 1024, 1024, 16 * 1024 * 1024 * 1024),
     debianMirror: env.KILN_DEBIAN_MIRROR || undefined,
     warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
+    serviceMaxCrashes: intVar(env, "KILN_SERVICE_MAX_CRASHES", 5, 1, 1000),
+    serviceBackoffMs: intVar(env, "KILN_SERVICE_BACKOFF_MS", 500, 0, 600_000),
+    edgeTokenTtlS: intVar(env, "KILN_EDGE_TOKEN_TTL_S", 3600, 1, 30 * 24 * 3600),
   };
 }
 

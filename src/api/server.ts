@@ -17,6 +17,8 @@ import { keyRoutes } from "./routes/keys.ts";
 import { machineRoutes } from "./routes/machines.ts";
 import { fileRoutes } from "./routes/files.ts";
 import { machineWsRoutes } from "./routes/machine-ws.ts";
+import { deploymentRoutes } from "./routes/deployments.ts";
+import { edgeRoutes } from "./routes/edge.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -25,6 +27,8 @@ export interface ServerOptions {
   services: Services;
   bodyLimitBytes: number;
   wsPingIntervalMs: number;
+  /** Base of public edge URLs; an https one makes the edge cookie Secure. */
+  publicUrl?: string;
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
@@ -107,6 +111,9 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(keyRoutes, { services: opts.services });
   await app.register(machineRoutes, { services: opts.services });
   await app.register(fileRoutes, { services: opts.services });
+  await app.register(deploymentRoutes, { services: opts.services });
+  // Before @fastify/websocket: the edge splices WebSocket upgrades itself, byte for byte, instead of terminating them.
+  await app.register(edgeRoutes, { services: opts.services, secureCookies: opts.publicUrl?.startsWith("https:") ?? false });
   await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
 

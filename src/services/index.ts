@@ -9,13 +9,16 @@ import { createMachineService } from "./machines.ts";
 import { createExecService } from "./exec.ts";
 import { createFileService } from "./files.ts";
 import { createWarmPool } from "./warm-pool.ts";
+import { createDeploymentService } from "./deployments.ts";
+import type { DeploymentOptions } from "./deployments.ts";
 
-export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number }) {
+export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number; deployments: DeploymentOptions }) {
   const { store, driver, log } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool });
+  const deployments = createDeploymentService({ db: store.db, machines, templates, log, options: deps.deployments });
   return {
     store,
     driver,
@@ -25,6 +28,7 @@ export function createServices(deps: { store: Store; driver: MachineDriver; log:
     machines,
     exec: createExecService(machines),
     files: createFileService(machines),
+    deployments,
   };
 }
 

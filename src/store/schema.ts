@@ -78,7 +78,67 @@ export interface EventsTable {
   occurred_at: string;
 }
 
+export interface DeploymentsTable {
+  id: string; // dep_…
+  name: string;
+  current_version_id: string;
+  replicas: number;
+  /** 1 when ready services get an edge URL. */
+  public_url: number;
+  status: string; // active | deleting | deleted
+  /** idle | rolling | failed — the rollout onto current_version_id. */
+  rollout_status: string;
+  rollout_error: string | null;
+  created_at: string;
+  updated_at: string;
+  deleted_at: string | null;
+}
+
+export interface DeploymentVersionsTable {
+  id: string; // ver_…
+  deployment_id: string;
+  number: number;
+  template: string;
+  command: string;
+  port: number;
+  /** The deployment's envs (configuration, shown in the API); restart envs are never here. */
+  envs_json: string;
+  /** {path?, interval_s, timeout_s} */
+  readiness_json: string;
+  created_at: string;
+}
+
+export interface ServicesTable {
+  id: string; // svc_…
+  deployment_id: string;
+  version_id: string;
+  status: string; // starting | ready | unhealthy | stopping | stopped | failed
+  port: number;
+  machine_id: string;
+  process_id: number | null;
+  /** Open JSON object: probe detail, crashes, the last restart. */
+  readiness_json: string;
+  failure_reason: string | null;
+  started_at: string | null;
+  stopped_at: string | null;
+  idempotency_key: string | null;
+  created_at: string;
+  updated_at: string;
+}
+
+export interface ServiceRestartsTable {
+  service_id: string;
+  idempotency_key: string;
+  /** The service record the first restart answered (never with public_url or envs). */
+  result_json: string;
+  created_at: string;
+}
+
 export interface Database {
+  deployments: DeploymentsTable;
+  deployment_versions: DeploymentVersionsTable;
+  services: ServicesTable;
+  service_restarts: ServiceRestartsTable;
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
   template_aliases: TemplateAliasesTable;
@@ -96,3 +156,7 @@ export type ApiKeyRow = Selectable<ApiKeysTable>;
 export type TemplateRow = Selectable<TemplatesTable>;
 export type ArtifactRow = Selectable<ArtifactsTable>;
 export type EventRow = Selectable<EventsTable>;
+export type DeploymentRow = Selectable<DeploymentsTable>;
+export type DeploymentVersionRow = Selectable<DeploymentVersionsTable>;
+export type ServiceRow = Selectable<ServicesTable>;
+export type ServiceUpdate = Updateable<ServicesTable>;

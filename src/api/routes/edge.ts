@@ -1,0 +1,97 @@
+// The public edge: /edge/<service_id>/… proxies HTTP and WebSocket to a ready service, authorised by the signed
+// edge_token of its public URL (then by an HttpOnly cookie scoped to the service's path), never by an API key.
+
+import type { FastifyReply, FastifyRequest } from "fastify";
+import type { App } from "../app-type.ts";
+import type { Services } from "../../services/index.ts";
+import { KilnError } from "../../errors.ts";
+import { scrubUrl } from "../../log.ts";
+import { createEdgeProxy, forwardedHeaders, returnedHeaders } from "../../deployments/proxy.ts";
+
+/** The cookie that carries the edge token after the first request, so a browser's relative requests work too. */
+export const EDGE_COOKIE = "kiln_edge";
+const METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"];
+
+function cookieValue(header: string | undefined, name: string): string | undefined {
+  if (!header) return undefined;
+  for (const part of header.split(";")) {
+    const [k, ...v] = part.trim().split("=");
+    if (k === name) return v.join("=");
+  }
+  return undefined;
+}
+
+/** The head buffer @fastify/websocket kept for an upgrade request (empty for every normal client). */
+function upgradeHead(req: FastifyRequest): Buffer {
+  const raw = req.raw as unknown as Record<symbol, unknown>;
+  const sym = Object.getOwnPropertySymbols(raw).find((s) => s.description === "ws-head");
+  const head = sym ? raw[sym] : undefined;
+  return Buffer.isBuffer(head) ? head : Buffer.alloc(0);
+}
+
+export async function edgeRoutes(app: App, opts: { services: Services; secureCookies: boolean }) {
+  const { deployments } = opts.services;
+  const proxy = createEdgeProxy((id) => deployments.openServicePort(id));
+  deployments.setProxy(proxy);
+  app.addHook("onClose", (_app, done) => {
+    proxy.close();
+    done();
+  });
+
+  // Bodies are the service's business: they pass through as streams, never parsed or buffered here.
+  app.removeAllContentTypeParsers();
+  app.addContentTypeParser("*", (_req, _payload, done) => done(null, undefined));
+
+  async function handle(req: FastifyRequest<{ Params: { service_id: string; "*"?: string } }>, reply: FastifyReply) {
+    const serviceId = req.params.service_id;
+    const url = new URL(req.url, "http://edge");
+    const prefix = `/edge/${serviceId}`;
+    if (url.pathname === prefix) {
+      // Relative links resolve against the directory: send /edge/<id> to /edge/<id>/ (the token stays in the query).
+      return reply.code(308).header("location", `${prefix}/${url.search}`).send();
+    }
+    const queryToken = url.searchParams.get("edge_token") ?? undefined;
+    const token = queryToken ?? cookieValue(req.headers.cookie, EDGE_COOKIE);
+    const expiresAtMs = deployments.authorizeEdge(serviceId, token);
+    if (!deployments.isRoutable(serviceId)) throw new KilnError("unavailable", `Service ${serviceId} is not running`, { detail: { retryable: true } });
+
+    url.searchParams.delete("edge_token");
+    const path = url.pathname.slice(prefix.length) + (url.searchParams.size ? `?${url.searchParams}` : "");
+    const upgrading = typeof req.headers.upgrade === "string";
+    const headers = forwardedHeaders(req.headers, { stripCookie: EDGE_COOKIE, clientIp: req.ip, proto: opts.secureCookies ? "https" : "http", keepUpgrade: upgrading });
+
+    if (upgrading) {
+      reply.hijack();
+      const socket = req.raw.socket;
+      try {
+        await proxy.upgrade(serviceId, { method: req.method, path, headers: headers as Record<string, string> }, socket, upgradeHead(req));
+        req.log.info({ method: req.method, url: scrubUrl(req.url), status: 101, service_id: serviceId }, "edge upgrade");
+      } catch (err) {
+        req.log.info({ err, service_id: serviceId, url: scrubUrl(req.url) }, "edge upgrade failed");
+        socket.end("HTTP/1.1 502 Bad Gateway\r\nconnection: close\r\ncontent-length: 0\r\n\r\n");
+      }
+      return;
+    }
+
+    let upstream;
+    try {
+      upstream = await proxy.forward(serviceId, { method: req.method, path, headers, body: req.method === "GET" || req.method === "HEAD" ? undefined : req.raw });
+    } catch (err) {
+      if (err instanceof KilnError) throw err;
+      throw new KilnError("unavailable", `Service ${serviceId} did not answer`, { cause: err, detail: { retryable: true } });
+    }
+    reply.code(upstream.statusCode ?? 502).headers(returnedHeaders(upstream.headers));
+    if (queryToken) {
+      // Later relative requests from a browser carry the token as a cookie scoped to this service's path.
+      const maxAge = Math.max(0, Math.floor((expiresAtMs - Date.now()) / 1000));
+      const cookie = `${EDGE_COOKIE}=${queryToken}; Path=${prefix}/; Max-Age=${maxAge}; HttpOnly; SameSite=Lax${opts.secureCookies ? "; Secure" : ""}`;
+      const existing = upstream.headers["set-cookie"] ?? [];
+      reply.header("set-cookie", [...existing, cookie]);
+    }
+    return reply.send(upstream);
+  }
+
+  const schema = { hide: true };
+  app.route({ method: METHODS, url: "/edge/:service_id", schema, handler: handle });
+  app.route({ method: METHODS, url: "/edge/:service_id/*", schema, handler: handle });
+}
