@@ -68,3 +68,288 @@ test("a python3 -m http.server deployment reaches ready; public_url is null whil
   assert.equal(res.statusCode, 200);
   assert.match(await res.body.text(), /Directory listing/);
 });
+
+let app: { dep: any; svc: any } | undefined;
+/** One deployment of the Python app, shared by the proxy tests. */
+async function theApp() {
+  if (app) return app;
+  const dep = await createDeployment(k, { name: "app", command: appCommand(8080), port: 8080, readiness: { ...fast, path: "/health" } });
+  const [first] = await services(k, dep.id);
+  const svc = await waitService(k, dep.id, first.id, (s) => s.status === "ready");
+  app = { dep, svc };
+  return app;
+}
+
+test("the public URL answers HTTP through the edge proxy; the token and the edge cookie never reach the service", async () => {
+  const { svc } = await theApp();
+  assert.equal(svc.readiness_status.probe, "http");
+  assert.equal(svc.readiness_status.last_status_code, 200);
+  const url = new URL(svc.public_url);
+  const res = await request(`${url.origin}${url.pathname}some/page?x=1&edge_token=${url.searchParams.get("edge_token")}`);
+  assert.equal(res.statusCode, 200);
+  assert.equal(await res.body.text(), "hello from /some/page query x=1");
+  const cookie = String(res.headers["set-cookie"]);
+  assert.match(cookie, new RegExp(`^kiln_edge=[^;]+; Path=/edge/${svc.id}/; Max-Age=\\d+; HttpOnly; SameSite=Lax`));
+
+  // A browser's later relative request carries only the cookie.
+  const jar = cookie.split(";")[0];
+  const viaCookie = await request(`${url.origin}/edge/${svc.id}/headers`, { headers: { cookie: `${jar}; theirs=1` } });
+  assert.equal(viaCookie.statusCode, 200);
+  const seen = await viaCookie.body.text();
+  assert.match(seen, /^cookie: theirs=1$/m, "the service's own cookies pass");
+  assert.doesNotMatch(seen, /kiln_edge|edge_token/, "Kiln's credentials are not forwarded");
+  assert.match(seen, /^x-forwarded-proto: http$/m);
+
+  // POST bodies stream to the service.
+  const body = Buffer.alloc(3 * 1024 * 1024, 7);
+  const posted = await request(`${url.origin}/edge/${svc.id}/upload`, { method: "POST", headers: { cookie: jar }, body });
+  assert.equal(await posted.body.text(), createHash("sha256").update(body).digest("hex"));
+
+  // /edge/<id> without the slash goes to the directory, keeping the query.
+  const bare = await request(`${url.origin}/edge/${svc.id}?edge_token=x`);
+  assert.equal(bare.statusCode, 308);
+  assert.equal(bare.headers.location, `/edge/${svc.id}/?edge_token=x`);
+  await bare.body.dump();
+});
+
+test("a 50 MB download streams through the public URL", async () => {
+  const { svc } = await theApp();
+  const url = new URL(svc.public_url);
+  url.pathname += "big";
+  url.searchParams.set("mb", "50");
+  const res = await request(url);
+  assert.equal(res.statusCode, 200);
+  assert.equal(res.headers["content-length"], String(50 * 1024 * 1024));
+  const hash = createHash("sha256");
+  let bytes = 0;
+  for await (const chunk of res.body) {
+    hash.update(chunk);
+    bytes += chunk.length;
+  }
+  assert.equal(bytes, 50 * 1024 * 1024);
+  const chunk = Buffer.from(Array.from({ length: 256 }, (_, i) => i));
+  const want = createHash("sha256");
+  for (let i = 0; i < 50 * 4096; i++) want.update(chunk);
+  assert.equal(hash.digest("hex"), want.digest("hex"));
+});
+
+test("a WebSocket echo works through the public URL", async () => {
+  const { svc } = await theApp();
+  const url = new URL(svc.public_url);
+  url.protocol = "ws:";
+  url.pathname += "ws";
+  const ws = new WebSocket(url);
+  await new Promise((resolve, reject) => {
+    ws.once("open", resolve);
+    ws.once("error", reject);
+  });
+  const big = Buffer.alloc(200_000, 1);
+  const got: Buffer[] = [];
+  const done = new Promise<void>((resolve) =>
+    ws.on("message", (m: Buffer) => {
+      got.push(m);
+      if (got.length === 2) resolve();
+    }),
+  );
+  ws.send("hello edge");
+  ws.send(big);
+  await done;
+  assert.equal(got[0].toString(), "hello edge");
+  assert.ok(got[1].equals(big));
+  ws.close();
+});
+
+test("a wrong, expired or other service's edge token is refused with 401", async () => {
+  const { svc } = await theApp();
+  const url = new URL(svc.public_url);
+  const base = `${url.origin}/edge/${svc.id}/`;
+  const secret = await loadEdgeSecret(k.dataDir);
+  const cases = {
+    none: base,
+    wrong: `${base}?edge_token=${"a".repeat(8)}.${"b".repeat(43)}`,
+    expired: `${base}?edge_token=${signEdgeToken(secret, svc.id, Date.now() - 1000)}`,
+    other: `${base}?edge_token=${signEdgeToken(secret, "svc_someoneelse", Date.now() + 60_000)}`,
+    cookie: base,
+  };
+  for (const [name, u] of Object.entries(cases)) {
+    const headers = name === "cookie" ? { cookie: `kiln_edge=${signEdgeToken(secret, "svc_other", Date.now() + 60_000)}` } : {};
+    const res = await request(u, { headers });
+    const body = (await res.body.json()) as any;
+    assert.equal(res.statusCode, 401, name);
+    assert.equal(body.code, "unauthorized", name);
+    assert.match(body.request_id, /^req_/);
+  }
+  const ws = new WebSocket(`ws://${url.host}/edge/${svc.id}/ws?edge_token=nope`);
+  const status = await new Promise<number>((resolve) => ws.once("unexpected-response", (_req, res) => resolve(res.statusCode ?? 0)));
+  assert.equal(status, 401);
+  // A bearer API key is not an edge credential.
+  const withKey = await k.call("GET", `/edge/${svc.id}/`);
+  assert.equal(withKey.status, 401);
+});
+
+test("restart with envs: the process sees them; the store, the events and the logs never do", async () => {
+  const { dep, svc } = await theApp();
+  const marker = `kiln-marker-${Date.now()}-${Math.random().toString(36).slice(2)}`;
+  const res = await k.call("POST", `/v1/agent-deployments/${dep.id}/services/${svc.id}/restart`, { body: { reason: "rotate", envs: { SECRET_MARKER: marker } } });
+  assert.equal(res.status, 200, res.text);
+  assert.equal(res.body.id, svc.id);
+  assert.equal(res.body.status, "starting");
+  assert.equal(res.body.public_url, null);
+  assert.notEqual(res.body.process_id, svc.process_id);
+  assert.equal(res.body.readiness_status.restarts.count, 1);
+  assert.equal(res.body.readiness_status.restarts.last_reason, "rotate");
+  assert.equal(res.body.idempotency_key, null);
+  const ready = await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+  const env = await request(new URL(`env/SECRET_MARKER?edge_token=${new URL(ready.public_url).searchParams.get("edge_token")}`, ready.public_url.split("?")[0]));
+  assert.equal(await env.body.text(), marker);
+  // The token itself is stored nowhere either.
+  const token = new URL(ready.public_url).searchParams.get("edge_token")!;
+  const events = await k.kiln.services.store.db.selectFrom("events").select(["operation", "payload_json"]).where("machine_id", "=", svc.machine_id).orderBy("seq").execute();
+  assert.ok(events.some((e) => e.operation === "service.restart"));
+  assert.ok(events.some((e) => e.operation === "service.ready"));
+  for (const e of events) assert.ok(!e.payload_json.includes(marker));
+  const logs = await k.call("GET", `/v1/agent-deployments/${dep.id}/services/${svc.id}/logs`);
+  assert.equal(logs.status, 200);
+  assert.match(logs.body.output, /restarting on request/);
+  assert.deepEqual(dataDirContains(marker), []);
+  assert.deepEqual(dataDirContains(token), []);
+  assert.ok(!k.logs.join("").includes(marker), "the marker is in the server's logs");
+  assert.ok(!k.logs.join("").includes(token), "the edge token is in the server's logs");
+  assert.ok(k.logs.join("").includes("edge_token=[Redacted]"), "the access log line shows the redacted token");
+});
+
+test("restart envs must be an object of strings: anything else is 400 invalid_request and restarts nothing", async () => {
+  const { dep, svc } = await theApp();
+  const before = await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+  for (const envs of [{ A: 1 }, { A: true }, { A: null }, { A: { b: "c" } }, { A: ["x"] }, ["A"], "A=1"]) {
+    const res = await k.call("POST", `/v1/agent-deployments/${dep.id}/services/${svc.id}/restart`, { body: { envs } });
+    assert.equal(res.status, 400, JSON.stringify(envs));
+    assert.equal(res.body.code, "invalid_request");
+  }
+  const unknown = await k.call("POST", `/v1/agent-deployments/${dep.id}/services/${svc.id}/restart`, { body: { reason: "x", extra: 1 } });
+  assert.equal(unknown.status, 400);
+  const after = await k.call("GET", `/v1/agent-deployments/${dep.id}/services/${svc.id}`);
+  assert.equal(after.body.process_id, before.process_id);
+  assert.equal(after.body.status, "ready");
+});
+
+test("a restart repeated with the same Idempotency-Key answers the first result without restarting again", async () => {
+  const { dep, svc } = await theApp();
+  await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+  const key = `idem-${Date.now()}`;
+  const first = await k.call("POST", `/v1/agent-deployments/${dep.id}/services/${svc.id}/restart`, { body: { reason: "once" }, headers: { "idempotency-key": key } });
+  assert.equal(first.status, 200, first.text);
+  assert.equal(first.body.idempotency_key, key);
+  await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+  const again = await k.call("POST", `/v1/agent-deployments/${dep.id}/services/${svc.id}/restart`, { body: { reason: "once" }, headers: { "idempotency-key": key } });
+  assert.equal(again.status, 200);
+  assert.equal(again.body.process_id, first.body.process_id);
+  assert.equal(again.body.idempotency_key, key);
+  assert.deepEqual(again.body.readiness_status.restarts, first.body.readiness_status.restarts);
+  const now = await k.call("GET", `/v1/agent-deployments/${dep.id}/services/${svc.id}`);
+  assert.equal(now.body.process_id, first.body.process_id, "no second restart happened");
+  assert.equal(now.body.readiness_status.restarts.count, first.body.readiness_status.restarts.count);
+});
+
+test("a crashing command ends failed with a reason after its retries", async () => {
+  const dep = await createDeployment(k, { name: "crasher", command: "echo boom; exit 3", port: 9000, readiness: fast });
+  const [svc] = await services(k, dep.id);
+  const failed = await waitService(k, dep.id, svc.id, (s) => s.status === "failed");
+  assert.match(failed.failure_reason, /exited 3 times in a row \(last: code 3\)/);
+  assert.equal(failed.public_url, null);
+  assert.equal(failed.readiness_status.crashes, 3);
+  const logs = await k.call("GET", `/v1/agent-deployments/${dep.id}/services/${svc.id}/logs`);
+  assert.equal(logs.body.output.match(/boom/g)?.length, 3);
+  const ops = (await k.kiln.services.store.db.selectFrom("events").select("operation").where("machine_id", "=", svc.machine_id).orderBy("seq").execute()).map((e) => e.operation);
+  assert.deepEqual(ops.filter((o) => o.startsWith("service.")), ["service.starting", "service.failed"]);
+});
+
+test("port must be 1–65535, fields are checked, and an unknown template is 404", async () => {
+  for (const port of [0, 65536, -1]) {
+    const res = await k.call("POST", "/v1/agent-deployments", { body: { name: "x", template: "local/base", command: "true", port } });
+    assert.equal(res.status, 400, String(port));
+    assert.equal(res.body.code, "invalid_request");
+  }
+  const extra = await k.call("POST", "/v1/agent-deployments", { body: { name: "x", template: "local/base", command: "true", port: 80, surprise: 1 } });
+  assert.equal(extra.status, 400);
+  const missing = await k.call("POST", "/v1/agent-deployments", { body: { name: "x", template: "local/nope", command: "true", port: 80 } });
+  assert.equal(missing.status, 404);
+  const none = await k.call("GET", "/v1/agent-deployments/dep_nope/services");
+  assert.equal(none.status, 404);
+  const noKey = await k.call("GET", "/v1/agent-deployments", { key: null });
+  assert.equal(noKey.status, 401);
+});
+
+test("a rolling update (PATCH) keeps some replica answering throughout, and the old ones stop once the new ones are ready", async () => {
+  const dep = await createDeployment(k, { name: "rolling", command: appCommand(8081), port: 8081, replicas: 2, readiness: { ...fast, path: "/health" } });
+  const first = await services(k, dep.id);
+  assert.equal(first.length, 2);
+  for (const s of first) await waitService(k, dep.id, s.id, (x) => x.status === "ready");
+  const urls = (await services(k, dep.id)).map((s) => s.public_url as string);
+  let stop = false;
+  let ok = 0;
+  let failures = 0;
+  const loop = (async () => {
+    while (!stop) {
+      // A client that tries each known URL in turn counts one answered round.
+      let answered = false;
+      for (const u of urls) {
+        const res = await request(new URL("health", u.split("?")[0]) + "?" + u.split("?")[1]).catch(() => undefined);
+        if (res) await res.body.dump();
+        if (res?.statusCode === 200) {
+          answered = true;
+          break;
+        }
+      }
+      if (answered) ok++;
+      else failures++;
+      // New replicas' URLs join the rotation as they get them.
+      const now = await services(k, dep.id);
+      for (const s of now) if (s.public_url && !urls.some((u) => u.includes(s.id))) urls.push(s.public_url);
+    }
+  })();
+  const patched = await k.call("PATCH", `/v1/agent-deployments/${dep.id}`, { body: { command: appCommand(8081) + " # v2" } });
+  assert.equal(patched.status, 200, patched.text);
+  assert.equal(patched.body.versions.length, 2);
+  assert.equal(patched.body.version, 2);
+  const deadline = Date.now() + 120_000;
+  let d = patched.body;
+  while (Date.now() < deadline) {
+    d = (await k.call("GET", `/v1/agent-deployments/${dep.id}`)).body;
+    if (d.rollout_status !== "rolling") break;
+    await new Promise((r) => setTimeout(r, 200));
+  }
+  stop = true;
+  await loop;
+  assert.equal(d.rollout_status, "idle", JSON.stringify(d));
+  const all = await services(k, dep.id);
+  const live = all.filter((s) => s.status === "ready");
+  assert.equal(live.length, 2);
+  assert.ok(live.every((s) => s.version_id === d.current_version_id));
+  const old = all.filter((s) => s.version_id !== d.current_version_id);
+  assert.equal(old.length, 2);
+  assert.ok(old.every((s) => s.status === "stopped" && s.stopped_at && s.public_url === null));
+  for (const s of old) {
+    const m = await k.call("GET", `/v1/machines/${s.machine_id}`);
+    assert.equal(m.body.status, "destroyed");
+  }
+  assert.ok(ok > 3, `the client loop ran (${ok} rounds)`);
+  assert.equal(failures, 0, "a round in which no replica answered");
+});
+
+test("DELETE stops every service and destroys their machines", async () => {
+  const dep = await createDeployment(k, { name: "doomed", command: "python3 -m http.server 8002", port: 8002, readiness: fast });
+  const [svc] = await services(k, dep.id);
+  await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+  const res = await k.call("DELETE", `/v1/agent-deployments/${dep.id}`);
+  assert.equal(res.status, 200, res.text);
+  assert.equal(res.body.status, "deleted");
+  const [after] = await services(k, dep.id);
+  assert.equal(after.status, "stopped");
+  assert.equal(after.process_id, null);
+  assert.equal((await k.call("GET", `/v1/machines/${svc.machine_id}`)).body.status, "destroyed");
+  const ops = (await k.kiln.services.store.db.selectFrom("events").select("operation").where("machine_id", "=", svc.machine_id).orderBy("seq").execute()).map((e) => e.operation);
+  assert.deepEqual(ops.filter((o) => o.startsWith("service.")), ["service.starting", "service.ready", "service.stopping", "service.stopped"]);
+  const list = await k.call("GET", "/v1/agent-deployments");
+  assert.ok(!list.body.deployments.some((d: any) => d.id === dep.id));
+});
