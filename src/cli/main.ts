@@ -8,6 +8,7 @@ import { createLogger } from "../log.ts";
 import { machineCommands } from "./machines.ts";
 import { keyCommands } from "./keys.ts";
 import { templateCommands } from "./templates.ts";
+import { deploymentCommands } from "./deployments.ts";
 
 const program = new Command("kiln")
   .description("Kiln: isolated Linux machines for AI agents, self-hosted")
@@ -60,5 +61,6 @@ withServerFlags(program.command("serve").description("Run the Kiln server (makes
 keyCommands(program);
 templateCommands(program);
 machineCommands(program);
+deploymentCommands(program);
 
 await program.parseAsync(process.argv);
