@@ -1,29 +1,14 @@
 // The edge data path: HTTP requests and WebSocket upgrades forwarded to a service's port through the guest agent's
 // port tunnel. Bodies stream both ways (nothing is buffered whole); tunnels are kept alive per service and reused.
 
-import { Agent, request as httpRequest } from "node:http";
-import type { IncomingHttpHeaders, IncomingMessage, OutgoingHttpHeaders } from "node:http";
+import { Pool } from "undici";
+import type { Dispatcher } from "undici";
+import type { IncomingHttpHeaders, IncomingMessage, OutgoingHttpHeaders, ServerResponse } from "node:http";
 import type { Duplex } from "node:stream";
 import type { Socket } from "node:net";
 
 /** Headers that belong to one hop and never cross the proxy. */
 const HOP_BY_HOP = new Set(["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"]);
-
-/** An http.Agent whose connections are tunnels into the machine (callback form of createConnection). */
-class TunnelAgent extends Agent {
-  private readonly open: () => Promise<Socket>;
-  constructor(open: () => Promise<Socket>) {
-    super({ keepAlive: true, maxSockets: 64, maxFreeSockets: 16, timeout: 60_000 });
-    this.open = open;
-  }
-  override createConnection(_options: unknown, callback?: (err: Error | null, stream: Duplex) => void): Duplex | undefined {
-    this.open().then(
-      (s) => callback?.(null, s),
-      (err: Error) => callback?.(err, undefined as unknown as Duplex),
-    );
-    return undefined;
-  }
-}
 
 export interface ForwardRequest {
   method: string;
@@ -34,27 +19,73 @@ export interface ForwardRequest {
 }
 
 export function createEdgeProxy(open: (serviceId: string) => Promise<Socket>) {
-  const agents = new Map<string, TunnelAgent>();
+  // undici pools whose connections are tunnels into the machine: kept alive and reused across requests.
+  const pools = new Map<string, Pool>();
 
-  function agentFor(serviceId: string): TunnelAgent {
-    let agent = agents.get(serviceId);
-    if (!agent) {
-      agent = new TunnelAgent(() => open(serviceId));
-      agents.set(serviceId, agent);
+  function poolFor(serviceId: string): Pool {
+    let pool = pools.get(serviceId);
+    if (!pool) {
+      pool = new Pool("http://service", {
+        connections: 64,
+        pipelining: 1,
+        keepAliveTimeout: 30_000,
+        headersTimeout: 0,
+        bodyTimeout: 0,
+        connect: (_opts, callback) => {
+          open(serviceId).then(
+            (socket) => callback(null, socket),
+            (err: Error) => callback(err, null),
+          );
+        },
+      });
+      pools.set(serviceId, pool);
     }
-    return agent;
+    return pool;
   }
 
-  /** Sends the request and resolves with the service's response head; its body is the returned stream. */
-  function forward(serviceId: string, req: ForwardRequest): Promise<IncomingMessage> {
+  /**
+   * Sends the request and writes the service's answer to `res` as it arrives, pausing the service whenever the
+   * client is slower. Rejects before any byte is written when the service cannot be reached; `headOf` adds
+   * headers (the edge cookie) to the response head.
+   */
+  function forward(serviceId: string, req: ForwardRequest, res: ServerResponse, headOf: (status: number) => Record<string, string[]>): Promise<number> {
     return new Promise((resolve, reject) => {
-      const upstream = httpRequest({ agent: agentFor(serviceId), method: req.method, path: req.path, headers: req.headers });
-      upstream.once("response", resolve);
-      upstream.once("error", reject);
-      if (req.body) {
-        req.body.pipe(upstream);
-        req.body.once("error", () => upstream.destroy());
-      } else upstream.end();
+      let status = 0;
+      const handler: Dispatcher.DispatchHandler = {
+        onRequestStart(controller) {
+          res.once("close", () => {
+            if (!res.writableFinished) controller.abort(new Error("the client went away"));
+          });
+        },
+        onResponseStart(controller, statusCode, headers) {
+          status = statusCode;
+          if (statusCode < 200) return; // 1xx informational answers are not relayed
+          const out = returnedHeaders(headers as IncomingHttpHeaders);
+          for (const [k, v] of Object.entries(headOf(statusCode))) {
+            const prev = out[k];
+            out[k] = prev === undefined ? v : [...(Array.isArray(prev) ? prev : [String(prev)]), ...v];
+          }
+          res.writeHead(statusCode, out);
+          res.on("drain", () => controller.resume());
+        },
+        onResponseData(controller, chunk) {
+          if (!res.write(chunk)) controller.pause();
+        },
+        onResponseEnd() {
+          res.end();
+          resolve(status);
+        },
+        onResponseError(_controller, err) {
+          if (res.headersSent) {
+            res.destroy(err);
+            resolve(status);
+          } else reject(err);
+        },
+      };
+      poolFor(serviceId).dispatch(
+        { method: req.method as Dispatcher.HttpMethod, path: req.path, headers: req.headers as Record<string, string | string[]>, body: req.body ?? null },
+        handler,
+      );
     });
   }
 
@@ -82,13 +113,13 @@ export function createEdgeProxy(open: (serviceId: string) => Promise<Socket>) {
 
   /** Drops kept-alive tunnels of a service whose machine is going away. */
   function drop(serviceId: string) {
-    agents.get(serviceId)?.destroy();
-    agents.delete(serviceId);
+    void pools.get(serviceId)?.destroy().catch(() => undefined);
+    pools.delete(serviceId);
   }
 
   function close() {
-    for (const a of agents.values()) a.destroy();
-    agents.clear();
+    for (const p of pools.values()) void p.destroy().catch(() => undefined);
+    pools.clear();
   }
 
   return { forward, upgrade, drop, close };

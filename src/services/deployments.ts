@@ -2,6 +2,7 @@
 // updates, restarts with request-only envs, status events, signed public URLs, and re-attachment after a restart.
 
 import type { Socket } from "node:net";
+import type { KeyObject } from "node:crypto";
 import type { Db, DeploymentRow, DeploymentVersionRow, ServiceRow, ServiceUpdate } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
@@ -117,7 +118,9 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   /** Services the edge may route to: id → backing machine and port. */
   const routes = new Map<string, { machineId: string; port: number }>();
   const machineExpiry = new Map<string, number>();
-  let secret: Buffer | undefined;
+  let secret: KeyObject | undefined;
+  /** Tokens already verified, with their expiry: a busy public URL pays for its HMAC once, not per request. */
+  const verified = new Map<string, { serviceId: string; expiresAtMs: number }>();
   let closed = false;
 
   function withLock<T>(key: string, fn: () => Promise<T>): Promise<T> {
@@ -425,9 +428,10 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   }
 
   /** Waits until a service is ready (true) or failed/stopped/timed out (false), by reading its record. */
-  async function waitReady(id: string, timeoutMs: number): Promise<boolean> {
+  async function waitReady(id: string, deploymentId: string, timeoutMs: number): Promise<boolean> {
     const deadline = Date.now() + timeoutMs;
     while (Date.now() < deadline && !closed) {
+      if ((await loadDeployment(deploymentId)).status !== "active") return false; // deleted meanwhile
       const row = await loadService(id);
       if (row.status === "ready") return true;
       if (row.status === "failed" || row.status === "stopped" || row.status === "stopping") return false;
@@ -459,6 +463,15 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   }
 
   async function rolloutNow(deploymentId: string): Promise<void> {
+    try {
+      await rolloutSteps(deploymentId);
+    } catch (err) {
+      log.error({ err, deployment_id: deploymentId }, "rollout failed");
+      await setRollout(deploymentId, "failed", err instanceof KilnError ? err.message : "a replica could not be created");
+    }
+  }
+
+  async function rolloutSteps(deploymentId: string): Promise<void> {
     let dep = await loadDeployment(deploymentId);
     if (dep.status !== "active") return;
     const version = await loadVersion(dep.current_version_id);
@@ -473,7 +486,8 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       dep = await loadDeployment(deploymentId);
       if (dep.status !== "active" || dep.current_version_id !== version.id) return; // a newer update or a delete took over
       const fresh = await createReplica(dep, version);
-      if (!(await waitReady(fresh.id, ROLLOUT_READY_TIMEOUT_MS))) {
+      if (!(await waitReady(fresh.id, deploymentId, ROLLOUT_READY_TIMEOUT_MS))) {
+        if ((await loadDeployment(deploymentId)).status !== "active") return;
         const row = await loadService(fresh.id);
         await setRollout(deploymentId, "failed", `replica ${fresh.id} of version ${version.number} did not become ready (${row.failure_reason ?? row.status})`);
         return;
@@ -689,11 +703,15 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   function authorizeEdge(serviceId: string, token: string | undefined): number {
     if (!secret) throw new KilnError("unavailable", "The edge is not ready yet");
     if (!token) throw new KilnError("unauthorized", "This public URL needs its edge_token", { detail: { code: "unauthorized", phase: "edge" } });
+    const known = verified.get(token);
+    if (known && known.serviceId === serviceId && known.expiresAtMs > Date.now()) return known.expiresAtMs;
     const check = verifyEdgeToken(secret, serviceId, token);
     if (!check.ok) {
       const why = check.reason === "expired" ? "The edge_token has expired: read the service again for a fresh public_url" : "The edge_token is not valid for this service";
       throw new KilnError("unauthorized", why, { detail: { code: "unauthorized", phase: "edge", details: { reason: check.reason } } });
     }
+    if (verified.size >= 4096) verified.clear(); // a bound, not an LRU: re-verifying is cheap, memory growth is not
+    verified.set(token, { serviceId, expiresAtMs: check.expiresAtMs });
     return check.expiresAtMs;
   }
 

@@ -251,6 +251,45 @@ test("a restart repeated with the same Idempotency-Key answers the first result 
   assert.equal(now.body.readiness_status.restarts.count, first.body.readiness_status.restarts.count);
 });
 
+test("a ready service whose probe fails turns unhealthy (public_url null) and ready again when it recovers", async () => {
+  const { dep, svc } = await theApp();
+  await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+  const exec = (cmd: string) => k.call("POST", `/v1/machines/${svc.machine_id}/exec`, { body: { cmd } });
+  assert.equal((await exec("touch /tmp/unhealthy")).status, 200);
+  const sick = await waitService(k, dep.id, svc.id, (s) => s.status === "unhealthy");
+  assert.equal(sick.public_url, null);
+  assert.equal(sick.readiness_status.last_status_code, 503);
+  assert.match(sick.readiness_status.last_error, /answered 503/);
+  await exec("rm /tmp/unhealthy");
+  const well = await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+  assert.equal(well.process_id, sick.process_id, "the probe never restarts the process");
+  assert.ok(well.public_url);
+  const ops = (await k.kiln.services.store.db.selectFrom("events").select("operation").where("machine_id", "=", svc.machine_id).orderBy("seq").execute()).map((e) => e.operation);
+  assert.deepEqual(ops.slice(-2), ["service.unhealthy", "service.ready"]);
+});
+
+test("a deployment with public_url false never gives its ready services a URL", async () => {
+  const dep = await createDeployment(k, { name: "private", command: "python3 -m http.server 8003", port: 8003, public_url: false, readiness: fast });
+  assert.equal(dep.public_url, false);
+  const [svc] = await services(k, dep.id);
+  const ready = await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+  assert.equal(ready.public_url, null);
+  // Allowing it later (an update) gives the ready services one: the permission is the deployment's.
+  const patched = await k.call("PATCH", `/v1/agent-deployments/${dep.id}`, { body: { public_url: true } });
+  assert.equal(patched.status, 200);
+  const deadline = Date.now() + 60_000;
+  let withUrl: any;
+  while (Date.now() < deadline && !withUrl) {
+    withUrl = (await services(k, dep.id)).find((s) => s.status === "ready" && s.public_url);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  assert.ok(withUrl, "a ready service got a public URL");
+  const res = await request(withUrl.public_url);
+  assert.equal(res.statusCode, 200);
+  await res.body.dump();
+  await k.call("DELETE", `/v1/agent-deployments/${dep.id}`);
+});
+
 test("a crashing command ends failed with a reason after its retries", async () => {
   const dep = await createDeployment(k, { name: "crasher", command: "echo boom; exit 3", port: 9000, readiness: fast });
   const [svc] = await services(k, dep.id);

@@ -4,7 +4,7 @@
 import assert from "node:assert/strict";
 import type { TestKiln } from "../support/kiln.ts";
 
-/** Standard-library Python: GET /health, /env/<NAME>, /big?mb=N (streamed), /pid, and a WebSocket echo on /ws. */
+/** Standard-library Python: GET /health (503 while /tmp/unhealthy exists), /env/<NAME>, /big?mb=N (streamed), /pid, and a WebSocket echo on /ws. */
 export const APP_PY = String.raw`
 import base64, hashlib, os, struct, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,7 +25,7 @@ class H(BaseHTTPRequestHandler):
         if p == "/ws" and self.headers.get("upgrade", "").lower() == "websocket":
             return self.echo()
         if p == "/health":
-            return self.text(200, "ok")
+            return self.text(503, "unwell") if os.path.exists("/tmp/unhealthy") else self.text(200, "ok")
         if p == "/pid":
             return self.text(200, str(os.getpid()))
         if p.startswith("/env/"):

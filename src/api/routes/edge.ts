@@ -4,7 +4,7 @@
 import type { FastifyReply, FastifyRequest } from "fastify";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { KilnError } from "../../errors.ts";
+import { KilnError, toEnvelope } from "../../errors.ts";
 import { scrubUrl } from "../../log.ts";
 import { createEdgeProxy, forwardedHeaders, returnedHeaders } from "../../deployments/proxy.ts";
 
@@ -73,22 +73,31 @@ export async function edgeRoutes(app: App, opts: { services: Services; secureCoo
       return;
     }
 
-    let upstream;
+    // The answer streams straight from the service to the socket; the access line is written here (hijacked
+    // replies skip the server's onResponse hook), with the token scrubbed from the URL like every other line.
+    reply.hijack();
+    const cookie = queryToken
+      ? // Later relative requests from a browser carry the token as a cookie scoped to this service's path.
+        [`${EDGE_COOKIE}=${queryToken}; Path=${prefix}/; Max-Age=${Math.max(0, Math.floor((expiresAtMs - Date.now()) / 1000))}; HttpOnly; SameSite=Lax${opts.secureCookies ? "; Secure" : ""}`]
+      : undefined;
+    const started = performance.now();
+    let status: number;
     try {
-      upstream = await proxy.forward(serviceId, { method: req.method, path, headers, body: req.method === "GET" || req.method === "HEAD" ? undefined : req.raw });
+      status = await proxy.forward(
+        serviceId,
+        { method: req.method, path, headers, body: req.method === "GET" || req.method === "HEAD" ? undefined : req.raw },
+        reply.raw,
+        () => ({ "x-request-id": [req.id], ...(cookie ? { "set-cookie": cookie } : {}) }),
+      );
     } catch (err) {
-      if (err instanceof KilnError) throw err;
-      throw new KilnError("unavailable", `Service ${serviceId} did not answer`, { cause: err, detail: { retryable: true } });
+      const { status: code, body } = toEnvelope(
+        err instanceof KilnError ? err : new KilnError("unavailable", `Service ${serviceId} did not answer`, { detail: { retryable: true } }),
+        req.id,
+      );
+      if (!reply.raw.headersSent) reply.raw.writeHead(code, { "content-type": "application/json; charset=utf-8", "x-request-id": req.id }).end(JSON.stringify(body));
+      status = code;
     }
-    reply.code(upstream.statusCode ?? 502).headers(returnedHeaders(upstream.headers));
-    if (queryToken) {
-      // Later relative requests from a browser carry the token as a cookie scoped to this service's path.
-      const maxAge = Math.max(0, Math.floor((expiresAtMs - Date.now()) / 1000));
-      const cookie = `${EDGE_COOKIE}=${queryToken}; Path=${prefix}/; Max-Age=${maxAge}; HttpOnly; SameSite=Lax${opts.secureCookies ? "; Secure" : ""}`;
-      const existing = upstream.headers["set-cookie"] ?? [];
-      reply.header("set-cookie", [...existing, cookie]);
-    }
-    return reply.send(upstream);
+    req.log.info({ method: req.method, url: scrubUrl(req.url), status, ms: Math.round((performance.now() - started) * 100) / 100, service_id: serviceId }, "request");
   }
 
   const schema = { hide: true };
