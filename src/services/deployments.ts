@@ -550,8 +550,8 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       for (let i = 0; i < dep.replicas; i++) await createReplica(dep, version);
       await setRollout(depId, "idle", null);
     } catch (err) {
-      await setRollout(depId, "failed", err instanceof KilnError ? err.message : "a replica could not be created");
-      void rollout(depId);
+      // The client gets the error and no id: nothing of this deployment may stay behind.
+      await remove(depId).catch((e: unknown) => log.error({ err: e, deployment_id: depId }, "removing a deployment whose replicas failed to start failed"));
       throw err;
     }
     return deploymentView(await loadDeployment(depId), true);

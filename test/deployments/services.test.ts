@@ -301,6 +301,26 @@ test("a crashing command ends failed with a reason after its retries", async () 
   assert.equal(logs.body.output.match(/boom/g)?.length, 3);
   const ops = (await k.kiln.services.store.db.selectFrom("events").select("operation").where("machine_id", "=", svc.machine_id).orderBy("seq").execute()).map((e) => e.operation);
   assert.deepEqual(ops.filter((o) => o.startsWith("service.")), ["service.starting", "service.failed"]);
+  // A failed service can be restarted: it starts again (and here fails again, with a fresh crash streak).
+  const again = await k.call("POST", `/v1/agent-deployments/${dep.id}/services/${svc.id}/restart`, { body: { reason: "try again" } });
+  assert.equal(again.status, 200, again.text);
+  assert.equal(again.body.status, "starting");
+  assert.equal(again.body.failure_reason, null);
+  const refailed = await waitService(k, dep.id, svc.id, (s) => s.status === "failed");
+  assert.equal(refailed.readiness_status.crashes, 6);
+});
+
+test("a service whose machine is destroyed by hand ends failed, and cannot be restarted without it (409)", async () => {
+  const dep = await createDeployment(k, { name: "orphan", command: "python3 -m http.server 8004", port: 8004, readiness: fast });
+  const [svc] = await services(k, dep.id);
+  await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+  assert.equal((await k.call("DELETE", `/v1/machines/${svc.machine_id}`)).status, 200);
+  const failed = await waitService(k, dep.id, svc.id, (s) => s.status === "failed");
+  assert.match(failed.failure_reason, /backing machine .* is not running/);
+  assert.equal(failed.public_url, null);
+  await k.call("DELETE", `/v1/agent-deployments/${dep.id}`);
+  const stopped = await k.call("POST", `/v1/agent-deployments/${dep.id}/services/${svc.id}/restart`, { body: {} });
+  assert.equal(stopped.status, 409);
 });
 
 test("port must be 1–65535, fields are checked, and an unknown template is 404", async () => {
