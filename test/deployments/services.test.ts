@@ -41,7 +41,7 @@ function allFiles(dir: string): string[] {
     if (st.isDirectory()) {
       if (name === "machines" || name === "cache") continue; // machine root filesystems, the base template
       out.push(...allFiles(p));
-    } else out.push(p);
+    } else if (st.isFile()) out.push(p); // sockets and FIFOs of the runtime hold no data
   }
   return out;
 }
