@@ -1,28 +1,16 @@
 // Signed, expiring edge tokens for services' public URLs: HMAC-SHA256 over {service id, expiry} with a server
 // secret made once in the data dir. The token is checked by recomputing it, so no token is ever stored.
 
-import { createHmac, createSecretKey, randomBytes, timingSafeEqual } from "node:crypto";
+import { createHmac, createSecretKey, timingSafeEqual } from "node:crypto";
 import type { KeyObject } from "node:crypto";
-import { mkdir, open, readFile } from "node:fs/promises";
-import { join } from "node:path";
+import { loadKeyFile } from "./key-files.ts";
 
 export const EDGE_SECRET_FILE = "edge-secret";
 
-/** Reads the edge secret of this data dir, making it (32 random bytes, mode 0600) on first start. A KeyObject,
- *  because turning raw bytes into a key on every HMAC costs more than the HMAC itself. */
+/** The edge secret of this data dir (made on first start; deleting it invalidates every URL). A KeyObject, because
+ *  turning raw bytes into a key on every HMAC costs more than the HMAC itself. */
 export async function loadEdgeSecret(dataDir: string): Promise<KeyObject> {
-  const path = join(dataDir, EDGE_SECRET_FILE);
-  await mkdir(dataDir, { recursive: true });
-  try {
-    const fh = await open(path, "wx", 0o600);
-    await fh.writeFile(randomBytes(32).toString("hex") + "\n");
-    await fh.close();
-  } catch (err) {
-    if ((err as NodeJS.ErrnoException).code !== "EEXIST") throw err;
-  }
-  const hex = (await readFile(path, "utf8")).trim();
-  if (!/^[0-9a-f]{64}$/.test(hex)) throw new Error(`${path} is not an edge secret (64 hex characters); remove it to make a new one`);
-  return createSecretKey(Buffer.from(hex, "hex"));
+  return createSecretKey(await loadKeyFile(dataDir, EDGE_SECRET_FILE));
 }
 
 function mac(secret: KeyObject, serviceId: string, expiresAtS: number): string {

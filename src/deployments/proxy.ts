@@ -134,6 +134,7 @@ export function forwardedHeaders(headers: IncomingHttpHeaders, opts: { stripCook
   for (const [name, value] of Object.entries(headers)) {
     if (value === undefined) continue;
     if (HOP_BY_HOP.has(name) && !(opts.keepUpgrade && (name === "upgrade" || name === "connection"))) continue;
+    if (name === "expect") continue; // the 100-continue handshake was already answered on the client's hop
     if (connectionTokens.has(name) && !opts.keepUpgrade) continue;
     out[name] = value;
   }

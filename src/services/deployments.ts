@@ -16,6 +16,8 @@ import type { TemplateService } from "./templates.ts";
 import { Supervisor } from "../deployments/supervisor.ts";
 import { probe } from "../deployments/probe.ts";
 import { loadEdgeSecret, signEdgeToken, verifyEdgeToken } from "../deployments/edge-tokens.ts";
+import { loadEnvSealer } from "../deployments/sealed-envs.ts";
+import type { EnvSealer } from "../deployments/sealed-envs.ts";
 
 export const SERVICE_STATUSES = ["starting", "ready", "unhealthy", "stopping", "stopped", "failed"] as const;
 export type ServiceStatus = (typeof SERVICE_STATUSES)[number];
@@ -101,7 +103,7 @@ function versionView(v: DeploymentVersionRow) {
     template: v.template,
     command: v.command,
     port: v.port,
-    envs: JSON.parse(v.envs_json) as Record<string, string>,
+    env_names: JSON.parse(v.env_names_json) as string[],
     readiness: JSON.parse(v.readiness_json) as Readiness,
     created_at: v.created_at,
   };
@@ -119,6 +121,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   const routes = new Map<string, { machineId: string; port: number }>();
   const machineExpiry = new Map<string, number>();
   let secret: KeyObject | undefined;
+  let sealer: EnvSealer | undefined;
   /** Tokens already verified, with their expiry: a busy public URL pays for its HMAC once, not per request. */
   const verified = new Map<string, { serviceId: string; expiresAtMs: number }>();
   let closed = false;
@@ -181,7 +184,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       template: cv.template,
       command: cv.command,
       port: cv.port,
-      envs: cv.envs,
+      env_names: cv.env_names,
       readiness: cv.readiness,
       replicas: row.replicas,
       public_url: row.public_url === 1,
@@ -244,7 +247,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       cmd: version.command,
       user: "user",
       cwd: "/workspace",
-      envs: JSON.parse(version.envs_json) as Record<string, string>,
+      envs: sealer!.open(version.envs_sealed),
       max_crashes: opts.maxCrashes,
       backoff_ms: opts.backoffMs,
       max_backoff_ms: 30_000,
@@ -502,6 +505,12 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
 
   // ── Public operations ────────────────────────────────────────────────────────────────────────────────────────
 
+  /** Deployment envs are sealed before they reach the store; only their names are kept in the clear. */
+  function sealEnvs(envs: Record<string, string>) {
+    if (!sealer) throw new KilnError("unavailable", "Deployments are not ready yet");
+    return { envs_sealed: sealer.seal(envs), env_names_json: JSON.stringify(Object.keys(envs).sort()) };
+  }
+
   function readinessOf(input: ReadinessInput | undefined, base?: Readiness): Readiness {
     const r: Readiness = { interval_s: input?.interval_s ?? base?.interval_s ?? READINESS_DEFAULTS.intervalS, timeout_s: input?.timeout_s ?? base?.timeout_s ?? READINESS_DEFAULTS.timeoutS };
     const path = input?.path ?? (input ? undefined : base?.path);
@@ -523,7 +532,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       template: input.template,
       command: input.command,
       port: input.port,
-      envs_json: JSON.stringify(input.envs ?? {}),
+      ...sealEnvs(input.envs ?? {}),
       readiness_json: JSON.stringify(readinessOf(input.readiness)),
       created_at: now,
     };
@@ -572,7 +581,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
         template: input.template ?? cur.template,
         command: input.command ?? cur.command,
         port: input.port ?? cur.port,
-        envs_json: input.envs !== undefined ? JSON.stringify(input.envs) : cur.envs_json,
+        ...(input.envs !== undefined ? sealEnvs(input.envs) : { envs_sealed: cur.envs_sealed, env_names_json: cur.env_names_json }),
         readiness_json: JSON.stringify(readinessOf(input.readiness, JSON.parse(cur.readiness_json) as Readiness)),
         created_at: now,
       };
@@ -745,6 +754,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
    */
   async function start() {
     secret = await loadEdgeSecret(opts.dataDir);
+    sealer = await loadEnvSealer(opts.dataDir);
     const rows = await db.selectFrom("services").selectAll().where("status", "in", ["starting", "ready", "unhealthy", "stopping"]).execute();
     let attached = 0;
     for (const row of rows) {

@@ -101,8 +101,10 @@ export interface DeploymentVersionsTable {
   template: string;
   command: string;
   port: number;
-  /** The deployment's envs (configuration, shown in the API); restart envs are never here. */
-  envs_json: string;
+  /** The deployment's envs sealed with the data dir's key (src/deployments/sealed-envs.ts); restart envs are never here. */
+  envs_sealed: string;
+  /** Their names, JSON array: what the API shows. */
+  env_names_json: string;
   /** {path?, interval_s, timeout_s} */
   readiness_json: string;
   created_at: string;

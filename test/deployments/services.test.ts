@@ -7,7 +7,8 @@ import assert from "node:assert/strict";
 import { createHash } from "node:crypto";
 import { readFileSync, readdirSync, statSync } from "node:fs";
 import { join } from "node:path";
-import { request } from "undici";
+import { Client, request } from "undici";
+import { request as httpRequest } from "node:http";
 import { WebSocket } from "ws";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
@@ -104,6 +105,25 @@ test("the public URL answers HTTP through the edge proxy; the token and the edge
   const body = Buffer.alloc(3 * 1024 * 1024, 7);
   const posted = await request(`${url.origin}/edge/${svc.id}/upload`, { method: "POST", headers: { cookie: jar }, body });
   assert.equal(await posted.body.text(), createHash("sha256").update(body).digest("hex"));
+
+  // The target reaches the service as written: no re-encoding, no folding of dot segments.
+  const client = new Client(url.origin);
+  const raw = await client.request({ method: "GET", path: `/edge/${svc.id}/a/../b%20c?q=a+b%2Fc&edge_token=${url.searchParams.get("edge_token")}&z` });
+  assert.equal(await raw.body.text(), "hello from /a/../b%20c query q=a+b%2Fc&z");
+  await client.close();
+
+  // curl's Expect: 100-continue is answered on the client's hop and the body still streams through.
+  const expected = await new Promise<string>((resolve, reject) => {
+    const r = httpRequest(`${url.origin}/edge/${svc.id}/upload`, { method: "POST", headers: { cookie: jar, expect: "100-continue", "content-length": "3" } });
+    r.once("continue", () => r.end("abc"));
+    r.once("response", (res) => {
+      let text = "";
+      res.on("data", (d: Buffer) => (text += d));
+      res.on("end", () => resolve(text));
+    });
+    r.once("error", reject);
+  });
+  assert.equal(expected, createHash("sha256").update("abc").digest("hex"));
 
   // /edge/<id> without the slash goes to the directory, keeping the query.
   const bare = await request(`${url.origin}/edge/${svc.id}?edge_token=x`);
@@ -287,6 +307,22 @@ test("a deployment with public_url false never gives its ready services a URL", 
   const res = await request(withUrl.public_url);
   assert.equal(res.statusCode, 200);
   await res.body.dump();
+  await k.call("DELETE", `/v1/agent-deployments/${dep.id}`);
+});
+
+test("deployment envs reach the process, are sealed at rest and shown by name only", async () => {
+  const marker = `dep-env-${Date.now()}-${Math.random().toString(36).slice(2)}`;
+  const dep = await createDeployment(k, { name: "with-envs", command: appCommand(8086), port: 8086, envs: { DEP_MARKER: marker }, readiness: { ...fast, path: "/health" } });
+  assert.deepEqual(dep.env_names, ["DEP_MARKER"]);
+  assert.equal(JSON.stringify(dep).includes(marker), false);
+  const [svc] = await services(k, dep.id);
+  const ready = await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+  const res = await request(ready.public_url.replace("/?", "/env/DEP_MARKER?"));
+  assert.equal(await res.body.text(), marker);
+  assert.deepEqual(dataDirContains(marker), []);
+  assert.ok(!k.logs.join("").includes(marker));
+  const coerced = await k.call("POST", "/v1/agent-deployments", { body: { name: "x", template: "local/base", command: "true", port: 80, envs: { A: 1 } } });
+  assert.equal(coerced.status, 400, "a number is not a string, even where Ajv would coerce it");
   await k.call("DELETE", `/v1/agent-deployments/${dep.id}`);
 });
 

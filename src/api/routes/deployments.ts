@@ -2,10 +2,11 @@
 // services' recent output, and the restart of SPEC.md (request-only envs, Idempotency-Key).
 
 import { Type } from "typebox";
+import type { FastifyReply, FastifyRequest } from "fastify";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { SERVICE_STATUSES, DEPLOYMENT_STATUSES, ROLLOUT_STATUSES } from "../../services/deployments.ts";
-import { errors, Cursor, Id, Limit, StringMap } from "../schemas.ts";
+import { errors, Cursor, Id, Limit } from "../schemas.ts";
 import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
 import { KilnError } from "../../errors.ts";
 
@@ -64,7 +65,7 @@ const Version = Type.Object({
   template: Type.String(),
   command: Type.String(),
   port: Type.Integer(),
-  envs: StringMap,
+  env_names: Type.Array(Type.String(), { description: "Names of the version's envs; their values are sealed at rest and never shown" }),
   readiness: ReadinessOut,
   created_at: Type.String({ format: "date-time" }),
 });
@@ -78,7 +79,7 @@ const Deployment = Type.Object({
   template: Type.String(),
   command: Type.String(),
   port: Type.Integer(),
-  envs: StringMap,
+  env_names: Type.Array(Type.String()),
   readiness: ReadinessOut,
   replicas: Type.Integer(),
   public_url: Type.Boolean(),
@@ -119,6 +120,19 @@ const RestartRequest = Type.Object(
 
 const ServiceLogs = Type.Object({ service_id: Type.String(), process_id: Nullable(Type.Integer()), output: Type.String(), total_bytes: Type.Integer(), truncated: Type.Boolean() });
 
+/**
+ * Ajv coerces scalars to strings (the server's setting); envs accept only string values (SPEC.md for restart, the
+ * same rule for deployment envs), so they are checked before validation runs. A bare body counts as `{}`.
+ */
+function stringEnvsOnly(req: FastifyRequest, _reply: FastifyReply, done: (err?: Error) => void) {
+  if (req.body === undefined) req.body = {};
+  const envs = (req.body as { envs?: unknown }).envs;
+  if (envs !== undefined && (typeof envs !== "object" || envs === null || Array.isArray(envs) || Object.values(envs).some((v) => typeof v !== "string"))) {
+    return done(new KilnError("invalid_request", "envs must be an object of string values", { detail: { code: "invalid_request", details: { field: "envs" } } }));
+  }
+  done();
+}
+
 const DepParams = Type.Object({ deployment_id: Id });
 const SvcParams = Type.Object({ deployment_id: Id, service_id: Id });
 
@@ -128,7 +142,7 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
 
   app.post(
     "/v1/agent-deployments",
-    { schema: { tags, summary: "Create a deployment: its first version and its replicas (starting)", body: CreateDeployment, response: { 201: Deployment, ...errors(400, 404, 503) } } },
+    { schema: { tags, summary: "Create a deployment: its first version and its replicas (starting)", body: CreateDeployment, response: { 201: Deployment, ...errors(400, 404, 503) } }, preValidation: stringEnvsOnly },
     async (req, reply) => reply.code(201).send(await deployments.create(req.body)),
   );
 
@@ -172,6 +186,7 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
         body: UpdateDeployment,
         response: { 200: Deployment, ...errors(400, 404, 409) },
       },
+      preValidation: stringEnvsOnly,
     },
     async (req) => deployments.update(req.params.deployment_id, req.body),
   );
@@ -230,16 +245,7 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
         body: RestartRequest,
         response: { 200: ServiceInstance, ...errors(400, 404, 409) },
       },
-      // Ajv coerces scalars to strings; SPEC.md accepts only string values, so they are checked before it runs.
-      preValidation: (req, _reply, done) => {
-        if (req.body === undefined) req.body = {}; // a bare POST restarts with no reason and no envs
-        const body = req.body as { envs?: unknown } | undefined;
-        const envs = body?.envs;
-        if (envs !== undefined && (typeof envs !== "object" || envs === null || Array.isArray(envs) || Object.values(envs).some((v) => typeof v !== "string"))) {
-          return done(new KilnError("invalid_request", "envs must be an object of string values", { detail: { code: "invalid_request", details: { field: "envs" } } }));
-        }
-        done();
-      },
+      preValidation: stringEnvsOnly,
     },
     async (req) => deployments.restart(req.params.deployment_id, req.params.service_id, req.body ?? {}, req.headers["idempotency-key"]),
   );

@@ -44,19 +44,26 @@ export async function edgeRoutes(app: App, opts: { services: Services; secureCoo
 
   async function handle(req: FastifyRequest<{ Params: { service_id: string; "*"?: string } }>, reply: FastifyReply) {
     const serviceId = req.params.service_id;
-    const url = new URL(req.url, "http://edge");
+    // The raw target is forwarded as the client wrote it (no re-encoding or dot-segment folding): only the
+    // /edge/<id> prefix and the edge_token parameter come off.
+    const q = req.url.indexOf("?");
+    const rawPath = q < 0 ? req.url : req.url.slice(0, q);
+    const params = q < 0 ? [] : req.url.slice(q + 1).split("&");
+    const slash = rawPath.indexOf("/", "/edge/".length);
     const prefix = `/edge/${serviceId}`;
-    if (url.pathname === prefix) {
+    if (slash < 0) {
       // Relative links resolve against the directory: send /edge/<id> to /edge/<id>/ (the token stays in the query).
-      return reply.code(308).header("location", `${prefix}/${url.search}`).send();
+      return reply.code(308).header("location", `${rawPath}/${q < 0 ? "" : req.url.slice(q)}`).send();
     }
-    const queryToken = url.searchParams.get("edge_token") ?? undefined;
+    const tokenParam = params.find((p) => p.startsWith("edge_token="));
+    // Tokens are URL-safe as issued, so the parameter is compared as written (nothing to decode, nothing to throw).
+    const queryToken = tokenParam === undefined ? undefined : tokenParam.slice("edge_token=".length);
     const token = queryToken ?? cookieValue(req.headers.cookie, EDGE_COOKIE);
     const expiresAtMs = deployments.authorizeEdge(serviceId, token);
     if (!deployments.isRoutable(serviceId)) throw new KilnError("unavailable", `Service ${serviceId} is not running`, { detail: { retryable: true } });
 
-    url.searchParams.delete("edge_token");
-    const path = url.pathname.slice(prefix.length) + (url.searchParams.size ? `?${url.searchParams}` : "");
+    const kept = params.filter((p) => !p.startsWith("edge_token="));
+    const path = rawPath.slice(slash) + (kept.length ? `?${kept.join("&")}` : "");
     const upgrading = typeof req.headers.upgrade === "string";
     const headers = forwardedHeaders(req.headers, { stripCookie: EDGE_COOKIE, clientIp: req.ip, proto: opts.secureCookies ? "https" : "http", keepUpgrade: upgrading });
 
