@@ -18,7 +18,8 @@ import { machineRoutes } from "./routes/machines.ts";
 import { fileRoutes } from "./routes/files.ts";
 import { machineWsRoutes } from "./routes/machine-ws.ts";
 import { deploymentRoutes } from "./routes/deployments.ts";
-import { edgeRoutes } from "./routes/edge.ts";
+import { createEdge, edgeRoutes } from "./routes/edge.ts";
+import { createServer } from "node:http";
 
 export type { App } from "./app-type.ts";
 
@@ -32,7 +33,19 @@ export interface ServerOptions {
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
+  // The public edge's HTTP requests are proxied before Fastify routes them: they are a data path, not API calls.
+  const edge = createEdge({ services: opts.services, log: opts.log, secureCookies: opts.publicUrl?.startsWith("https:") ?? false });
   const app = Fastify({
+    serverFactory: (handler) => {
+      const server = createServer((req, res) => {
+        if (!edge.handleRequest(req, res)) handler(req, res);
+      });
+      // What Fastify sets on a server it makes itself (its defaults).
+      server.keepAliveTimeout = 72_000;
+      server.requestTimeout = 0;
+      server.setTimeout(0);
+      return server;
+    },
     loggerInstance: opts.log,
     genReqId: () => newId("req"),
     requestIdHeader: false,
@@ -113,7 +126,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(fileRoutes, { services: opts.services });
   await app.register(deploymentRoutes, { services: opts.services });
   // Before @fastify/websocket: the edge splices WebSocket upgrades itself, byte for byte, instead of terminating them.
-  await app.register(edgeRoutes, { services: opts.services, secureCookies: opts.publicUrl?.startsWith("https:") ?? false });
+  await app.register(edgeRoutes, { edge });
   await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
 
