@@ -21,6 +21,8 @@ export const SECRET_FIELDS = [
   "apiKey",
   "key",
   "cookie",
+  "set-cookie",
+  "public_url",
   "x-api-key",
 ] as const;
 

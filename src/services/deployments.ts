@@ -282,19 +282,21 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
         throw err;
       }
       await extendMachine(row.machine_id);
-      let state: ServiceState;
+      // null: the agent does not answer (busy or gone); the service counts as not answering either.
+      let state: ServiceState | null;
       try {
         state = await agent.serviceState(id);
       } catch (err) {
         if (err instanceof AgentError && err.code === "not_found") {
           // The agent no longer knows the process (it was restarted): start it again from the version.
           state = await agent.startService(agentStartRequest(id, await loadVersion(row.version_id)));
-        } else throw err;
+        } else if (err instanceof AgentError && err.code === "unavailable") state = null;
+        else throw err;
       }
       const stored = JSON.parse(row.readiness_json) as ReadinessDetail;
       const detail: ReadinessDetail = { ...stored, ...live.get(id) };
-      const processDetail = { starts: state.starts, crashes: state.crashes, consecutive_crashes: state.consecutive_crashes, last_exit: state.last_exit };
-      if (state.status === "failed") {
+      const processDetail = state ? { starts: state.starts, crashes: state.crashes, consecutive_crashes: state.consecutive_crashes, last_exit: state.last_exit } : {};
+      if (state?.status === "failed") {
         Object.assign(detail, processDetail, { phase: "failed" });
         await transition(id, { readiness_json: JSON.stringify(detail), process_id: null });
         await fail(id, state.failure_reason ?? "the process failed");
@@ -302,7 +304,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       }
       let ok = false;
       const now = new Date().toISOString();
-      if (state.status === "running") {
+      if (state?.status === "running") {
         const result = await probe((port) => agent.connectPort(port), { port: row.port, path: readiness.path, timeoutMs: readiness.timeout_s * 1000 });
         ok = result.ok;
         detail.probe = result.kind;
@@ -320,14 +322,14 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
         }
       } else {
         detail.consecutive_failures = (detail.consecutive_failures ?? 0) + 1;
-        detail.last_error = "the process exited and is waiting to be started again";
+        detail.last_error = state ? "the process exited and is waiting to be started again" : "the machine's agent does not answer";
       }
       Object.assign(detail, processDetail);
       let status = row.status as ServiceStatus;
       if (ok) status = "ready";
-      else if (row.status === "ready" && (state.status !== "running" || (detail.consecutive_failures ?? 0) >= UNHEALTHY_AFTER)) status = "unhealthy";
+      else if (row.status === "ready" && (state?.status !== "running" || (detail.consecutive_failures ?? 0) >= UNHEALTHY_AFTER)) status = "unhealthy";
       detail.phase = status === "ready" ? "ready" : status === "unhealthy" ? "unhealthy" : "probing";
-      const pid = state.pid;
+      const pid = state?.pid ?? null;
       const meaningful =
         status !== row.status || pid !== row.process_id || stored.crashes !== detail.crashes || stored.last_error !== detail.last_error || stored.phase !== detail.phase;
       if (meaningful) {
@@ -335,7 +337,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
         const set: ServiceUpdate = { status, readiness_json: JSON.stringify(detail) };
         if (pid !== null && pid !== row.process_id) {
           set.process_id = pid;
-          set.started_at = state.started_at ?? now;
+          set.started_at = state?.started_at ?? now;
         }
         await transition(id, set);
       } else {
@@ -431,10 +433,11 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   }
 
   /** Waits until a service is ready (true) or failed/stopped/timed out (false), by reading its record. */
-  async function waitReady(id: string, deploymentId: string, timeoutMs: number): Promise<boolean> {
+  async function waitReady(id: string, deploymentId: string, versionId: string, timeoutMs: number): Promise<boolean> {
     const deadline = Date.now() + timeoutMs;
     while (Date.now() < deadline && !closed) {
-      if ((await loadDeployment(deploymentId)).status !== "active") return false; // deleted meanwhile
+      const dep = await loadDeployment(deploymentId);
+      if (dep.status !== "active" || dep.current_version_id !== versionId) return false; // deleted or superseded meanwhile
       const row = await loadService(id);
       if (row.status === "ready") return true;
       if (row.status === "failed" || row.status === "stopped" || row.status === "stopping") return false;
@@ -489,8 +492,9 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       dep = await loadDeployment(deploymentId);
       if (dep.status !== "active" || dep.current_version_id !== version.id) return; // a newer update or a delete took over
       const fresh = await createReplica(dep, version);
-      if (!(await waitReady(fresh.id, deploymentId, ROLLOUT_READY_TIMEOUT_MS))) {
-        if ((await loadDeployment(deploymentId)).status !== "active") return;
+      if (!(await waitReady(fresh.id, deploymentId, version.id, ROLLOUT_READY_TIMEOUT_MS))) {
+        const now = await loadDeployment(deploymentId);
+        if (now.status !== "active" || now.current_version_id !== version.id) return; // the newer rollout replaces it
         const row = await loadService(fresh.id);
         await setRollout(deploymentId, "failed", `replica ${fresh.id} of version ${version.number} did not become ready (${row.failure_reason ?? row.status})`);
         return;
@@ -500,6 +504,9 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       if (retire) await stopReplica(retire.id);
     }
     for (const s of old) await stopReplica(s.id);
+    // Failed replicas of earlier versions kept their machines for their logs; once the new version serves, those go.
+    const stale = await db.selectFrom("services").select("id").where("deployment_id", "=", deploymentId).where("status", "=", "failed").where("version_id", "!=", version.id).execute();
+    for (const s of stale) await stopReplica(s.id);
     if (!closed) await setRollout(deploymentId, "idle", null);
   }
 

@@ -432,6 +432,49 @@ test("a rolling update (PATCH) keeps some replica answering throughout, and the 
   assert.equal(failures, 0, "a round in which no replica answered");
 });
 
+test("a rollout whose new replica fails stops there and the old replica keeps serving; a newer update supersedes a stuck one", async () => {
+  const dep = await createDeployment(k, { name: "careful", command: "python3 -m http.server 8005", port: 8005, readiness: fast });
+  const [orig] = await services(k, dep.id);
+  await waitService(k, dep.id, orig.id, (s) => s.status === "ready");
+  const rolloutDone = async () => {
+    for (let i = 0; i < 600; i++) {
+      const d = (await k.call("GET", `/v1/agent-deployments/${dep.id}`)).body;
+      if (d.rollout_status !== "rolling") return d;
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    assert.fail("the rollout did not end");
+  };
+  assert.equal((await k.call("PATCH", `/v1/agent-deployments/${dep.id}`, { body: { command: "exit 1" } })).status, 200);
+  const failed = await rolloutDone();
+  assert.equal(failed.rollout_status, "failed");
+  assert.match(failed.rollout_error, /did not become ready \(the process exited 3 times in a row/);
+  assert.equal((await k.call("GET", `/v1/agent-deployments/${dep.id}/services/${orig.id}`)).body.status, "ready", "the old replica still serves");
+
+  // An update whose replica never listens is superseded by the next one at once, not after the readiness timeout.
+  assert.equal((await k.call("PATCH", `/v1/agent-deployments/${dep.id}`, { body: { command: "sleep 600" } })).status, 200);
+  const stuck = await (async () => {
+    for (let i = 0; i < 600; i++) {
+      const s = (await services(k, dep.id)).find((x) => x.status === "starting");
+      if (s) return s;
+      await new Promise((r) => setTimeout(r, 50));
+    }
+    assert.fail("no replica of the stuck version started");
+  })();
+  const started = Date.now();
+  assert.equal((await k.call("PATCH", `/v1/agent-deployments/${dep.id}`, { body: { command: "python3 -m http.server 8005" } })).status, 200);
+  const done = await rolloutDone();
+  assert.equal(done.rollout_status, "idle", JSON.stringify(done));
+  assert.ok(Date.now() - started < 60_000);
+  const all = await services(k, dep.id);
+  assert.equal((await k.call("GET", `/v1/agent-deployments/${dep.id}/services/${stuck.id}`)).body.status, "stopped");
+  assert.equal((await k.call("GET", `/v1/agent-deployments/${dep.id}/services/${orig.id}`)).body.status, "stopped");
+  assert.deepEqual(all.filter((s) => s.status === "ready").map((s) => s.version_id), [done.current_version_id]);
+  // The failed replica of the first update keeps its record, but its machine went with the successful rollout.
+  const failedReplica = all.find((s) => s.status === "failed")!;
+  assert.equal((await k.call("GET", `/v1/machines/${failedReplica.machine_id}`)).body.status, "destroyed");
+  await k.call("DELETE", `/v1/agent-deployments/${dep.id}`);
+});
+
 test("DELETE stops every service and destroys their machines", async () => {
   const dep = await createDeployment(k, { name: "doomed", command: "python3 -m http.server 8002", port: 8002, readiness: fast });
   const [svc] = await services(k, dep.id);
