@@ -18,7 +18,8 @@ class OutputRing {
     this.chunks.push(b);
     this.held += b.length;
     this.total += b.length;
-    while (this.held > RING_BYTES && this.chunks.length > 1) this.held -= this.chunks.shift()!.length;
+    // Whole chunks go while what remains still fills the ring; the oldest one left is cut to fit exactly.
+    while (this.chunks.length > 1 && this.held - this.chunks[0].length >= RING_BYTES) this.held -= this.chunks.shift()!.length;
     if (this.held > RING_BYTES) {
       this.chunks[0] = this.chunks[0].subarray(this.held - RING_BYTES);
       this.held = RING_BYTES;
