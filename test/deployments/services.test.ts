@@ -359,6 +359,16 @@ test("a service whose machine is destroyed by hand ends failed, and cannot be re
   assert.equal(stopped.status, 409);
 });
 
+test("the OpenAPI document lists the Agent Deployments routes, the restart with its Idempotency-Key header, and no edge route", async () => {
+  const doc = (await k.call("GET", "/v1/openapi.json")).body;
+  const restart = doc.paths["/v1/agent-deployments/{deployment_id}/services/{service_id}/restart"]?.post;
+  assert.ok(restart, "the restart path");
+  assert.deepEqual(restart.tags, ["Agent Deployments"]);
+  assert.ok(restart.parameters.some((p: any) => p.in === "header" && p.name === "idempotency-key"));
+  for (const path of ["/v1/agent-deployments", "/v1/agent-deployments/{deployment_id}", "/v1/agent-deployments/{deployment_id}/services", "/v1/agent-deployments/{deployment_id}/services/{service_id}/logs"]) assert.ok(doc.paths[path], path);
+  assert.ok(!Object.keys(doc.paths).some((p) => p.startsWith("/edge")));
+});
+
 test("port must be 1–65535, fields are checked, and an unknown template is 404", async () => {
   for (const port of [0, 65536, -1]) {
     const res = await k.call("POST", "/v1/agent-deployments", { body: { name: "x", template: "local/base", command: "true", port } });
