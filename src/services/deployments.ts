@@ -15,29 +15,18 @@ import type { MachineService } from "./machines.ts";
 import type { TemplateService } from "./templates.ts";
 import { Supervisor } from "../deployments/supervisor.ts";
 import { probe } from "../deployments/probe.ts";
+import { SERVICE_EVENT_OPERATIONS, assess } from "../deployments/lifecycle.ts";
+import type { ReadinessDetail, ServiceStatus } from "../deployments/lifecycle.ts";
+
+export { SERVICE_STATUSES, SERVICE_EVENT_OPERATIONS } from "../deployments/lifecycle.ts";
 import { loadEdgeSecret, signEdgeToken, verifyEdgeToken } from "../deployments/edge-tokens.ts";
 import { loadEnvSealer } from "../deployments/sealed-envs.ts";
 import type { EnvSealer } from "../deployments/sealed-envs.ts";
 
-export const SERVICE_STATUSES = ["starting", "ready", "unhealthy", "stopping", "stopped", "failed"] as const;
-export type ServiceStatus = (typeof SERVICE_STATUSES)[number];
 export const DEPLOYMENT_STATUSES = ["active", "deleting", "deleted"] as const;
 export const ROLLOUT_STATUSES = ["idle", "rolling", "failed"] as const;
 
-/** Event operations written to the events table on every service status change (the lifecycle-webhook names). */
-export const SERVICE_EVENT_OPERATIONS = {
-  starting: "service.starting",
-  ready: "service.ready",
-  unhealthy: "service.unhealthy",
-  stopping: "service.stopping",
-  stopped: "service.stopped",
-  failed: "service.failed",
-  restart: "service.restart",
-} as const;
-
 export const READINESS_DEFAULTS = { intervalS: 2, timeoutS: 2 } as const;
-/** Probes that must fail in a row before a ready service is unhealthy (a crashed process counts at once). */
-const UNHEALTHY_AFTER = 2;
 /** How long a rollout waits for a new replica to be ready before it gives up. */
 const ROLLOUT_READY_TIMEOUT_MS = 5 * 60_000;
 /** Machines of services are extended when their expiry is closer than this. */
@@ -75,25 +64,6 @@ interface Readiness {
   path?: string;
   interval_s: number;
   timeout_s: number;
-}
-
-/** The server-recorded, open readiness/lifecycle detail of a service (SPEC.md readiness_status). */
-interface ReadinessDetail {
-  phase?: string;
-  probe?: "tcp" | "http";
-  path?: string;
-  attempts?: number;
-  consecutive_failures?: number;
-  last_probe_at?: string;
-  last_ok_at?: string;
-  last_error?: string | null;
-  last_status_code?: number;
-  starts?: number;
-  crashes?: number;
-  consecutive_crashes?: number;
-  last_exit?: ServiceState["last_exit"];
-  restarts?: { count: number; last_reason: string | null; last_at: string };
-  [key: string]: unknown;
 }
 
 function versionView(v: DeploymentVersionRow) {
@@ -294,55 +264,27 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
         else throw err;
       }
       const stored = JSON.parse(row.readiness_json) as ReadinessDetail;
-      const detail: ReadinessDetail = { ...stored, ...live.get(id) };
-      const processDetail = state ? { starts: state.starts, crashes: state.crashes, consecutive_crashes: state.consecutive_crashes, last_exit: state.last_exit } : {};
-      if (state?.status === "failed") {
-        Object.assign(detail, processDetail, { phase: "failed" });
-        await transition(id, { readiness_json: JSON.stringify(detail), process_id: null });
-        await fail(id, state.failure_reason ?? "the process failed");
+      const result =
+        state?.status === "running" ? await probe((port) => agent.connectPort(port), { port: row.port, path: readiness.path, timeoutMs: readiness.timeout_s * 1000 }) : null;
+      const next = assess({ status: row.status as ServiceStatus, pid: row.process_id, detail: { ...stored, ...live.get(id) }, state, probe: result, path: readiness.path, now: new Date().toISOString() });
+      if (next.failure !== null) {
+        await transition(id, { readiness_json: JSON.stringify(next.detail), process_id: null });
+        await fail(id, next.failure);
         return;
       }
-      let ok = false;
-      const now = new Date().toISOString();
-      if (state?.status === "running") {
-        const result = await probe((port) => agent.connectPort(port), { port: row.port, path: readiness.path, timeoutMs: readiness.timeout_s * 1000 });
-        ok = result.ok;
-        detail.probe = result.kind;
-        if (readiness.path) detail.path = readiness.path;
-        detail.attempts = (detail.attempts ?? 0) + 1;
-        detail.last_probe_at = now;
-        if (result.status !== undefined) detail.last_status_code = result.status;
-        if (result.ok) {
-          detail.last_ok_at = now;
-          detail.consecutive_failures = 0;
-          detail.last_error = null;
-        } else {
-          detail.consecutive_failures = (detail.consecutive_failures ?? 0) + 1;
-          detail.last_error = result.error;
-        }
-      } else {
-        detail.consecutive_failures = (detail.consecutive_failures ?? 0) + 1;
-        detail.last_error = state ? "the process exited and is waiting to be started again" : "the machine's agent does not answer";
+      if (!next.changed) {
+        // Probe bookkeeping only: kept in memory and shown on reads, not written every interval.
+        const d = next.detail;
+        live.set(id, { attempts: d.attempts, last_probe_at: d.last_probe_at, last_ok_at: d.last_ok_at, consecutive_failures: d.consecutive_failures, last_status_code: d.last_status_code });
+        return;
       }
-      Object.assign(detail, processDetail);
-      let status = row.status as ServiceStatus;
-      if (ok) status = "ready";
-      else if (row.status === "ready" && (state?.status !== "running" || (detail.consecutive_failures ?? 0) >= UNHEALTHY_AFTER)) status = "unhealthy";
-      detail.phase = status === "ready" ? "ready" : status === "unhealthy" ? "unhealthy" : "probing";
-      const pid = state?.pid ?? null;
-      const meaningful =
-        status !== row.status || pid !== row.process_id || stored.crashes !== detail.crashes || stored.last_error !== detail.last_error || stored.phase !== detail.phase;
-      if (meaningful) {
-        live.delete(id);
-        const set: ServiceUpdate = { status, readiness_json: JSON.stringify(detail) };
-        if (pid !== null && pid !== row.process_id) {
-          set.process_id = pid;
-          set.started_at = state?.started_at ?? now;
-        }
-        await transition(id, set);
-      } else {
-        live.set(id, { attempts: detail.attempts, last_probe_at: detail.last_probe_at, last_ok_at: detail.last_ok_at, consecutive_failures: detail.consecutive_failures });
+      live.delete(id);
+      const set: ServiceUpdate = { status: next.status, readiness_json: JSON.stringify(next.detail) };
+      if (next.pid !== null && next.pid !== row.process_id) {
+        set.process_id = next.pid;
+        set.started_at = state?.started_at ?? new Date().toISOString();
       }
+      await transition(id, set);
     });
   }
 
