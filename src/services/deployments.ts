@@ -17,11 +17,11 @@ import { Supervisor } from "../deployments/supervisor.ts";
 import { probe } from "../deployments/probe.ts";
 import { SERVICE_EVENT_OPERATIONS, assess } from "../deployments/lifecycle.ts";
 import type { ReadinessDetail, ServiceStatus } from "../deployments/lifecycle.ts";
-
-export { SERVICE_STATUSES, SERVICE_EVENT_OPERATIONS } from "../deployments/lifecycle.ts";
 import { loadEdgeSecret, signEdgeToken, verifyEdgeToken } from "../deployments/edge-tokens.ts";
 import { loadEnvSealer } from "../deployments/sealed-envs.ts";
 import type { EnvSealer } from "../deployments/sealed-envs.ts";
+
+export { SERVICE_STATUSES, SERVICE_EVENT_OPERATIONS } from "../deployments/lifecycle.ts";
 
 export const DEPLOYMENT_STATUSES = ["active", "deleting", "deleted"] as const;
 export const ROLLOUT_STATUSES = ["idle", "rolling", "failed"] as const;
@@ -201,7 +201,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
         const payload = { id: eventId, operation: op, occurred_at: now, service: { ...serviceView(after, false), readiness_status: JSON.parse(after.readiness_json) } };
         await tx.insertInto("events").values({ id: eventId, operation: op, machine_id: after.machine_id, payload_json: JSON.stringify(payload), occurred_at: now }).execute();
       }
-      if (extra) await extra(tx as unknown as Db, after);
+      if (extra) await extra(tx, after);
       return after;
     });
     if (row.status === "starting" || row.status === "ready" || row.status === "unhealthy") routes.set(row.id, { machineId: row.machine_id, port: row.port });
@@ -460,13 +460,11 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
     return { envs_sealed: sealer.seal(envs), env_names_json: JSON.stringify(Object.keys(envs).sort()) };
   }
 
+  /** The readiness settings of a version: a given `readiness` object replaces the whole of the previous one. */
   function readinessOf(input: ReadinessInput | undefined, base?: Readiness): Readiness {
-    const r: Readiness = { interval_s: input?.interval_s ?? base?.interval_s ?? READINESS_DEFAULTS.intervalS, timeout_s: input?.timeout_s ?? base?.timeout_s ?? READINESS_DEFAULTS.timeoutS };
-    const path = input?.path ?? (input ? undefined : base?.path);
-    if (path !== undefined) {
-      if (!path.startsWith("/")) throw new KilnError("invalid_request", "readiness.path must start with /");
-      r.path = path;
-    }
+    if (!input && base) return base;
+    const r: Readiness = { interval_s: input?.interval_s ?? READINESS_DEFAULTS.intervalS, timeout_s: input?.timeout_s ?? READINESS_DEFAULTS.timeoutS };
+    if (input?.path !== undefined) r.path = input.path;
     return r;
   }
 
