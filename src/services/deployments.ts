@@ -627,11 +627,15 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       const state = await agent.restartService(serviceId, input.envs);
       const now = new Date().toISOString();
       const stored = JSON.parse(row.readiness_json) as ReadinessDetail;
+      // The probe's record starts over with the new process; the process counters and restarts carry on.
       const detail: ReadinessDetail = {
-        ...stored,
         phase: "starting",
+        probe: stored.probe,
+        ...(stored.path ? { path: stored.path } : {}),
+        attempts: 0,
         consecutive_failures: 0,
         last_error: null,
+        last_exit: state.last_exit,
         starts: state.starts,
         crashes: state.crashes,
         consecutive_crashes: state.consecutive_crashes,

@@ -218,6 +218,8 @@ test("restart with envs: the process sees them; the store, the events and the lo
   assert.notEqual(res.body.process_id, svc.process_id);
   assert.equal(res.body.readiness_status.restarts.count, 1);
   assert.equal(res.body.readiness_status.restarts.last_reason, "rotate");
+  assert.equal(res.body.readiness_status.attempts, 0, "the probe's record starts over with the new process");
+  assert.equal(res.body.readiness_status.last_ok_at, undefined);
   assert.equal(res.body.idempotency_key, null);
   const ready = await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
   const env = await request(new URL(`env/SECRET_MARKER?edge_token=${new URL(ready.public_url).searchParams.get("edge_token")}`, ready.public_url.split("?")[0]));
