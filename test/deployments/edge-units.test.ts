@@ -8,6 +8,7 @@ import { join } from "node:path";
 import { loadEdgeSecret, signEdgeToken, verifyEdgeToken } from "../../src/deployments/edge-tokens.ts";
 import { forwardedHeaders, returnedHeaders } from "../../src/deployments/proxy.ts";
 import { scrubUrl } from "../../src/log.ts";
+import { edgeTarget } from "../../src/api/routes/edge.ts";
 
 test("the edge secret is made once, mode 0600, and the same secret is read back", async () => {
   const dir = await mkdtemp(join(tmpdir(), "kiln-edge-"));
@@ -62,4 +63,13 @@ test("hop-by-hop headers and Kiln's edge cookie never reach the service; forward
   assert.equal(ws.connection, "Upgrade");
   assert.equal(ws.upgrade, "websocket");
   assert.deepEqual(returnedHeaders({ "content-type": "text/plain", connection: "close", "transfer-encoding": "chunked", "set-cookie": ["a=1"] }), { "content-type": "text/plain", "set-cookie": ["a=1"] });
+});
+
+test("an /edge target splits into the service, the target as the service sees it, and the token", () => {
+  assert.deepEqual(edgeTarget("/edge/svc_1/a/../b%20c?q=a+b&edge_token=t.k&z"), { serviceId: "svc_1", path: "/a/../b%20c?q=a+b&z", queryToken: "t.k" });
+  assert.deepEqual(edgeTarget("/edge/svc_1/"), { serviceId: "svc_1", path: "/", queryToken: undefined });
+  assert.deepEqual(edgeTarget("/edge/svc_1/?edge_token=t"), { serviceId: "svc_1", path: "/", queryToken: "t" });
+  assert.deepEqual(edgeTarget("/edge/svc_1?edge_token=t"), { redirect: "/edge/svc_1/?edge_token=t" });
+  assert.deepEqual(edgeTarget("/edge/svc_1"), { redirect: "/edge/svc_1/" });
+  for (const notEdge of ["/v1/machines", "/edge", "/edge/", "/edge//x", "/edge/svc%2F1/x", "/edgey/svc_1/", `/edge/${"a".repeat(65)}/`]) assert.equal(edgeTarget(notEdge), undefined, notEdge);
 });
