@@ -13,6 +13,9 @@ export const SECRET_FIELDS = [
   "private_key",
   "passphrase",
   "signing_secret",
+  "signingSecret",
+  "previous_signing_secret",
+  "secret",
   "token",
   "secrets",
   "envs",
@@ -24,6 +27,10 @@ export const SECRET_FIELDS = [
   "set-cookie",
   "public_url",
   "x-api-key",
+  "build_envs",
+  "name_claim_token",
+  "base_image_auth",
+  "registry_credentials",
 ] as const;
 
 const SECRET_SET = new Set<string>(SECRET_FIELDS);

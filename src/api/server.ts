@@ -17,6 +17,10 @@ import { keyRoutes } from "./routes/keys.ts";
 import { machineRoutes } from "./routes/machines.ts";
 import { fileRoutes } from "./routes/files.ts";
 import { machineWsRoutes } from "./routes/machine-ws.ts";
+import { templateRoutes } from "./routes/templates.ts";
+import { webhookRoutes } from "./routes/webhooks.ts";
+import { gitRoutes } from "./routes/git.ts";
+import { codeRoutes } from "./routes/code.ts";
 import { deploymentRoutes } from "./routes/deployments.ts";
 import { createEdge, edgeRoutes } from "./routes/edge.ts";
 import { createServer } from "node:http";
@@ -124,6 +128,10 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(keyRoutes, { services: opts.services });
   await app.register(machineRoutes, { services: opts.services });
   await app.register(fileRoutes, { services: opts.services });
+  await app.register(templateRoutes, { services: opts.services });
+  await app.register(webhookRoutes, { services: opts.services });
+  await app.register(gitRoutes, { services: opts.services });
+  await app.register(codeRoutes, { services: opts.services });
   await app.register(deploymentRoutes, { services: opts.services });
   // Before @fastify/websocket: the edge splices WebSocket upgrades itself, byte for byte, instead of terminating them.
   await app.register(edgeRoutes, { edge });

@@ -8,6 +8,9 @@ import { createLogger } from "../log.ts";
 import { machineCommands } from "./machines.ts";
 import { keyCommands } from "./keys.ts";
 import { templateCommands } from "./templates.ts";
+import { webhookCommands } from "./webhooks.ts";
+import { codeCommands } from "./code.ts";
+import { gitCommands } from "./git.ts";
 import { deploymentCommands } from "./deployments.ts";
 
 const program = new Command("kiln")
@@ -61,6 +64,9 @@ withServerFlags(program.command("serve").description("Run the Kiln server (makes
 keyCommands(program);
 templateCommands(program);
 machineCommands(program);
+webhookCommands(program);
+codeCommands(program);
+gitCommands(program);
 deploymentCommands(program);
 
 await program.parseAsync(process.argv);

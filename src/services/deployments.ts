@@ -17,6 +17,7 @@ import { Supervisor } from "../deployments/supervisor.ts";
 import { probe } from "../deployments/probe.ts";
 import { SERVICE_EVENT_OPERATIONS, assess } from "../deployments/lifecycle.ts";
 import type { ReadinessDetail, ServiceStatus } from "../deployments/lifecycle.ts";
+import { announceDeliveries, recordEvent } from "../webhooks/outbox.ts";
 import { loadEdgeSecret, signEdgeToken, verifyEdgeToken } from "../deployments/edge-tokens.ts";
 import { loadEnvSealer } from "../deployments/sealed-envs.ts";
 import type { EnvSealer } from "../deployments/sealed-envs.ts";
@@ -79,7 +80,7 @@ function versionView(v: DeploymentVersionRow) {
   };
 }
 
-export function createDeploymentService(deps: { db: Db; machines: MachineService; templates: TemplateService; log: Logger; options: DeploymentOptions }) {
+export function createDeploymentService(deps: { db: Db; machines: MachineService; templates: TemplateService; log: Logger; options: DeploymentOptions; hostId: string }) {
   const { db, machines, log } = deps;
   const opts = { ...deps.options };
   const supervisor = new Supervisor((id, err) => log.error({ err, service_id: id }, "checking a service failed"));
@@ -186,11 +187,13 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   }
 
   /**
-   * Writes a service's change; a status change (or an explicit operation) is written as an event in the same
-   * transaction, its payload the service record without public_url (a URL with a token is never stored).
+   * Writes a service's change; a status change (or an explicit operation) is written as an event — with its webhook
+   * deliveries — in the same transaction, its payload the service record without public_url (a URL with a token is
+   * never stored).
    */
   async function transition(id: string, set: ServiceUpdate, operation?: string, extra?: (tx: Db, row: ServiceRow) => Promise<void>): Promise<ServiceRow> {
     const now = new Date().toISOString();
+    let queued = 0;
     const row = await db.transaction().execute(async (tx) => {
       const before = await tx.selectFrom("services").select("status").where("id", "=", id).executeTakeFirstOrThrow();
       await tx.updateTable("services").set({ ...set, updated_at: now }).where("id", "=", id).execute();
@@ -199,11 +202,12 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       if (op) {
         const eventId = newId("evt");
         const payload = { id: eventId, operation: op, occurred_at: now, service: { ...serviceView(after, false), readiness_status: JSON.parse(after.readiness_json) } };
-        await tx.insertInto("events").values({ id: eventId, operation: op, machine_id: after.machine_id, payload_json: JSON.stringify(payload), occurred_at: now }).execute();
+        queued = await recordEvent(tx, { id: eventId, operation: op, occurredAt: now, payload, machineId: after.machine_id });
       }
       if (extra) await extra(tx, after);
       return after;
     });
+    if (queued > 0) announceDeliveries(db);
     if (row.status === "starting" || row.status === "ready" || row.status === "unhealthy") routes.set(row.id, { machineId: row.machine_id, port: row.port });
     else routes.delete(row.id);
     return row;
@@ -706,7 +710,14 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   async function start() {
     secret = await loadEdgeSecret(opts.dataDir);
     sealer = await loadEnvSealer(opts.dataDir);
-    const rows = await db.selectFrom("services").selectAll().where("status", "in", ["starting", "ready", "unhealthy", "stopping"]).execute();
+    // On a store shared by several servers, each supervises the services whose machines it runs.
+    const rows = await db
+      .selectFrom("services")
+      .innerJoin("machines", "machines.id", "services.machine_id")
+      .selectAll("services")
+      .where("machines.host_id", "=", deps.hostId)
+      .where("services.status", "in", ["starting", "ready", "unhealthy", "stopping"])
+      .execute();
     let attached = 0;
     for (const row of rows) {
       if (row.status === "stopping") {
@@ -718,7 +729,8 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       watch(row, JSON.parse(version.readiness_json) as Readiness, 0);
       attached++;
     }
-    const deps_ = await db.selectFrom("deployments").select(["id", "status", "rollout_status"]).where("status", "!=", "deleted").execute();
+    const ours = new Set(rows.map((r) => r.deployment_id));
+    const deps_ = (await db.selectFrom("deployments").select(["id", "status", "rollout_status"]).where("status", "!=", "deleted").execute()).filter((d) => ours.has(d.id));
     for (const d of deps_) {
       if (d.status === "deleting") void remove(d.id).catch((err: unknown) => log.error({ err, deployment_id: d.id }, "finishing a delete failed"));
       else if (d.rollout_status === "rolling") void rollout(d.id);

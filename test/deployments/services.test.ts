@@ -8,7 +8,8 @@ import { createHash } from "node:crypto";
 import { readFileSync, readdirSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { Client, request } from "undici";
-import { request as httpRequest } from "node:http";
+import { createServer as createHttpServer, request as httpRequest } from "node:http";
+import type { AddressInfo } from "node:net";
 import { WebSocket } from "ws";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
@@ -17,7 +18,7 @@ import { loadEdgeSecret, signEdgeToken } from "../../src/deployments/edge-tokens
 
 let k: TestKiln;
 before(async () => {
-  k = await startTestKiln({ env: { KILN_SERVICE_MAX_CRASHES: "3", KILN_SERVICE_BACKOFF_MS: "50" } });
+  k = await startTestKiln({ env: { KILN_SERVICE_MAX_CRASHES: "3", KILN_SERVICE_BACKOFF_MS: "50", KILN_WEBHOOK_ALLOW_PRIVATE: "1" } });
 });
 after(async () => {
   if (!k) return;
@@ -369,6 +370,37 @@ test("the OpenAPI document lists the Agent Deployments routes, the restart with 
   assert.ok(restart.parameters.some((p: any) => p.in === "header" && p.name === "idempotency-key"));
   for (const path of ["/v1/agent-deployments", "/v1/agent-deployments/{deployment_id}", "/v1/agent-deployments/{deployment_id}/services", "/v1/agent-deployments/{deployment_id}/services/{service_id}/logs"]) assert.ok(doc.paths[path], path);
   assert.ok(!Object.keys(doc.paths).some((p) => p.startsWith("/edge")));
+});
+
+test("service status changes reach lifecycle webhooks subscribed to them (service.ready, service.stopped)", async () => {
+  const got: any[] = [];
+  const receiver = createHttpServer((req, res) => {
+    let body = "";
+    req.on("data", (d: Buffer) => (body += d));
+    req.on("end", () => {
+      got.push({ headers: req.headers, body: JSON.parse(body) });
+      res.end("ok");
+    });
+  });
+  await new Promise<void>((r) => receiver.listen(0, "127.0.0.1", r));
+  try {
+    const url = `http://127.0.0.1:${(receiver.address() as AddressInfo).port}/hook`;
+    const hook = await k.call("POST", "/v1/lifecycle/webhooks", { body: { url, operations: ["service.ready", "service.stopped"] } });
+    assert.equal(hook.status, 201, hook.text);
+    const dep = await createDeployment(k, { name: "hooked", command: "python3 -m http.server 8006", port: 8006, readiness: fast });
+    const [svc] = await services(k, dep.id);
+    await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+    await k.call("DELETE", `/v1/agent-deployments/${dep.id}`);
+    for (let i = 0; i < 200 && got.filter((g) => g.body.service?.id === svc.id).length < 2; i++) await new Promise((r) => setTimeout(r, 50));
+    const mine = got.filter((g) => g.body.service?.id === svc.id);
+    assert.deepEqual(mine.map((g) => g.body.operation), ["service.ready", "service.stopped"]);
+    assert.equal(mine[0].headers["x-service-webhook-id"], hook.body.id);
+    assert.equal(mine[0].body.service.public_url, null, "a URL with a token never goes into an event");
+    assert.equal(mine[0].body.service.machine_id, svc.machine_id);
+    await k.call("DELETE", `/v1/lifecycle/webhooks/${hook.body.id}`);
+  } finally {
+    receiver.close();
+  }
 });
 
 test("port must be 1–65535, fields are checked, and an unknown template is 404", async () => {
