@@ -34,6 +34,11 @@ export interface Config {
   webhookRotationGraceMs: number;
   /** Volume watch frames a socket may hold unsent per watch before it drops them for a resync_required. */
   volumeWatchQueue: number;
+  /** Supervised deployment services: crashes in a row before `failed`, and the first restart delay. */
+  serviceMaxCrashes: number;
+  serviceBackoffMs: number;
+  /** Lifetime of a signed edge_token in a service's public URL. */
+  edgeTokenTtlS: number;
 }
 
 /** DESIGN.md §4: immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. */
@@ -66,6 +71,9 @@ export const CONFIG_VARS = [
   ["KILN_WEBHOOK_ALLOW_PRIVATE", "0", "1 lets webhooks reach private and loopback addresses (link-local never)"],
   ["KILN_WEBHOOK_ROTATION_GRACE_MS", "86400000", "how long a rotated-out webhook signing secret keeps signing"],
   ["KILN_VOLUME_WATCH_QUEUE", "4096", "volume watch events held per watch for a slow client before resync_required"],
+  ["KILN_SERVICE_MAX_CRASHES", "5", "crashes in a row after which a deployment's service ends failed"],
+  ["KILN_SERVICE_BACKOFF_MS", "500", "first delay before a crashed service starts again (doubles per crash, up to 30 s)"],
+  ["KILN_EDGE_TOKEN_TTL_S", "3600", "lifetime of the edge_token in a service's public URL (renewed whenever it is read)"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -109,6 +117,9 @@ export function loadConfig(env: Env = process.env): Config {
     webhookAllowPrivate: boolVar(env, "KILN_WEBHOOK_ALLOW_PRIVATE"),
     webhookRotationGraceMs: intVar(env, "KILN_WEBHOOK_ROTATION_GRACE_MS", 86_400_000, 0, 30 * 86_400_000),
     volumeWatchQueue: intVar(env, "KILN_VOLUME_WATCH_QUEUE", 4096, 1, 1_000_000),
+    serviceMaxCrashes: intVar(env, "KILN_SERVICE_MAX_CRASHES", 5, 1, 1000),
+    serviceBackoffMs: intVar(env, "KILN_SERVICE_BACKOFF_MS", 500, 0, 600_000),
+    edgeTokenTtlS: intVar(env, "KILN_EDGE_TOKEN_TTL_S", 3600, 1, 30 * 24 * 3600),
   };
 }
 

@@ -25,6 +25,8 @@ export const SECRET_FIELDS = [
   "apiKey",
   "key",
   "cookie",
+  "set-cookie",
+  "public_url",
   "x-api-key",
   "build_envs",
   "name_claim_token",

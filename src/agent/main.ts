@@ -11,6 +11,7 @@ import { AgentFailure } from "./errors.ts";
 import { checkSpawnRequest, execOnce, resolveUser, setMachineEnvs } from "./process.ts";
 import { fileInfo, listDir, makeDirs, move, remove, writeFileAtomic } from "./files.ts";
 import { lookupUser } from "./users.ts";
+import { listServices, restartService, serviceLogs, serviceState, startService, stopAllServices, stopService } from "./services.ts";
 import { createReadStream } from "node:fs";
 import { lstat } from "node:fs/promises";
 import { AGENT_SOCKET_DEFAULT } from "./protocol.ts";
@@ -140,12 +141,32 @@ async function route(req: IncomingMessage, res: ServerResponse) {
     }
   }
   if (url.pathname.startsWith("/code/") && (await handleCode(req, res, url.pathname, readJson, send))) return;
+  if (url.pathname === "/services" || url.pathname.startsWith("/services/")) return serviceRoute(req, res, url);
   if (req.method === "GET" && url.pathname.startsWith("/users/")) {
     const user = lookupUser(decodeURIComponent(url.pathname.slice("/users/".length)));
     if (!user) throw new AgentFailure("not_found", "No such user");
     return send(res, 200, user);
   }
   throw new AgentFailure("not_found", `No agent route ${key}`);
+}
+
+async function serviceRoute(req: IncomingMessage, res: ServerResponse, url: URL) {
+  const [, , rawId, sub] = url.pathname.split("/");
+  const id = rawId === undefined ? undefined : decodeURIComponent(rawId);
+  if (id === undefined) {
+    if (req.method === "POST") return send(res, 200, startService(await readJson(req)));
+    if (req.method === "GET") return send(res, 200, { services: listServices() });
+  } else if (sub === undefined) {
+    if (req.method === "GET") return send(res, 200, serviceState(id));
+    if (req.method === "DELETE") return send(res, 200, await stopService(id));
+  } else if (sub === "restart" && req.method === "POST") {
+    return send(res, 200, await restartService(id, await readJson(req)));
+  } else if (sub === "logs" && req.method === "GET") {
+    const tail = Number(url.searchParams.get("tail_bytes") ?? 65536);
+    if (!Number.isInteger(tail) || tail < 0) throw new AgentFailure("invalid_request", "tail_bytes must be a non-negative integer");
+    return send(res, 200, serviceLogs(id, tail));
+  }
+  throw new AgentFailure("not_found", `No agent route ${req.method} ${url.pathname}`);
 }
 
 const server = createServer((req, res) => {
@@ -215,6 +236,7 @@ void sweepScratch();
 const stop = () => {
   void streams?.then((s) => s.resetSessions());
   void stopAllKernels();
+  void stopAllServices();
   server.close(() => process.exit(0));
   setTimeout(() => process.exit(0), 500).unref();
 };

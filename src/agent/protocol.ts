@@ -16,6 +16,12 @@
 //   PUT    /envs          EnvsRequest    → {ok} (the machine's create-time envs, held in the agent's memory)
 //   POST   /sessions/reset               → {ended} (a resumed machine is a new execution: PTY sessions end)
 //   CONNECT 127.0.0.1:<port>             → a raw byte stream to a port listening inside the machine
+//   POST   /services      ServiceStartRequest → ServiceState (starts a supervised process; an existing id answers its state)
+//   GET    /services                     → {services: ServiceState[]}
+//   GET    /services/:id                 → ServiceState
+//   POST   /services/:id/restart  ServiceRestartRequest → ServiceState (envs held in memory for this process only)
+//   DELETE /services/:id                 → ServiceState (stopped: SIGTERM, SIGKILL after the grace period)
+//   GET    /services/:id/logs?tail_bytes= → ServiceLogs (the recent output ring)
 // Every path the agent receives is absolute; the control plane resolves relative ones.
 
 /** Where the agent listens inside the machine unless started with --socket or --listen-fd. */
@@ -100,6 +106,57 @@ export interface UserInfo {
   gid: number;
   home: string;
   shell: string;
+}
+
+// ── Supervised services (deployments) ─────────────────────────────────────────────────────────────────────────
+
+/** running: the process is up; backoff: it crashed and waits to be started again; failed: too many crashes in a
+ *  row; stopped: stopped on request. */
+export type ServiceProcessStatus = "running" | "backoff" | "failed" | "stopped";
+
+export interface ServiceStartRequest {
+  /** The control plane's service id (svc_…). */
+  id: string;
+  /** Shell line run by /bin/sh -c. */
+  cmd: string;
+  user?: string;
+  cwd?: string;
+  /** The deployment's envs for this process. */
+  envs?: Record<string, string>;
+  /** Crashes in a row after which the service ends failed. */
+  max_crashes: number;
+  /** First delay before a crashed process starts again; doubles per crash in a row up to max_backoff_ms. */
+  backoff_ms: number;
+  max_backoff_ms: number;
+  /** A process that stayed up this long ends a crash streak. */
+  stable_ms: number;
+}
+
+export interface ServiceRestartRequest {
+  /** Request-only envs for the new process and its crash-restarts; held in the agent's memory, never written. */
+  envs?: Record<string, string>;
+}
+
+export interface ServiceState {
+  id: string;
+  status: ServiceProcessStatus;
+  pid: number | null;
+  /** Every start of the process, the first included. */
+  starts: number;
+  crashes: number;
+  consecutive_crashes: number;
+  last_exit: { code: number | null; signal: string | null; at: string } | null;
+  started_at: string | null;
+  failure_reason: string | null;
+}
+
+export interface ServiceLogs {
+  id: string;
+  /** The recent output (stdout and stderr interleaved), base64. */
+  data_base64: string;
+  /** Bytes written since the service started; more than the ring holds means older output is gone. */
+  total_bytes: number;
+  truncated: boolean;
 }
 
 /** Agent error codes, mapped onto Kiln's catalogue by the host-side client. */

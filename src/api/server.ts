@@ -23,6 +23,9 @@ import { gitRoutes } from "./routes/git.ts";
 import { codeRoutes } from "./routes/code.ts";
 import { volumeRoutes } from "./routes/volumes.ts";
 import { volumeWsRoutes } from "./routes/volume-ws.ts";
+import { deploymentRoutes } from "./routes/deployments.ts";
+import { createEdge, edgeRoutes } from "./routes/edge.ts";
+import { createServer } from "node:http";
 
 export type { App } from "./app-type.ts";
 
@@ -33,10 +36,24 @@ export interface ServerOptions {
   wsPingIntervalMs: number;
   /** Per-watch bound of unsent volume watch frames (KILN_VOLUME_WATCH_QUEUE). */
   volumeWatchQueue?: number;
+  /** Base of public edge URLs; an https one makes the edge cookie Secure. */
+  publicUrl?: string;
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
+  // The public edge's HTTP requests are proxied before Fastify routes them: they are a data path, not API calls.
+  const edge = createEdge({ services: opts.services, log: opts.log, secureCookies: opts.publicUrl?.startsWith("https:") ?? false });
   const app = Fastify({
+    serverFactory: (handler) => {
+      const server = createServer((req, res) => {
+        if (!edge.handleRequest(req, res)) handler(req, res);
+      });
+      // What Fastify sets on a server it makes itself (its defaults).
+      server.keepAliveTimeout = 72_000;
+      server.requestTimeout = 0;
+      server.setTimeout(0);
+      return server;
+    },
     loggerInstance: opts.log,
     genReqId: () => newId("req"),
     requestIdHeader: false,
@@ -120,6 +137,9 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(webhookRoutes, { services: opts.services });
   await app.register(gitRoutes, { services: opts.services });
   await app.register(codeRoutes, { services: opts.services });
+  await app.register(deploymentRoutes, { services: opts.services });
+  // Before @fastify/websocket: the edge splices WebSocket upgrades itself, byte for byte, instead of terminating them.
+  await app.register(edgeRoutes, { edge });
   await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
   await app.register(volumeRoutes, { services: opts.services });

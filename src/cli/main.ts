@@ -12,6 +12,7 @@ import { webhookCommands } from "./webhooks.ts";
 import { codeCommands } from "./code.ts";
 import { gitCommands } from "./git.ts";
 import { volumeCommands } from "./volumes.ts";
+import { deploymentCommands } from "./deployments.ts";
 
 const program = new Command("kiln")
   .description("Kiln: isolated Linux machines for AI agents, self-hosted")
@@ -68,5 +69,6 @@ webhookCommands(program);
 codeCommands(program);
 gitCommands(program);
 volumeCommands(program);
+deploymentCommands(program);
 
 await program.parseAsync(process.argv);

@@ -9,6 +9,7 @@ import { request as httpRequest } from "node:http";
 import type { Socket } from "node:net";
 import type { AgentErrorBody, AgentHealth, ExecRequest, ExecResult, FileInfo, FileList, UserInfo } from "../agent/protocol.ts";
 import type { CodeContext, CodeContextCreate, CodeExecuteRequest, GitRunRequest, GitRunResult } from "../agent/protocol.ts";
+import type { ServiceLogs, ServiceStartRequest, ServiceState } from "../agent/protocol.ts";
 
 export class AgentError extends Error {
   readonly code: AgentErrorBody["code"] | "unavailable";
@@ -50,6 +51,14 @@ export interface AgentClient {
   user(name: string): Promise<UserInfo>;
   /** A byte stream to a TCP port a process listens on inside the machine (HTTP CONNECT through the agent). */
   connectPort(port: number): Promise<Socket>;
+  /** Starts a supervised service process (an id the agent already runs answers its state). */
+  startService(req: ServiceStartRequest): Promise<ServiceState>;
+  serviceState(id: string): Promise<ServiceState>;
+  listServices(): Promise<{ services: ServiceState[] }>;
+  /** Restarts the process; `envs` live only in the agent's memory, for that process and its crash-restarts. */
+  restartService(id: string, envs?: Record<string, string>): Promise<ServiceState>;
+  stopService(id: string): Promise<ServiceState>;
+  serviceLogs(id: string, tailBytes: number): Promise<ServiceLogs>;
   /** The stream socket (StreamClientFrame/StreamServerFrame as JSON text); the caller owns its lifecycle. */
   openStream(): WebSocket;
   /** `git <args>` with per-run credentials; aborting `signal` cancels the run inside the machine. */
@@ -151,6 +160,12 @@ export function createAgentClient(socketPath: string): AgentClient {
         req.end();
       });
     },
+    startService: (req: ServiceStartRequest) => json<ServiceState>("POST", "/services", req),
+    serviceState: (id: string) => json<ServiceState>("GET", `/services/${encodeURIComponent(id)}`),
+    listServices: () => json<{ services: ServiceState[] }>("GET", "/services"),
+    restartService: (id: string, envs?: Record<string, string>) => json<ServiceState>("POST", `/services/${encodeURIComponent(id)}/restart`, { envs }),
+    stopService: (id: string) => json<ServiceState>("DELETE", `/services/${encodeURIComponent(id)}`),
+    serviceLogs: (id: string, tailBytes: number) => json<ServiceLogs>("GET", `/services/${encodeURIComponent(id)}/logs?${q({ tail_bytes: tailBytes })}`),
     openStream: () => new WebSocket(`ws+unix://${socketPath}:/ws`, { perMessageDeflate: false }),
     gitRun: (req: GitRunRequest, signal?: AbortSignal) => json<GitRunResult>("POST", "/git/run", req, signal),
     codeCreate: (spec: CodeContextCreate) => json<CodeContext>("POST", "/code/contexts", spec),

@@ -17,6 +17,8 @@ import { createDispatcher } from "../webhooks/dispatcher.ts";
 import { createGitService } from "./git.ts";
 import { createCodeService } from "./code.ts";
 import { createVolumeService } from "./volumes.ts";
+import { createDeploymentService } from "./deployments.ts";
+import type { DeploymentOptions } from "./deployments.ts";
 
 export interface WebhookSettings {
   retryScheduleMs: number[];
@@ -34,6 +36,7 @@ export function createServices(deps: {
   buildExtensions?: BuildExtensions;
   hostId: string;
   webhooks: WebhookSettings;
+  deployments: DeploymentOptions;
 }) {
   const { store, driver, log, hostId } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
@@ -45,6 +48,7 @@ export function createServices(deps: {
   const templateCatalog = createTemplateCatalog({ db: store.db, templateIdOf: builds.templateIdOf });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
   const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });
+  const deployments = createDeploymentService({ db: store.db, machines, templates, log, options: deps.deployments, hostId });
   return {
     store,
     driver,
@@ -61,6 +65,7 @@ export function createServices(deps: {
     git: createGitService(machines),
     code: createCodeService(machines),
     volumes,
+    deployments,
   };
 }
 

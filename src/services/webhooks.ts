@@ -5,6 +5,7 @@ import type { Db, DeliveryAttemptRow, DeliveryRow, WebhookRow } from "../store/s
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
 import { LIFECYCLE_OPERATIONS } from "./machines.ts";
+import { SERVICE_EVENT_OPERATIONS } from "../deployments/lifecycle.ts";
 import type { LifecycleOperation } from "./machines.ts";
 import { generateSecret, secretProblem } from "../webhooks/signing.ts";
 import { addressProblem, ipLiteral } from "../webhooks/ssrf.ts";
@@ -12,18 +13,20 @@ import type { DeliveryStatus } from "../webhooks/dispatcher.ts";
 
 export { DELIVERY_STATUSES } from "../webhooks/dispatcher.ts";
 
-/** What a webhook may subscribe to: one list, shared with the machine lifecycle that emits them. */
-export const WEBHOOK_OPERATIONS = LIFECYCLE_OPERATIONS;
+/** What a webhook may subscribe to: one list, shared with what emits them — the machine lifecycle and the status
+ *  changes of deployment services (`service.ready`, …). */
+export const WEBHOOK_OPERATIONS = [...LIFECYCLE_OPERATIONS, ...Object.values(SERVICE_EVENT_OPERATIONS)] as const;
+export type WebhookOperation = (typeof WEBHOOK_OPERATIONS)[number];
 
 export interface CreateWebhookInput {
   url: string;
-  operations: LifecycleOperation[];
+  operations: WebhookOperation[];
   signing_secret?: string;
 }
 
 export interface UpdateWebhookInput {
   url?: string;
-  operations?: LifecycleOperation[];
+  operations?: WebhookOperation[];
   signing_secret?: string;
   enabled?: boolean;
 }

@@ -226,6 +226,67 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.createIndex("machine_volumes_volume").on("machine_volumes").column("volume_id").execute();
       },
     },
+    // Agent deployments: a deployment, its versions, the service instances (replicas) and restart idempotency keys.
+    "0007_deployments": {
+      async up(db: Kysely<any>) {
+        await db.schema
+          .createTable("deployments")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("name", "text", (c) => c.notNull())
+          .addColumn("current_version_id", "text", (c) => c.notNull())
+          .addColumn("replicas", "integer", (c) => c.notNull())
+          .addColumn("public_url", "integer", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("rollout_status", "text", (c) => c.notNull())
+          .addColumn("rollout_error", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .addColumn("deleted_at", "text")
+          .execute();
+        await db.schema.createIndex("deployments_created").on("deployments").columns(["created_at", "id"]).execute();
+        await db.schema
+          .createTable("deployment_versions")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("deployment_id", "text", (c) => c.notNull().references("deployments.id"))
+          .addColumn("number", "integer", (c) => c.notNull())
+          .addColumn("template", "text", (c) => c.notNull())
+          .addColumn("command", "text", (c) => c.notNull())
+          .addColumn("port", "integer", (c) => c.notNull())
+          .addColumn("envs_sealed", "text", (c) => c.notNull())
+          .addColumn("env_names_json", "text", (c) => c.notNull())
+          .addColumn("readiness_json", "text", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addUniqueConstraint("deployment_versions_number", ["deployment_id", "number"])
+          .execute();
+        await db.schema
+          .createTable("services")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("deployment_id", "text", (c) => c.notNull().references("deployments.id"))
+          .addColumn("version_id", "text", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("port", "integer", (c) => c.notNull())
+          .addColumn("machine_id", "text", (c) => c.notNull())
+          .addColumn("process_id", "integer")
+          .addColumn("readiness_json", "text", (c) => c.notNull())
+          .addColumn("failure_reason", "text")
+          .addColumn("started_at", "text")
+          .addColumn("stopped_at", "text")
+          .addColumn("idempotency_key", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .execute();
+        await db.schema.createIndex("services_deployment").on("services").columns(["deployment_id", "created_at"]).execute();
+        await db.schema.createIndex("services_status").on("services").column("status").execute();
+        await db.schema
+          .createTable("service_restarts")
+          .addColumn("service_id", "text", (c) => c.notNull().references("services.id"))
+          .addColumn("idempotency_key", "text", (c) => c.notNull())
+          .addColumn("result_json", "text", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addPrimaryKeyConstraint("service_restarts_pk", ["service_id", "idempotency_key"])
+          .execute();
+      },
+    },
   };
 }
 

@@ -196,6 +196,64 @@ export interface MachineVolumesTable {
   created_at: string;
 }
 
+export interface DeploymentsTable {
+  id: string; // dep_…
+  name: string;
+  current_version_id: string;
+  replicas: number;
+  /** 1 when ready services get an edge URL. */
+  public_url: number;
+  status: string; // active | deleting | deleted
+  /** idle | rolling | failed — the rollout onto current_version_id. */
+  rollout_status: string;
+  rollout_error: string | null;
+  created_at: string;
+  updated_at: string;
+  deleted_at: string | null;
+}
+
+export interface DeploymentVersionsTable {
+  id: string; // ver_…
+  deployment_id: string;
+  number: number;
+  template: string;
+  command: string;
+  port: number;
+  /** The deployment's envs sealed with the data dir's key (src/deployments/sealed-envs.ts); restart envs are never here. */
+  envs_sealed: string;
+  /** Their names, JSON array: what the API shows. */
+  env_names_json: string;
+  /** {path?, interval_s, timeout_s} */
+  readiness_json: string;
+  created_at: string;
+}
+
+export interface ServicesTable {
+  id: string; // svc_…
+  deployment_id: string;
+  version_id: string;
+  status: string; // starting | ready | unhealthy | stopping | stopped | failed
+  port: number;
+  machine_id: string;
+  process_id: number | null;
+  /** Open JSON object: probe detail, crashes, the last restart. */
+  readiness_json: string;
+  failure_reason: string | null;
+  started_at: string | null;
+  stopped_at: string | null;
+  idempotency_key: string | null;
+  created_at: string;
+  updated_at: string;
+}
+
+export interface ServiceRestartsTable {
+  service_id: string;
+  idempotency_key: string;
+  /** The service record the first restart answered (never with public_url or envs). */
+  result_json: string;
+  created_at: string;
+}
+
 export interface Database {
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
@@ -212,6 +270,10 @@ export interface Database {
   webhook_delivery_attempts: WebhookDeliveryAttemptsTable;
   volumes: VolumesTable;
   machine_volumes: MachineVolumesTable;
+  deployments: DeploymentsTable;
+  deployment_versions: DeploymentVersionsTable;
+  services: ServicesTable;
+  service_restarts: ServiceRestartsTable;
 }
 
 export type Db = Kysely<Database>;
@@ -227,3 +289,7 @@ export type WebhookRow = Selectable<WebhooksTable>;
 export type DeliveryRow = Selectable<WebhookDeliveriesTable>;
 export type DeliveryAttemptRow = Selectable<WebhookDeliveryAttemptsTable>;
 export type VolumeRow = Selectable<VolumesTable>;
+export type DeploymentRow = Selectable<DeploymentsTable>;
+export type DeploymentVersionRow = Selectable<DeploymentVersionsTable>;
+export type ServiceRow = Selectable<ServicesTable>;
+export type ServiceUpdate = Updateable<ServicesTable>;
