@@ -36,7 +36,8 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
   const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, runscPlatform: config.runscPlatform, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool });
+  const limits = { dataDir: config.dataDir, maxDiskMb: config.maxDiskMb, minFreeDiskMb: config.minFreeDiskMb, minFreeMemoryMb: config.minFreeMemoryMb, memoryOvercommit: config.memoryOvercommit };
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, limits });
   await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });
 
   const adoption = await services.machines.adopt();

@@ -23,6 +23,14 @@ export interface Config {
   debianMirror: string | undefined;
   /** Machines of the base template kept booted ahead of time (0 turns the pool off). */
   warmPool: number;
+  /** Largest `disk_mb` a machine may ask for. */
+  maxDiskMb: number;
+  /** Creates answer 503 while the data dir's filesystem has less free space than this. */
+  minFreeDiskMb: number;
+  /** Creates answer 503 while the host's MemAvailable is below this; undefined: 10 % of the host's RAM. */
+  minFreeMemoryMb: number | undefined;
+  /** When set, the declared memory of live machines may not exceed this multiple of the host's RAM. */
+  memoryOvercommit: number | undefined;
 }
 
 export class ConfigError extends Error {}
@@ -46,6 +54,10 @@ export const CONFIG_VARS = [
   ["KILN_BODY_LIMIT_BYTES", "104857600", "largest request body accepted (file uploads included)"],
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
   ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
+  ["KILN_MAX_DISK_MB", "102400", "largest disk_mb a machine may ask for (its writable layer; default 10240)"],
+  ["KILN_MIN_FREE_DISK_MB", "2048", "creates answer 503 while the data dir has less free disk than this"],
+  ["KILN_MIN_FREE_MEMORY_MB", "(10 % of RAM)", "creates answer 503 while the host's available memory is below this"],
+  ["KILN_MEMORY_OVERCOMMIT", "(unset)", "caps the declared memory of live machines at this multiple of RAM (e.g. 4)"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -83,6 +95,10 @@ export function loadConfig(env: Env = process.env): Config {
     bodyLimitBytes: intVar(env, "KILN_BODY_LIMIT_BYTES", 100 * 1024 * 1024, 1024, 16 * 1024 * 1024 * 1024),
     debianMirror: env.KILN_DEBIAN_MIRROR || undefined,
     warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
+    maxDiskMb: intVar(env, "KILN_MAX_DISK_MB", 102_400, 128, 16 * 1024 * 1024),
+    minFreeDiskMb: intVar(env, "KILN_MIN_FREE_DISK_MB", 2048, 0, 1 << 30),
+    minFreeMemoryMb: env.KILN_MIN_FREE_MEMORY_MB ? intVar(env, "KILN_MIN_FREE_MEMORY_MB", 0, 0, 1 << 30) : undefined,
+    memoryOvercommit: positiveNumberVar(env, "KILN_MEMORY_OVERCOMMIT"),
   };
 }
 
@@ -93,6 +109,14 @@ function intVar(env: Env, name: string, fallback: number, min: number, max: numb
   if (!Number.isInteger(n) || n < min || n > max) {
     throw new ConfigError(`${name} must be an integer from ${min} to ${max}, got ${JSON.stringify(raw)}`);
   }
+  return n;
+}
+
+function positiveNumberVar(env: Env, name: string): number | undefined {
+  const raw = env[name];
+  if (raw === undefined || raw === "") return undefined;
+  const n = Number(raw);
+  if (!Number.isFinite(n) || n <= 0 || n > 1000) throw new ConfigError(`${name} must be a number above 0 (a multiple of the host's RAM), got ${JSON.stringify(raw)}`);
   return n;
 }
 

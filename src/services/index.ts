@@ -9,19 +9,23 @@ import { createMachineService } from "./machines.ts";
 import { createExecService } from "./exec.ts";
 import { createFileService } from "./files.ts";
 import { createWarmPool } from "./warm-pool.ts";
+import { createAdmission } from "./admission.ts";
+import type { AdmissionLimits } from "./admission.ts";
 
-export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number }) {
+export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number; limits: AdmissionLimits }) {
   const { store, driver, log } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
-  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool });
+  const admission = createAdmission({ db: store.db, limits: deps.limits });
+  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, admission });
   return {
     store,
     driver,
     keys,
     templates,
     pool,
+    admission,
     machines,
     exec: createExecService(machines),
     files: createFileService(machines),

@@ -67,7 +67,7 @@ let seq = 0;
 async function machine(over: Partial<MachineSpec> = {}, d = driver): Promise<LiveMachine> {
   const id = `mch_t${process.pid}x${++seq}`;
   created.add(id);
-  return d.create({ id, layers: [layer], hostname: id.replaceAll("_", "-"), vcpus: 1, memoryMb: 256, internet: false, mounts: [], ...over });
+  return d.create({ id, layers: [layer], hostname: id.replaceAll("_", "-"), vcpus: 1, memoryMb: 256, diskMb: 1024, internet: false, mounts: [], ...over });
 }
 
 const agents = new Map<string, AgentClient>();
@@ -288,7 +288,7 @@ test("create fails clearly, and quickly, when the agent cannot start; destroy th
   const started = Date.now();
   const id = `mch_t${process.pid}broken`;
   created.add(id);
-  await assert.rejects(d.create({ id, layers: [layer], hostname: "broken", vcpus: 1, memoryMb: 128, internet: false, mounts: [] }), /tini|exec|no such file|exited/i);
+  await assert.rejects(d.create({ id, layers: [layer], hostname: "broken", vcpus: 1, memoryMb: 128, diskMb: 1024, internet: false, mounts: [] }), /tini|exec|no such file|exited/i);
   assert.ok(Date.now() - started < 10_000, "failure is reported without waiting for the full timeout");
   await d.destroy(id);
   created.delete(id);
