@@ -13,6 +13,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import { createOciDriver, containerName, HOST_ID_BASE } from "../../src/runtime/oci/driver.ts";
+import { writableLayer } from "../../src/runtime/oci/disk.ts";
 import type { LiveMachine, MachineDriver, MachineSpec } from "../../src/runtime/driver.ts";
 import { prepareGuestRuntime } from "../../src/runtime/guest-runtime.ts";
 import { ensureBaseTemplate } from "../../src/builder/base-template.ts";
@@ -149,7 +150,7 @@ test("writes land in the machine's upper dir, never in the template layer, and /
   assert.equal((await sh(b, "test -e /etc/kiln-marker && echo seen || echo unseen; cat /etc/debian_version >/dev/null && echo kept")).trim(), "unseen\nkept");
   assert.ok(!existsSync(join(layer, "etc/kiln-marker")), "the template layer is untouched");
   assert.ok(existsSync(join(layer, "etc/debian_version")), "a delete in one machine is a whiteout in its upper dir");
-  assert.ok(existsSync(join(dataDir, "machines", a.id, "upper/etc/kiln-marker")));
+  assert.ok(existsSync(join(writableLayer(join(dataDir, "machines", a.id)).upper, "etc/kiln-marker")));
   assert.match(await sh(a, "touch /opt/kiln/x 2>&1; echo rc=$?"), /Read-only file system[\s\S]*rc=1/);
   assert.equal((await sh(a, "stat -c %U:%u /workspace /home/user /etc/passwd")).trim(), "user:1000\nuser:1000\nroot:0");
 });
