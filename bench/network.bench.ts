@@ -2,7 +2,8 @@
 // loopback (reached as host.kiln.internal, through the machine's slirp4netns and Kiln's egress filter), beside the
 // same download by curl on the host itself, in the same run. A second Kiln with host access on serves the machines.
 
-import { execFileSync } from "node:child_process";
+import { execFile, execFileSync } from "node:child_process";
+import { promisify } from "node:util";
 import { createServer } from "node:http";
 import type { AddressInfo } from "node:net";
 import { api } from "./api.ts";
@@ -40,6 +41,8 @@ function mbPerS(out: string): number {
   return bytes / 1e6 / seconds;
 }
 
+// Asynchronous: the blob server runs in this process, so a synchronous child would block the server it is reading.
+const execAsync = promisify(execFile);
 const CURL = ["-sS", "-o", "/dev/null", "-w", "%{time_total} %{size_download}"];
 
 async function inMachines(runtime: "runc" | "runsc", key: string, port: number): Promise<number[]> {
@@ -64,7 +67,7 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
   const { server, port } = await blobServer();
   try {
     const host: number[] = [];
-    for (let i = 0; i < RUNS; i++) host.push(mbPerS(execFileSync("curl", [...CURL, `http://127.0.0.1:${port}/blob`], { encoding: "utf8" })));
+    for (let i = 0; i < RUNS; i++) host.push(mbPerS((await execAsync("curl", [...CURL, `http://127.0.0.1:${port}/blob`], { encoding: "utf8" })).stdout));
     const baseline = { name: "the same download by curl on the host", median: median(host) };
     const results: BenchResult[] = [
       {

@@ -1,12 +1,12 @@
 // A machine's writable layer (overlayfs upper and work dirs) on a filesystem of the machine's own size: a sparse
 // ext4 image per machine, loop-mounted under the machine's dir, so a full disk is ENOSPC inside and `df /` shows it.
 //
-// Formatting costs ~15 ms, so a small stock of images of the default size is formatted ahead of time, off the create
-// path; a machine of another size formats its own. `mount -o loop` sets the loop device to clear itself on unmount.
+// Formatting and mounting cost ~25 ms, so a small stock of disks of the default size is made ready ahead of time, off
+// the create path; a machine of another size makes its own. `mount -o loop` makes the loop device clear itself on unmount.
 
 import { execFile } from "node:child_process";
 import { existsSync, statSync } from "node:fs";
-import { mkdir, readdir, rename, rm, truncate, writeFile } from "node:fs/promises";
+import { chown, mkdir, readdir, rename, rm, truncate, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import type { Logger } from "../../log.ts";
@@ -16,6 +16,8 @@ const exec = promisify(execFile);
 const MIB = 1024 * 1024;
 
 export interface WritableLayer {
+  /** The machine's disk: the image file and its mount point, together (moved as one from the stock). */
+  dir: string;
   /** The sparse image file holding the machine's filesystem. */
   image: string;
   /** Where the image is mounted; upper and work live on it (overlayfs needs both on one filesystem). */
@@ -29,8 +31,13 @@ export interface WritableLayer {
  * (a template build capturing a layer) reads `upper` from here while the image is still mounted.
  */
 export function writableLayer(machineDir: string): WritableLayer {
-  const mountPoint = join(machineDir, "disk");
-  return { image: join(machineDir, "disk.img"), mountPoint, upper: join(mountPoint, "upper"), work: join(mountPoint, "work") };
+  return layerAt(join(machineDir, "disk"));
+}
+
+/** A disk's layout inside its directory; a stock disk has the same, so a rename of the directory makes it a machine's. */
+function layerAt(dir: string): WritableLayer {
+  const mountPoint = join(dir, "mnt");
+  return { dir, image: join(dir, "disk.img"), mountPoint, upper: join(mountPoint, "upper"), work: join(mountPoint, "work") };
 }
 
 /**
@@ -48,28 +55,62 @@ async function format(image: string, sizeMb: number): Promise<void> {
   }
 }
 
+/** Mounts the layer's image (formatting it first when there is none) and makes upper and work, upper owned by `owner`. */
+async function mountLayer(layer: WritableLayer, sizeMb: number, owner: number): Promise<void> {
+  if (!isMounted(layer.mountPoint)) {
+    await mkdir(layer.mountPoint, { recursive: true });
+    if (!existsSync(layer.image)) await format(layer.image, sizeMb);
+    try {
+      await exec("mount", ["-t", "ext4", "-o", "loop,noatime", layer.image, layer.mountPoint]);
+    } catch (err) {
+      throw new Error(`mounting the disk ${layer.image} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
+    }
+  }
+  await Promise.all([mkdir(layer.upper, { recursive: true }), mkdir(layer.work, { recursive: true })]);
+  // The merged root's top directory takes its owner from the upper dir: machine root, not host root.
+  await chown(layer.upper, owner, owner);
+}
+
+/** Unmounts the image (its loop device clears itself). The overlay on top must be unmounted first. */
+export async function unmountWritableLayer(layer: WritableLayer): Promise<void> {
+  if (!existsSync(layer.mountPoint) || !isMounted(layer.mountPoint)) return;
+  await exec("umount", [layer.mountPoint]).catch(() => exec("umount", ["-l", layer.mountPoint]));
+  if (isMounted(layer.mountPoint)) throw new Error(`${layer.mountPoint} is still mounted`);
+}
+
 export interface DiskStock {
-  /** Puts a formatted image of `sizeMb` at `image`: from the stock when it holds that size, else formatted now. */
-  make(image: string, sizeMb: number): Promise<void>;
+  /** Moves a ready (formatted, mounted) disk of `sizeMb` to `dir` and says so; false when none is in stock. */
+  take(dir: string, sizeMb: number): Promise<boolean>;
+  /** Unmounts and removes the disks still in stock. */
   close(): Promise<void>;
 }
 
-/** Keeps `count` formatted images of `sizeMb` in `dir` (left ones are reused after a restart). */
-export function createDiskStock(opts: { dir: string; sizeMb: number; count: number; log: Logger }): DiskStock {
+/**
+ * Keeps `count` disks of `sizeMb` ready in `dir`: formatted, mounted, upper and work made. Handing one out is a
+ * rename of its directory (a mount below a renamed directory moves with it), so a create pays neither mkfs nor mount.
+ * A disk is named `spare-*` only once ready; after a crash, ready ones are reused and anything else is cleared.
+ */
+export function createDiskStock(opts: { dir: string; sizeMb: number; count: number; owner: number; log: Logger }): DiskStock {
   const ready: string[] = [];
   let filling: Promise<void> | undefined;
   let closed = false;
   let seq = 0;
   let scanned = false;
 
+  async function discard(path: string) {
+    await unmountWritableLayer(layerAt(path)).catch(() => undefined);
+    await rm(path, { recursive: true, force: true });
+  }
+
   async function scan() {
     scanned = true;
     await mkdir(opts.dir, { recursive: true });
     for (const name of await readdir(opts.dir)) {
       const path = join(opts.dir, name);
-      // A half-formatted image (the server died during mkfs) is not trusted: only a finished one is renamed to .img.
-      if (name.endsWith(".img") && statSync(path).size === opts.sizeMb * MIB) ready.push(path);
-      else await rm(path, { force: true });
+      const layer = layerAt(path);
+      const whole = name.startsWith("spare-") && isMounted(layer.mountPoint) && existsSync(layer.upper) && statSync(layer.image).size === opts.sizeMb * MIB;
+      if (whole) ready.push(path);
+      else await discard(path);
     }
   }
 
@@ -78,56 +119,48 @@ export function createDiskStock(opts: { dir: string; sizeMb: number; count: numb
     filling = (async () => {
       if (!scanned) await scan();
       while (!closed && ready.length < opts.count) {
-        const base = join(opts.dir, `${process.pid}-${Date.now()}-${seq++}`);
-        await format(`${base}.part`, opts.sizeMb);
-        await rename(`${base}.part`, `${base}.img`);
-        ready.push(`${base}.img`);
+        const name = `${process.pid}-${Date.now()}-${seq++}`;
+        const partial = join(opts.dir, `partial-${name}`);
+        try {
+          await mountLayer(layerAt(partial), opts.sizeMb, opts.owner);
+        } catch (err) {
+          await discard(partial);
+          throw err;
+        }
+        const spare = join(opts.dir, `spare-${name}`);
+        await rename(partial, spare);
+        ready.push(spare);
       }
     })()
-      .catch((err: unknown) => opts.log.warn({ err }, "formatting spare disk images failed"))
+      .catch((err: unknown) => opts.log.warn({ err }, "preparing spare disks failed"))
       .finally(() => (filling = undefined));
   }
 
   return {
-    async make(image, sizeMb) {
-      const spare = sizeMb === opts.sizeMb ? ready.shift() : undefined;
-      if (spare) {
-        try {
-          await rename(spare, image);
-          return;
-        } catch {
-          // gone from under us: format one instead
-        } finally {
-          fill();
-        }
-      }
-      await format(image, sizeMb);
+    async take(dir, sizeMb) {
+      if (sizeMb !== opts.sizeMb) return false;
+      const spare = ready.shift();
       fill();
+      if (!spare) return false;
+      try {
+        await rename(spare, dir);
+        return true;
+      } catch (err) {
+        opts.log.warn({ err }, "a spare disk could not be handed out");
+        await discard(spare);
+        return false;
+      }
     },
     async close() {
       closed = true;
       await filling;
+      await Promise.all(ready.splice(0).map(discard));
     },
   };
 }
 
-/** Formats (or takes from the stock) the machine's image and mounts it, with its upper and work dirs made. */
-export async function mountWritableLayer(layer: WritableLayer, sizeMb: number, stock: DiskStock): Promise<void> {
-  if (!isMounted(layer.mountPoint)) {
-    if (!existsSync(layer.image)) await stock.make(layer.image, sizeMb);
-    await mkdir(layer.mountPoint, { recursive: true });
-    try {
-      await exec("mount", ["-t", "ext4", "-o", "loop,noatime", layer.image, layer.mountPoint]);
-    } catch (err) {
-      throw new Error(`mounting the disk of ${layer.mountPoint} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
-    }
-  }
-  await Promise.all([mkdir(layer.upper, { recursive: true }), mkdir(layer.work, { recursive: true })]);
-}
-
-/** Unmounts the image (its loop device clears itself). The overlay on top must be unmounted first. */
-export async function unmountWritableLayer(layer: WritableLayer): Promise<void> {
-  if (!existsSync(layer.mountPoint) || !isMounted(layer.mountPoint)) return;
-  await exec("umount", [layer.mountPoint]).catch(() => exec("umount", ["-l", layer.mountPoint]));
-  if (isMounted(layer.mountPoint)) throw new Error(`${layer.mountPoint} is still mounted`);
+/** Makes the machine's writable layer ready: already mounted, from the stock, or mounted (and formatted) now. */
+export async function mountWritableLayer(layer: WritableLayer, sizeMb: number, owner: number, stock: DiskStock): Promise<void> {
+  if (!existsSync(layer.dir) && (await stock.take(layer.dir, sizeMb))) return;
+  await mountLayer(layer, sizeMb, owner);
 }

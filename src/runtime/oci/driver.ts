@@ -28,7 +28,7 @@ const exec = promisify(execFile);
 
 const AGENT_WAIT_MS = 15_000;
 const PIDS_LIMIT = 4096;
-/** Formatted disk images of the default size kept ready, so a create does not wait for mkfs. */
+/** Disks of the default size kept formatted and mounted, so a create waits for neither mkfs nor mount. */
 const SPARE_DISKS = 3;
 /** Machine ids become path components and runtime ids: nothing but these characters. */
 const SAFE_ID = /^[A-Za-z0-9][A-Za-z0-9_-]{0,100}$/;
@@ -155,7 +155,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   const paths = (id: string) => machinePaths(machinesDir, id, opts.runtime);
   const cli = createRuntimeCli({ runtime: opts.runtime, stateRoot, runscPlatform: opts.runscPlatform });
   const passFd = opts.runtime === "runc";
-  const disks = createDiskStock({ dir: join(opts.dataDir, "disk-stock"), sizeMb: DEFAULT_DISK_MB, count: SPARE_DISKS, log: opts.log });
+  const disks = createDiskStock({ dir: join(opts.dataDir, "disk-stock"), sizeMb: DEFAULT_DISK_MB, count: SPARE_DISKS, owner: HOST_ID_BASE, log: opts.log });
   const egress = createEgress();
   const limitSwap = existsSync("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes") || (cgroups.version === "v2" && cgroups.enforced.includes("memory"));
   let readinessCache: { at: number; value: DriverReadiness } | undefined;
@@ -168,9 +168,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
 
   async function mountRoot(spec: MachineSpec, p: Paths) {
     if (isMounted(p.rootfs)) return;
-    await Promise.all([mkdir(p.rootfs, { recursive: true }), mountWritableLayer(p.layer, spec.diskMb ?? DEFAULT_DISK_MB, disks)]);
-    // The merged root's top directory takes its owner from the upper dir: machine root, not host root.
-    await chown(p.layer.upper, HOST_ID_BASE, HOST_ID_BASE);
+    await Promise.all([mkdir(p.rootfs, { recursive: true }), mountWritableLayer(p.layer, spec.diskMb ?? DEFAULT_DISK_MB, HOST_ID_BASE, disks)]);
     for (const layer of spec.layers) if (!existsSync(layer)) throw new Error(`template layer ${layer} is missing`);
     const lower = [...spec.layers].reverse().join(":"); // overlayfs lists the highest layer first
     try {
