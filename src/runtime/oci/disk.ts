@@ -55,13 +55,17 @@ async function format(image: string, sizeMb: number): Promise<void> {
   }
 }
 
-/** Mounts the layer's image (formatting it first when there is none) and makes upper and work, upper owned by `owner`. */
+/**
+ * Mounts the layer's image (formatting it first when there is none) and makes upper and work, upper owned by `owner`.
+ * noinit_itable: the kernel would otherwise zero every inode table in the background (~160 MB of writes and page
+ * cache per 10 GiB image); a fresh sparse image reads as zeros already.
+ */
 async function mountLayer(layer: WritableLayer, sizeMb: number, owner: number): Promise<void> {
   if (!isMounted(layer.mountPoint)) {
     await mkdir(layer.mountPoint, { recursive: true });
     if (!existsSync(layer.image)) await format(layer.image, sizeMb);
     try {
-      await exec("mount", ["-t", "ext4", "-o", "loop,noatime", layer.image, layer.mountPoint]);
+      await exec("mount", ["-t", "ext4", "-o", "loop,noatime,noinit_itable", layer.image, layer.mountPoint]);
     } catch (err) {
       throw new Error(`mounting the disk ${layer.image} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
     }
