@@ -85,6 +85,8 @@ export async function unmountWritableLayer(layer: WritableLayer): Promise<void> 
 export interface DiskStock {
   /** Moves a ready (formatted, mounted) disk of `sizeMb` to `dir` and says so; false when none is in stock. */
   take(dir: string, sizeMb: number): Promise<boolean>;
+  /** How many ready disks the stock holds now. */
+  spares(): number;
   /** Unmounts and removes the disks still in stock. */
   close(): Promise<void>;
 }
@@ -155,6 +157,7 @@ export function createDiskStock(opts: { dir: string; sizeMb: number; count: numb
         return false;
       }
     },
+    spares: () => ready.length,
     async close() {
       closed = true;
       await filling;
