@@ -240,6 +240,17 @@ test("admission: KILN_MEMORY_OVERCOMMIT caps the declared memory of live machine
   }
 });
 
+test("memory limits include swap where the host accounts it (memsw)", async () => {
+  const m = await create({ memory_mb: 256, internet: false });
+  const dir = `/sys/fs/cgroup/memory/kiln/${m.id}`;
+  if (existsSync("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes")) {
+    assert.ok(existsSync(`${dir}/memory.memsw.limit_in_bytes`), "the machine has its own memory cgroup");
+    assert.equal(readFileSync(`${dir}/memory.limit_in_bytes`, "utf8").trim(), String(256 * 1024 * 1024));
+    assert.equal(readFileSync(`${dir}/memory.memsw.limit_in_bytes`, "utf8").trim(), String(256 * 1024 * 1024), "memory + swap is bounded by the same limit");
+  }
+  await destroy(m.id);
+});
+
 test("a machine that dies of memory says so: failure_reason is out of memory", async () => {
   const m = await create({ memory_mb: 128 });
   const slirp = Number(readFileSync(`${k.dataDir}/machines/${m.id}/slirp.pid`, "utf8"));
