@@ -5,12 +5,12 @@
 // the create path; a machine of another size makes its own. `mount -o loop` makes the loop device clear itself on unmount.
 
 import { execFile } from "node:child_process";
-import { existsSync, statSync } from "node:fs";
+import { existsSync, readFileSync, statSync } from "node:fs";
 import { chown, mkdir, readdir, rename, rm, truncate, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import type { Logger } from "../../log.ts";
-import { isMounted } from "./mounts.ts";
+import { isMounted, mountSource } from "./mounts.ts";
 
 const exec = promisify(execFile);
 const MIB = 1024 * 1024;
@@ -75,11 +75,26 @@ async function mountLayer(layer: WritableLayer, sizeMb: number, owner: number): 
   await chown(layer.upper, owner, owner);
 }
 
-/** Unmounts the image (its loop device clears itself). The overlay on top must be unmounted first. */
+/**
+ * Unmounts the image; the overlay on top must be unmounted first. The loop device clears itself, but the kernel does
+ * that asynchronously: wait (up to 2 s) until it has, so the image's space is really freed when destroy removes it.
+ */
 export async function unmountWritableLayer(layer: WritableLayer): Promise<void> {
   if (!existsSync(layer.mountPoint) || !isMounted(layer.mountPoint)) return;
+  const loop = /^\/dev\/(loop\d+)$/.exec(mountSource(layer.mountPoint) ?? "")?.[1];
   await exec("umount", [layer.mountPoint]).catch(() => exec("umount", ["-l", layer.mountPoint]));
   if (isMounted(layer.mountPoint)) throw new Error(`${layer.mountPoint} is still mounted`);
+  if (!loop) return;
+  for (let i = 0; i < 200 && attachedTo(loop, layer.image); i++) await new Promise((r) => setTimeout(r, 10));
+}
+
+/** True while loop device `name` still has `image` as its backing file. */
+function attachedTo(name: string, image: string): boolean {
+  try {
+    return readFileSync(`/sys/block/${name}/loop/backing_file`, "utf8").trim().replace(/ \(deleted\)$/, "") === image;
+  } catch {
+    return false;
+  }
 }
 
 export interface DiskStock {

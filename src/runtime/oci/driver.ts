@@ -407,7 +407,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     },
 
     async close() {
-      // Machines (and their slirp4netns) outlive the control plane on purpose; only the disk formatting stops.
+      // Machines (and their slirp4netns) outlive the control plane on purpose; only the spare disks are released.
       await disks.close();
     },
   };
