@@ -5,10 +5,12 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { existsSync, readFileSync, readdirSync } from "node:fs";
-import { execFileSync } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
+import { chmod, mkdtemp, rm, writeFile } from "node:fs/promises";
+import { join } from "node:path";
 import { createServer } from "node:net";
 import type { AddressInfo, Server } from "node:net";
-import { cpus, totalmem } from "node:os";
+import { cpus, tmpdir, totalmem } from "node:os";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 
@@ -67,6 +69,10 @@ function nft(...args: string[]): string {
 
 /** What a machine could leave on the host: mounts, loop devices, cgroups, nftables elements, slirp4netns. */
 function assertNothingLeft(id: string, slirpPid?: number) {
+  assertNothingLeftIn(k, id, slirpPid);
+}
+
+function assertNothingLeftIn(server: TestKiln, id: string, slirpPid?: number) {
   assert.ok(!readFileSync("/proc/self/mountinfo", "utf8").includes(id), "no mount left");
   assert.ok(!execFileSync("losetup", ["-a"], { encoding: "utf8" }).includes(id), "no loop device left");
   for (const root of ["/sys/fs/cgroup/unified/kiln-egress", "/sys/fs/cgroup/kiln-egress"]) {
@@ -81,7 +87,7 @@ function assertNothingLeft(id: string, slirpPid?: number) {
     const cmd = existsSync(`/proc/${slirpPid}/cmdline`) ? readFileSync(`/proc/${slirpPid}/cmdline`, "utf8") : "";
     assert.ok(!cmd.startsWith("slirp4netns"), "slirp4netns is gone");
   }
-  assert.ok(!existsSync(`${k.dataDir}/machines/${id}`), "machine dir removed");
+  assert.ok(!existsSync(`${server.dataDir}/machines/${id}`), "machine dir removed");
 }
 
 async function destroy(id: string) {
@@ -269,20 +275,69 @@ test("a machine that dies of memory says so: failure_reason is out of memory", a
   assertNothingLeft(m.id, slirp);
 });
 
-test("a server killed and restarted leaves no loop device, mount, cgroup or rule of a machine gone meanwhile", async () => {
-  const dataDir = k.dataDir;
-  const keep = await create({ network: { allow_out: ["10.9.9.9"] } });
-  const gone = await create({ network: { allow_out: ["10.8.8.8"] } });
-  await sh(keep.id, "echo survived > /workspace/s.txt");
-  const slirp = Number(readFileSync(`${dataDir}/machines/${gone.id}/slirp.pid`, "utf8"));
-  await k.stop();
-  const pid = Number(readFileSync(`${dataDir}/machines/${gone.id}/runtime.pid`, "utf8"));
-  process.kill(pid, "SIGKILL");
-  await new Promise((r) => setTimeout(r, 300));
-  k = await startTestKiln({ dataDir, env: { KILN_MACHINE_HOST_ACCESS: "1", KILN_WARM_POOL: "1" } });
-  assert.equal((await sh(keep.id, "cat /workspace/s.txt")).stdout, "survived\n");
-  assert.ok(nft("list", "table", "inet", "kiln").includes(keep.id), "the live machine keeps its rules across the restart");
-  assert.equal((await k.call("GET", `/v1/machines/${gone.id}`)).body.status, "destroyed");
-  assertNothingLeft(gone.id, slirp);
-  await destroy(keep.id);
+test("after kill -9 of the server and a restart, nothing of a machine gone meanwhile is left: loop device, mount, cgroups, rules", async () => {
+  // A real server process, killed with SIGKILL: no close() runs, so machines, spare disks and rules stay as they were.
+  const dir = await mkdtemp(join(tmpdir(), "kiln-test-kill9-"));
+  await chmod(dir, 0o711); // machine root must be able to reach the data dir inside it
+  const data = join(dir, "data");
+  const script = join(dir, "serve.ts");
+  await writeFile(
+    script,
+    `import { startTestKiln } from ${JSON.stringify(join(import.meta.dirname, "../support/kiln.ts"))};
+const k = await startTestKiln({ dataDir: process.argv[2], env: { KILN_WARM_POOL: "1" } });
+const ids = [];
+for (const network of [{ allow_out: ["10.9.9.9"] }, { allow_out: ["10.8.8.8"] }]) {
+  const res = await k.call("POST", "/v1/machines", { body: { template: "local/base", network } });
+  if (res.status !== 201) {
+    process.stderr.write(res.status + " " + res.text + "\\n" + k.logs.slice(-5).join(""));
+    process.exit(1);
+  }
+  ids.push(res.body.id);
+}
+const pool = k.kiln.services.pool;
+for (let i = 0; i < 400 && pool.stats().ready === 0; i++) await new Promise((r) => setTimeout(r, 50));
+process.stdout.write(JSON.stringify({ ids, pooled: pool.stats().ids }) + "\\n");
+setInterval(() => {}, 1000);
+`,
+  );
+  const child = spawn(process.execPath, [script, data], { stdio: ["ignore", "pipe", "pipe"], env: process.env });
+  let next: TestKiln | undefined;
+  try {
+    const first = await new Promise<string>((resolve, reject) => {
+      let out = "";
+      let err = "";
+      child.stderr.on("data", (d: Buffer) => (err += d.toString()));
+      child.stdout.on("data", (d: Buffer) => {
+        out += d.toString();
+        if (out.includes("\n")) resolve(out.split("\n")[0]);
+      });
+      child.once("exit", (code) => reject(new Error(`the server exited ${code} before it was ready: ${err.slice(-2000)}`)));
+    });
+    const { ids, pooled } = JSON.parse(first) as { ids: string[]; pooled: string[] };
+    const [keep, gone] = ids;
+    const slirp = (id: string) => Number(readFileSync(`${data}/machines/${id}/slirp.pid`, "utf8"));
+    const goneSlirp = slirp(gone);
+    const orphanSlirp = pooled.length ? slirp(pooled[0]) : undefined;
+    child.kill("SIGKILL");
+    await new Promise((r) => child.once("exit", r));
+    process.kill(Number(readFileSync(`${data}/machines/${gone}/runtime.pid`, "utf8")), "SIGKILL");
+    await new Promise((r) => setTimeout(r, 300));
+
+    next = await startTestKiln({ dataDir: data, env: { KILN_WARM_POOL: "1" } });
+    assert.equal((await next.call("GET", `/v1/machines/${keep}`)).body.status, "running");
+    assert.ok(nft("list", "table", "inet", "kiln").includes(keep), "the live machine keeps its rules across the restart");
+    assert.equal((await next.call("GET", `/v1/machines/${gone}`)).body.status, "destroyed");
+    assertNothingLeftIn(next, gone, goneSlirp);
+    if (pooled.length) assertNothingLeftIn(next, pooled[0], orphanSlirp); // a pooled machine had no record: an orphan
+    await next.close();
+    next = undefined;
+    assert.ok(!readFileSync("/proc/self/mountinfo", "utf8").includes(data), "nothing of the data dir stays mounted (spare disks included)");
+    assert.ok(!execFileSync("losetup", ["-a"], { encoding: "utf8" }).includes(data), "no loop device of the data dir is left");
+    assert.ok(!nft("list", "table", "inet", "kiln").includes(keep));
+  } finally {
+    if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL");
+    // Whatever happened, a server over the data dir destroys what is left (close removes the data dir).
+    await (next ?? (await startTestKiln({ dataDir: data, env: { KILN_WARM_POOL: "0" } }))).close();
+    await rm(dir, { recursive: true, force: true });
+  }
 });

@@ -129,7 +129,7 @@ export function createDiskStock(opts: { dir: string; sizeMb: number; count: numb
     for (const name of await readdir(opts.dir)) {
       const path = join(opts.dir, name);
       const layer = layerAt(path);
-      const whole = name.startsWith("spare-") && isMounted(layer.mountPoint) && existsSync(layer.upper) && statSync(layer.image).size === opts.sizeMb * MIB;
+      const whole = name.startsWith("spare-") && isMounted(layer.mountPoint) && existsSync(layer.upper) && existsSync(layer.image) && statSync(layer.image).size === opts.sizeMb * MIB;
       if (whole) ready.push(path);
       else await discard(path);
     }
@@ -176,6 +176,8 @@ export function createDiskStock(opts: { dir: string; sizeMb: number; count: numb
     async close() {
       closed = true;
       await filling;
+      // Spares a killed server left are released too, even when this one never needed a disk.
+      if (!scanned) await scan().catch((err: unknown) => opts.log.warn({ err }, "looking for spare disks failed"));
       await Promise.all(ready.splice(0).map(discard));
     },
   };
