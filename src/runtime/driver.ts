@@ -18,8 +18,8 @@ export interface MachineSpec {
   hostname: string;
   vcpus: number;
   memoryMb: number;
-  /** Size of the filesystem holding the machine's writable layer: writes past it fail with ENOSPC. */
-  diskMb: number;
+  /** Size of the filesystem holding the machine's writable layer (default DEFAULT_DISK_MB): writes past it fail with ENOSPC. */
+  diskMb?: number;
   /** Outbound network through NAT; false leaves the machine with loopback only. */
   internet: boolean;
   /** Opens (allowOut) or closes (denyOut) destinations beyond the default egress policy. */
