@@ -40,7 +40,8 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const hostId = await ensureHostId(config.dataDir, config.hostId);
   const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs };
   const deployments = { dataDir: config.dataDir, publicUrl: config.publicUrl, maxCrashes: config.serviceMaxCrashes, backoffMs: config.serviceBackoffMs, edgeTokenTtlS: config.edgeTokenTtlS };
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, hostId, webhooks, deployments });
+  const limits = { dataDir: config.dataDir, maxDiskMb: config.maxDiskMb, minFreeDiskMb: config.minFreeDiskMb, minFreeMemoryMb: config.minFreeMemoryMb, memoryOvercommit: config.memoryOvercommit };
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, hostId, webhooks, deployments, limits });
   await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });
 
   const adoption = await services.machines.adopt();

@@ -39,6 +39,14 @@ export interface Config {
   serviceBackoffMs: number;
   /** Lifetime of a signed edge_token in a service's public URL. */
   edgeTokenTtlS: number;
+  /** Largest `disk_mb` a machine may ask for. */
+  maxDiskMb: number;
+  /** Creates answer 503 while the data dir's filesystem has less free space than this. */
+  minFreeDiskMb: number;
+  /** Creates answer 503 while the host's MemAvailable is below this; undefined: 10 % of the host's RAM. */
+  minFreeMemoryMb: number | undefined;
+  /** When set, the declared memory of live machines may not exceed this multiple of the host's RAM. */
+  memoryOvercommit: number | undefined;
 }
 
 /** DESIGN.md §4: immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. */
@@ -74,6 +82,10 @@ export const CONFIG_VARS = [
   ["KILN_SERVICE_MAX_CRASHES", "5", "crashes in a row after which a deployment's service ends failed"],
   ["KILN_SERVICE_BACKOFF_MS", "500", "first delay before a crashed service starts again (doubles per crash, up to 30 s)"],
   ["KILN_EDGE_TOKEN_TTL_S", "3600", "lifetime of the edge_token in a service's public URL (renewed whenever it is read)"],
+  ["KILN_MAX_DISK_MB", "102400", "largest disk_mb a machine may ask for (its writable layer; default 10240)"],
+  ["KILN_MIN_FREE_DISK_MB", "2048", "creates answer 503 while the data dir has less free disk than this"],
+  ["KILN_MIN_FREE_MEMORY_MB", "(10 % of RAM)", "creates answer 503 while the host's available memory is below this"],
+  ["KILN_MEMORY_OVERCOMMIT", "(unset)", "caps the declared memory of live machines at this multiple of RAM (e.g. 4)"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -120,6 +132,10 @@ export function loadConfig(env: Env = process.env): Config {
     serviceMaxCrashes: intVar(env, "KILN_SERVICE_MAX_CRASHES", 5, 1, 1000),
     serviceBackoffMs: intVar(env, "KILN_SERVICE_BACKOFF_MS", 500, 0, 600_000),
     edgeTokenTtlS: intVar(env, "KILN_EDGE_TOKEN_TTL_S", 3600, 1, 30 * 24 * 3600),
+    maxDiskMb: intVar(env, "KILN_MAX_DISK_MB", 102_400, 128, 16 * 1024 * 1024),
+    minFreeDiskMb: intVar(env, "KILN_MIN_FREE_DISK_MB", 2048, 0, 1 << 30),
+    minFreeMemoryMb: env.KILN_MIN_FREE_MEMORY_MB ? intVar(env, "KILN_MIN_FREE_MEMORY_MB", 0, 0, 1 << 30) : undefined,
+    memoryOvercommit: positiveNumberVar(env, "KILN_MEMORY_OVERCOMMIT"),
   };
 }
 
@@ -150,6 +166,14 @@ function scheduleVar(env: Env, name: string, fallback: number[]): number[] {
   }
   if (delays[0] !== 0) throw new ConfigError(`${name} must start with 0: an event's first delivery attempt goes at once, got ${JSON.stringify(raw)}`);
   return delays;
+}
+
+function positiveNumberVar(env: Env, name: string): number | undefined {
+  const raw = env[name];
+  if (raw === undefined || raw === "") return undefined;
+  const n = Number(raw);
+  if (!Number.isFinite(n) || n <= 0 || n > 1000) throw new ConfigError(`${name} must be a number above 0 (a multiple of the host's RAM), got ${JSON.stringify(raw)}`);
+  return n;
 }
 
 function boolVar(env: Env, name: string): boolean {

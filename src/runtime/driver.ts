@@ -1,6 +1,15 @@
 // The MachineDriver seam: everything about how a machine is isolated and kept alive lives behind it.
 // Code above this file never branches on which driver (or OCI runtime) it has.
 
+/** The size of a machine's writable layer unless it asks for another (the warm pool's machines have this one). */
+export const DEFAULT_DISK_MB = 10_240;
+
+/** Per-machine egress rules on top of the default (no host, link-local or private ranges); CIDRs, validated. */
+export interface EgressRules {
+  allowOut: string[];
+  denyOut: string[];
+}
+
 export interface MachineSpec {
   /** Kiln machine id (`mch_…`); drivers use it to name their runtime objects. */
   id: string;
@@ -9,8 +18,12 @@ export interface MachineSpec {
   hostname: string;
   vcpus: number;
   memoryMb: number;
+  /** Size of the filesystem holding the machine's writable layer (default DEFAULT_DISK_MB): writes past it fail with ENOSPC. */
+  diskMb?: number;
   /** Outbound network through NAT; false leaves the machine with loopback only. */
   internet: boolean;
+  /** Opens (allowOut) or closes (denyOut) destinations beyond the default egress policy. */
+  network?: EgressRules;
   /** Host directories bind-mounted into the machine (volumes); read-write unless `readOnly`. */
   mounts: { hostPath: string; guestPath: string; readOnly?: boolean }[];
 }
@@ -52,6 +65,11 @@ export interface MachineDriver {
    * overlayfs form and the machines' uid range), then removes the machine like destroy.
    */
   captureLayer(id: string, destDir: string): Promise<void>;
+  /**
+   * Why a machine whose processes are gone died, as far as the host can tell: "out_of_memory" when the kernel's OOM
+   * killer killed in its memory cgroup. Must be asked before destroy (which removes the cgroup).
+   */
+  deathCause(id: string): Promise<"out_of_memory" | undefined>;
   /** Leaves no process, mount or directory behind. Idempotent. */
   destroy(id: string): Promise<void>;
   /** Machines this driver still has alive on the host (used to adopt them after a restart). */

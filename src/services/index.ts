@@ -19,6 +19,8 @@ import { createCodeService } from "./code.ts";
 import { createVolumeService } from "./volumes.ts";
 import { createDeploymentService } from "./deployments.ts";
 import type { DeploymentOptions } from "./deployments.ts";
+import { createAdmission } from "./admission.ts";
+import type { AdmissionLimits } from "./admission.ts";
 
 export interface WebhookSettings {
   retryScheduleMs: number[];
@@ -37,13 +39,15 @@ export function createServices(deps: {
   hostId: string;
   webhooks: WebhookSettings;
   deployments: DeploymentOptions;
+  limits: AdmissionLimits;
 }) {
   const { store, driver, log, hostId } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
   const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log });
-  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes });
+  const admission = createAdmission({ db: store.db, limits: deps.limits });
+  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission });
   const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, extensions: deps.buildExtensions });
   const templateCatalog = createTemplateCatalog({ db: store.db, templateIdOf: builds.templateIdOf });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
@@ -55,6 +59,7 @@ export function createServices(deps: {
     keys,
     templates,
     pool,
+    admission,
     machines,
     exec: createExecService(machines),
     files: createFileService(machines),

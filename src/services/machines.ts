@@ -5,7 +5,10 @@ import { EventEmitter } from "node:events";
 import type { Db, MachineRow, MachineUpdate } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
-import type { LiveMachine, MachineDriver } from "../runtime/driver.ts";
+import { DEFAULT_DISK_MB } from "../runtime/driver.ts";
+import type { EgressRules, LiveMachine, MachineDriver } from "../runtime/driver.ts";
+import { parseCidr } from "../runtime/cidr.ts";
+import type { Admission } from "./admission.ts";
 import { createAgentClient, AgentError } from "../runtime/agent-client.ts";
 import type { AgentClient } from "../runtime/agent-client.ts";
 import type { TemplateService } from "./templates.ts";
@@ -22,10 +25,14 @@ export type MachineStatus = (typeof MACHINE_STATUSES)[number];
 export const LIFECYCLE_OPERATIONS = ["create", "update", "hibernate", "resume", "destroy"] as const;
 export type LifecycleOperation = (typeof LIFECYCLE_OPERATIONS)[number];
 
-export const MACHINE_DEFAULTS = { user: "user", timeoutS: 300, vcpus: 1, memoryMb: 1024, internet: true } as const;
+export const MACHINE_DEFAULTS = { user: "user", timeoutS: 300, vcpus: 1, memoryMb: 1024, diskMb: DEFAULT_DISK_MB, internet: true } as const;
+/** Schema bounds; the host's own size and KILN_MAX_DISK_MB narrow them further at admission. */
+export const MACHINE_LIMITS = { maxTimeoutS: 7 * 24 * 3600, maxVcpus: 64, minMemoryMb: 64, maxMemoryMb: 262_144, minDiskMb: 128, maxDiskMb: 16 * 1024 * 1024, maxCidrs: 256 } as const;
+
+/** Said in failure_reason when the driver tells that a machine died of memory. */
+export const OUT_OF_MEMORY = "out of memory";
 /** Expired machines destroyed at once by the sweeper. */
 const EXPIRY_CONCURRENCY = 8;
-export const MACHINE_LIMITS = { maxTimeoutS: 7 * 24 * 3600, maxVcpus: 64, minMemoryMb: 64, maxMemoryMb: 262_144 } as const;
 
 export interface CreateMachineInput {
   template?: string;
@@ -37,9 +44,23 @@ export interface CreateMachineInput {
   timeout_s?: number;
   vcpus?: number;
   memory_mb?: number;
+  disk_mb?: number;
   internet?: boolean;
   /** Volumes mounted at boot (room: volumes). */
   volumes?: VolumeMountRequest[];
+  network?: { allow_out?: string[]; deny_out?: string[] };
+}
+
+/** Validated CIDR lists in canonical form; 400 naming the first bad entry. */
+function egressRules(network: CreateMachineInput["network"]): EgressRules | undefined {
+  if (!network) return undefined;
+  const canonical = (field: "allow_out" | "deny_out") =>
+    (network[field] ?? []).map((text, i) => {
+      const parsed = parseCidr(text);
+      if ("error" in parsed) throw new KilnError("invalid_request", `network.${field}[${i}]: ${parsed.error}`);
+      return parsed.cidr;
+    });
+  return { allowOut: canonical("allow_out"), denyOut: canonical("deny_out") };
 }
 
 export interface UpdateMachineInput {
@@ -60,7 +81,9 @@ export function machineView(row: MachineRow) {
     user: row.user,
     vcpus: row.vcpus,
     memory_mb: row.memory_mb,
+    disk_mb: row.disk_mb,
     internet: row.internet === 1,
+    network: networkView(row.network_json),
     timeout_s: row.timeout_s,
     created_at: row.created_at,
     updated_at: row.updated_at,
@@ -72,7 +95,12 @@ export function machineView(row: MachineRow) {
 }
 export type MachineView = ReturnType<typeof machineView>;
 
-export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool; hostId: string; volumes?: VolumeService }) {
+function networkView(json: string | null): { allow_out: string[]; deny_out: string[] } {
+  const rules = json ? (JSON.parse(json) as EgressRules) : undefined;
+  return { allow_out: rules?.allowOut ?? [], deny_out: rules?.denyOut ?? [] };
+}
+
+export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool; hostId: string; volumes?: VolumeService; admission?: Admission }) {
   const { db, driver, templates, log, hostId } = deps;
   const agents = new Map<string, AgentClient>();
   const locks = new Map<string, Promise<unknown>>();
@@ -150,9 +178,13 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     const timeoutS = input.timeout_s ?? MACHINE_DEFAULTS.timeoutS;
     const vcpus = input.vcpus ?? MACHINE_DEFAULTS.vcpus;
     const memoryMb = input.memory_mb ?? MACHINE_DEFAULTS.memoryMb;
+    const diskMb = input.disk_mb ?? MACHINE_DEFAULTS.diskMb;
+    const network = egressRules(input.network);
+    const hasRules = Boolean(network && (network.allowOut.length || network.denyOut.length));
+    await deps.admission?.admit({ vcpus, memoryMb, diskMb });
     // A machine already booted with exactly this shape answers at once; its id is the one it was booted with.
-    // A warm machine booted without mounts; one with volumes boots fresh (room: volumes).
-    const warm = input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, internet: input.internet !== false });
+    // One with volumes boots fresh: warm machines have no mounts (room: volumes).
+    const warm = input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules });
     const row = {
       id: warm?.id ?? newId("mch"),
       template_id: resolved.template.id,
@@ -164,7 +196,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       metadata_json: JSON.stringify(input.metadata ?? {}),
       vcpus,
       memory_mb: memoryMb,
+      disk_mb: diskMb,
       internet: input.internet === false ? 0 : 1,
+      network_json: hasRules ? JSON.stringify(network) : null,
       timeout_s: timeoutS,
       expires_at: new Date(now.getTime() + timeoutS * 1000).toISOString(),
       created_at: now.toISOString(),
@@ -186,7 +220,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
           hostname: row.id.replaceAll("_", "-"),
           vcpus: row.vcpus,
           memoryMb: row.memory_mb,
+          diskMb,
           internet: row.internet === 1,
+          network: hasRules ? network : undefined,
           mounts,
         }));
         const agent = attach(live);
@@ -291,6 +327,12 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     return transition(row.id, set, "destroy");
   }
 
+  /** Why a machine that is gone died, asked of the driver before its destroy removes the evidence. */
+  async function deathReason(id: string, fallback = "the machine stopped unexpectedly"): Promise<string> {
+    const cause = await driver.deathCause(id).catch(() => undefined);
+    return cause === "out_of_memory" ? OUT_OF_MEMORY : fallback;
+  }
+
   /**
    * Machines whose processes are gone without Kiln stopping them (killed from outside, the host's OOM killer, a
    * crash of the runtime) are destroyed — so their mount, cgroups and network helper go too — and say why.
@@ -308,8 +350,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
         // Checked again under the lock: a concurrent destroy may have got there first.
         if (row.status !== "running" && row.status !== "hibernated") return;
         if ((await driver.listLive()).some((m) => m.id === id)) return;
-        log.warn({ machine_id: id }, "machine stopped unexpectedly; destroying it");
-        await destroyLocked(row, "the machine stopped unexpectedly");
+        const reason = await deathReason(id);
+        log.warn({ machine_id: id, reason }, "machine stopped unexpectedly; destroying it");
+        await destroyLocked(row, reason);
         reaped++;
       }).catch((err: unknown) => log.error({ err, machine_id: id }, "destroying a machine that stopped failed"));
     }
@@ -366,8 +409,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
         adopted++;
         continue;
       }
+      const reason = row.status === "creating" ? "the server stopped while the machine was being created" : await deathReason(row.id, "the machine was gone after a restart");
       await driver.destroy(row.id).catch(() => undefined);
-      const reason = row.status === "creating" ? "the server stopped while the machine was being created" : "the machine was gone after a restart";
       await transition(row.id, { status: row.status === "creating" ? "failed" : "destroyed", destroyed_at: new Date().toISOString(), failure_reason: reason }, row.status === "creating" ? null : "destroy");
       lost++;
     }

@@ -2,6 +2,7 @@
 // exactly that is answered without waiting for a boot. Pooled machines have no record until one is taken;
 // on shutdown they are destroyed, and after a crash the restart removes them as orphans.
 
+import { DEFAULT_DISK_MB } from "../runtime/driver.ts";
 import type { LiveMachine, MachineDriver, MachineSpec } from "../runtime/driver.ts";
 import { newId } from "../store/ids.ts";
 import type { Logger } from "../log.ts";
@@ -23,7 +24,7 @@ export function createWarmPool(deps: { driver: MachineDriver; size: number; log:
   let failures = 0;
 
   function specFor(id: string, s: PoolShape): MachineSpec {
-    return { id, layers: s.layers, hostname: id.replaceAll("_", "-"), vcpus: s.vcpus, memoryMb: s.memoryMb, internet: true, mounts: [] };
+    return { id, layers: s.layers, hostname: id.replaceAll("_", "-"), vcpus: s.vcpus, memoryMb: s.memoryMb, diskMb: DEFAULT_DISK_MB, internet: true, mounts: [] };
   }
 
   function fill() {
@@ -63,8 +64,10 @@ export function createWarmPool(deps: { driver: MachineDriver; size: number; log:
       fill();
     },
     /** A booted machine of exactly this shape, or undefined (then the caller boots one itself). */
-    take(want: { artifactId: string; vcpus: number; memoryMb: number; internet: boolean }): LiveMachine | undefined {
-      if (!shape || want.artifactId !== shape.artifactId || want.vcpus !== shape.vcpus || want.memoryMb !== shape.memoryMb || !want.internet) return undefined;
+    take(want: { artifactId: string; vcpus: number; memoryMb: number; diskMb: number; internet: boolean; network: boolean }): LiveMachine | undefined {
+      if (!shape || want.artifactId !== shape.artifactId || want.vcpus !== shape.vcpus || want.memoryMb !== shape.memoryMb) return undefined;
+      // Pooled machines have the default disk and the default egress policy (their slirp4netns is already running).
+      if (want.diskMb !== DEFAULT_DISK_MB || !want.internet || want.network) return undefined;
       const i = ready.findIndex((r) => r.artifactId === want.artifactId);
       if (i < 0) return undefined;
       const [entry] = ready.splice(i, 1);

@@ -287,6 +287,13 @@ function migrations(dialect: Dialect): Record<string, Migration> {
           .execute();
       },
     },
+    // A machine's writable-layer size and its egress policy (allow_out/deny_out CIDRs as JSON; null: the default).
+    "0003_machine_limits": {
+      async up(db: Kysely<any>) {
+        await db.schema.alterTable("machines").addColumn("disk_mb", "integer", (c) => c.notNull().defaultTo(10240)).execute();
+        await db.schema.alterTable("machines").addColumn("network_json", "text").execute();
+      },
+    },
   };
 }
 

@@ -66,7 +66,10 @@ export interface MachinesTable {
   metadata_json: string;
   vcpus: number;
   memory_mb: number;
+  disk_mb: Generated<number>;
   internet: number;
+  /** `{allow_out?, deny_out?}` as given on create, or null. */
+  network_json: string | null;
   timeout_s: number;
   expires_at: string;
   created_at: string;

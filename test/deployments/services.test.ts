@@ -43,7 +43,7 @@ function allFiles(dir: string): string[] {
     if (st.isDirectory()) {
       if (name === "machines" || name === "cache") continue; // machine root filesystems, the base template
       out.push(...allFiles(p));
-    } else if (st.isFile()) out.push(p); // sockets and FIFOs of the runtime hold no data
+    } else if (st.isFile() && !["disk.img", "image.ext4"].includes(name)) out.push(p); // sockets and FIFOs hold no data; sparse disk images are searched where mounted
   }
   return out;
 }

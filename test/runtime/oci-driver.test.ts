@@ -13,6 +13,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import { createOciDriver, containerName, HOST_ID_BASE } from "../../src/runtime/oci/driver.ts";
+import { writableLayer } from "../../src/runtime/oci/disk.ts";
 import type { LiveMachine, MachineDriver, MachineSpec } from "../../src/runtime/driver.ts";
 import { prepareGuestRuntime } from "../../src/runtime/guest-runtime.ts";
 import { ensureBaseTemplate } from "../../src/builder/base-template.ts";
@@ -67,7 +68,7 @@ let seq = 0;
 async function machine(over: Partial<MachineSpec> = {}, d = driver): Promise<LiveMachine> {
   const id = `mch_t${process.pid}x${++seq}`;
   created.add(id);
-  return d.create({ id, layers: [layer], hostname: id.replaceAll("_", "-"), vcpus: 1, memoryMb: 256, internet: false, mounts: [], ...over });
+  return d.create({ id, layers: [layer], hostname: id.replaceAll("_", "-"), vcpus: 1, memoryMb: 256, diskMb: 1024, internet: false, mounts: [], ...over });
 }
 
 const agents = new Map<string, AgentClient>();
@@ -149,7 +150,7 @@ test("writes land in the machine's upper dir, never in the template layer, and /
   assert.equal((await sh(b, "test -e /etc/kiln-marker && echo seen || echo unseen; cat /etc/debian_version >/dev/null && echo kept")).trim(), "unseen\nkept");
   assert.ok(!existsSync(join(layer, "etc/kiln-marker")), "the template layer is untouched");
   assert.ok(existsSync(join(layer, "etc/debian_version")), "a delete in one machine is a whiteout in its upper dir");
-  assert.ok(existsSync(join(dataDir, "machines", a.id, "upper/etc/kiln-marker")));
+  assert.ok(existsSync(join(writableLayer(join(dataDir, "machines", a.id)).upper, "etc/kiln-marker")));
   assert.match(await sh(a, "touch /opt/kiln/x 2>&1; echo rc=$?"), /Read-only file system[\s\S]*rc=1/);
   assert.equal((await sh(a, "stat -c %U:%u /workspace /home/user /etc/passwd")).trim(), "user:1000\nuser:1000\nroot:0");
 });
@@ -288,7 +289,7 @@ test("create fails clearly, and quickly, when the agent cannot start; destroy th
   const started = Date.now();
   const id = `mch_t${process.pid}broken`;
   created.add(id);
-  await assert.rejects(d.create({ id, layers: [layer], hostname: "broken", vcpus: 1, memoryMb: 128, internet: false, mounts: [] }), /tini|exec|no such file|exited/i);
+  await assert.rejects(d.create({ id, layers: [layer], hostname: "broken", vcpus: 1, memoryMb: 128, diskMb: 1024, internet: false, mounts: [] }), /tini|exec|no such file|exited/i);
   assert.ok(Date.now() - started < 10_000, "failure is reported without waiting for the full timeout");
   await d.destroy(id);
   created.delete(id);

@@ -22,6 +22,7 @@ const VolumeMountRequest = Type.Object(
 
 const TimeoutS = Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxTimeoutS });
 const Params = Type.Object({ id: Id });
+const CidrList = Type.Array(Type.String({ minLength: 1, maxLength: 64, description: "IPv4 or IPv6 CIDR (a bare address is one host)" }), { maxItems: MACHINE_LIMITS.maxCidrs });
 
 const CreateMachine = Type.Object(
   {
@@ -34,9 +35,19 @@ const CreateMachine = Type.Object(
     timeout_s: Type.Optional({ ...TimeoutS, default: MACHINE_DEFAULTS.timeoutS }),
     vcpus: Type.Optional(Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxVcpus })),
     memory_mb: Type.Optional(Type.Integer({ minimum: MACHINE_LIMITS.minMemoryMb, maximum: MACHINE_LIMITS.maxMemoryMb })),
+    disk_mb: Type.Optional(Type.Integer({ minimum: MACHINE_LIMITS.minDiskMb, maximum: MACHINE_LIMITS.maxDiskMb, description: `Size of the machine's writable layer (default ${MACHINE_DEFAULTS.diskMb}; at most KILN_MAX_DISK_MB)` })),
     internet: Type.Optional(Type.Boolean({ default: true })),
     // Volumes mounted at boot (room: volumes).
     volumes: Type.Optional(Type.Array(VolumeMountRequest, { maxItems: VOLUME_LIMITS.maxPerMachine })),
+    network: Type.Optional(
+      Type.Object(
+        {
+          allow_out: Type.Optional({ ...CidrList, description: "Destinations opened beyond the default (which refuses the host, link-local and private ranges); wins over deny_out" }),
+          deny_out: Type.Optional({ ...CidrList, description: "Destinations closed, e.g. 0.0.0.0/0 with allow_out for an allow list" }),
+        },
+        { additionalProperties: false },
+      ),
+    ),
   },
   { additionalProperties: false },
 );

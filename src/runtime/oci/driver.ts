@@ -8,6 +8,7 @@ import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync } fr
 import { chmod, chown, link, mkdir, readFile, rename, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
+import { DEFAULT_DISK_MB } from "../driver.ts";
 import type { DriverReadiness, LiveMachine, MachineDriver, MachineSpec } from "../driver.ts";
 import type { Logger } from "../../log.ts";
 import { guestRuntimeComplete } from "../guest-runtime.ts";
@@ -16,6 +17,8 @@ import { AGENT_SOCKET_NAME, machineSpec } from "./spec.ts";
 import { detectCgroups, removeCgroups } from "./cgroups.ts";
 import { isMounted } from "./mounts.ts";
 import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, makeNetns, removeNetns, startSlirp, stopSlirp } from "./network.ts";
+import { createDiskStock, mountWritableLayer, unmountWritableLayer, writableLayer } from "./disk.ts";
+import { createEgress } from "./egress.ts";
 import { createRuntimeCli, RUNSC_MIN_RELEASE } from "./runtime-cli.ts";
 
 export { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
@@ -25,6 +28,8 @@ const exec = promisify(execFile);
 
 const AGENT_WAIT_MS = 15_000;
 const PIDS_LIMIT = 4096;
+/** Disks of the default size kept formatted and mounted, so a create waits for neither mkfs nor mount. */
+const SPARE_DISKS = 3;
 /** Machine ids become path components and runtime ids: nothing but these characters. */
 const SAFE_ID = /^[A-Za-z0-9][A-Za-z0-9_-]{0,100}$/;
 
@@ -46,8 +51,9 @@ function machinePaths(machinesDir: string, id: string, runtime: "runc" | "runsc"
   return {
     dir,
     rootfs: join(dir, "rootfs"),
-    upper: join(dir, "upper"),
-    work: join(dir, "work"),
+    layer: writableLayer(dir),
+    /** Where the machine's egress cgroup is and whether it has nftables rules of its own. */
+    egress: join(dir, "egress.json"),
     run: join(dir, "run"),
     etc: join(dir, "etc"),
     // runc: a host-only path (the listening socket is handed to the agent); runsc: inside the bound run dir.
@@ -149,6 +155,9 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   const paths = (id: string) => machinePaths(machinesDir, id, opts.runtime);
   const cli = createRuntimeCli({ runtime: opts.runtime, stateRoot, runscPlatform: opts.runscPlatform });
   const passFd = opts.runtime === "runc";
+  const disks = createDiskStock({ dir: join(opts.dataDir, "disk-stock"), sizeMb: DEFAULT_DISK_MB, count: SPARE_DISKS, owner: HOST_ID_BASE, log: opts.log });
+  const egress = createEgress();
+  const limitSwap = existsSync("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes") || (cgroups.version === "v2" && cgroups.enforced.includes("memory"));
   let readinessCache: { at: number; value: DriverReadiness } | undefined;
 
   /** Machine root (host uid 100000+) must be able to reach its bundle: give the data dirs o+x if they lack it. */
@@ -159,22 +168,22 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
 
   async function mountRoot(spec: MachineSpec, p: Paths) {
     if (isMounted(p.rootfs)) return;
-    await Promise.all([mkdir(p.rootfs, { recursive: true }), mkdir(p.upper, { recursive: true }), mkdir(p.work, { recursive: true })]);
-    // The merged root's top directory takes its owner from the upper dir: machine root, not host root.
-    await chown(p.upper, HOST_ID_BASE, HOST_ID_BASE);
+    await Promise.all([mkdir(p.rootfs, { recursive: true }), mountWritableLayer(p.layer, spec.diskMb ?? DEFAULT_DISK_MB, HOST_ID_BASE, disks)]);
     for (const layer of spec.layers) if (!existsSync(layer)) throw new Error(`template layer ${layer} is missing`);
     const lower = [...spec.layers].reverse().join(":"); // overlayfs lists the highest layer first
     try {
-      await exec("mount", ["-t", "overlay", "overlay", "-o", `lowerdir=${lower},upperdir=${p.upper},workdir=${p.work}`, p.rootfs]);
+      await exec("mount", ["-t", "overlay", "overlay", "-o", `lowerdir=${lower},upperdir=${p.layer.upper},workdir=${p.layer.work}`, p.rootfs]);
     } catch (err) {
       throw new Error(`mounting the root of ${spec.id} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
     }
   }
 
   async function unmountRoot(p: Paths) {
-    if (!existsSync(p.rootfs) || !isMounted(p.rootfs)) return;
-    await exec("umount", [p.rootfs]).catch(() => exec("umount", ["-l", p.rootfs]));
-    if (isMounted(p.rootfs)) throw new Error(`${p.rootfs} is still mounted`);
+    if (existsSync(p.rootfs) && isMounted(p.rootfs)) {
+      await exec("umount", [p.rootfs]).catch(() => exec("umount", ["-l", p.rootfs]));
+      if (isMounted(p.rootfs)) throw new Error(`${p.rootfs} is still mounted`);
+    }
+    await unmountWritableLayer(p.layer);
   }
 
   async function writeEtc(spec: MachineSpec, p: Paths) {
@@ -216,9 +225,12 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     // runsc takes its network from a namespace that is already wired when the sandbox starts. (A fresh machine has
     // none yet; start() released the last boot's before calling here.)
     const netnsFirst = opts.runtime === "runsc" && spec.internet;
+    // The machine's egress cgroup (and its own rules, if any) exist before slirp4netns opens a single socket.
+    const egressCgroup = spec.internet ? egress.prepare(spec.id, opts.hostAccess, spec.network, p.egress) : undefined;
+    egressCgroup?.catch(() => undefined);
     if (netnsFirst) {
       await makeNetns(p.netns);
-      await startSlirp({ target: { netnsPath: p.netns }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog });
+      await startSlirp({ target: { netnsPath: p.netns }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs: (await egressCgroup)! });
     }
     const config = machineSpec({
       id: spec.id,
@@ -231,6 +243,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       mounts: spec.mounts,
       vcpus: spec.vcpus,
       memoryMb: spec.memoryMb,
+      limitSwap,
       pidsLimit: PIDS_LIMIT,
       nofile,
       cgroupsPath: `/kiln/${spec.id}`,
@@ -267,7 +280,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     // The agent and the network come up in parallel; a machine is handed out only once both are there.
     await Promise.all([
       agentReady,
-      spec.internet && !netnsFirst ? startSlirp({ target: { pid }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog }) : undefined,
+      spec.internet && !netnsFirst ? egressCgroup!.then((cgroupProcs) => startSlirp({ target: { pid: pid! }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs })) : undefined,
     ]);
     // Machine root could otherwise swap its socket for a symlink the host would follow (to another machine's agent).
     if (!passFd) await Promise.all([chown(p.run, 0, 0), chmod(p.run, 0o755)]);
@@ -290,15 +303,22 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     return boot(spec);
   }
 
-  async function releaseNetwork(p: Paths) {
+  async function releaseNetwork(id: string, p: Paths) {
     await stopSlirp(p.slirpPid);
-    await removeNetns(p.netns);
+    await Promise.all([removeNetns(p.netns), egress.release(id, p.egress)]);
+  }
+
+  /** The kernel's count of OOM kills in the machine's memory cgroup (v1 memory.oom_control, v2 memory.events). */
+  async function oomKills(id: string): Promise<number> {
+    const file = cgroups.version === "v2" ? `/sys/fs/cgroup/kiln/${id}/memory.events` : `/sys/fs/cgroup/memory/kiln/${id}/memory.oom_control`;
+    const text = await readFile(file, "utf8").catch(() => "");
+    return Number(/^oom_kill (\d+)/m.exec(text)?.[1] ?? 0);
   }
 
   async function destroy(id: string): Promise<void> {
     const p = paths(id);
     await cli.remove(id);
-    await Promise.all([releaseNetwork(p), removeCgroups(cgroups, `kiln/${id}`)]);
+    await Promise.all([releaseNetwork(id, p), removeCgroups(cgroups, `kiln/${id}`)]);
     await unmountRoot(p);
     // Only once nothing is mounted under it: rm -r through a live overlay would write whiteouts, not free space.
     await rm(p.dir, { recursive: true, force: true });
@@ -319,6 +339,9 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     }
     if (!(await guestRuntimeComplete(opts.guestRuntimeDir))) problems.push(`the guest runtime at ${opts.guestRuntimeDir} is incomplete`);
     const slirp = existsSync("/usr/bin/slirp4netns");
+    let egressProblem: string | undefined;
+    await egress.ensure().catch((err: unknown) => (egressProblem = (err as Error).message));
+    if (egressProblem) problems.push(`machines' egress cannot be filtered: ${egressProblem}`);
     const value: DriverReadiness = {
       driver: "oci",
       runtime: opts.runtime,
@@ -326,7 +349,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       detail: problems.length ? problems.join("; ") : version,
       cgroup: cgroups,
       network: slirp
-        ? `slirp4netns (user-mode NAT per machine${opts.runtime === "runsc" ? ", into gVisor's own network stack" : ""}); loopback only when internet is off`
+        ? `slirp4netns (user-mode NAT per machine${opts.runtime === "runsc" ? ", into gVisor's own network stack" : ""}); loopback only when internet is off; egress: ${egress.describe()}`
         : "loopback only: slirp4netns is not installed",
     };
     readinessCache = { at: Date.now(), value };
@@ -341,7 +364,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     async stop(id) {
       const p = paths(id);
       await cli.remove(id);
-      await Promise.all([releaseNetwork(p), removeCgroups(cgroups, `kiln/${id}`)]);
+      await Promise.all([releaseNetwork(id, p), removeCgroups(cgroups, `kiln/${id}`)]);
       await unmountRoot(p);
     },
 
@@ -352,7 +375,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       })) as MachineSpec;
       // A start after a crash may find the old container still registered (stopped): clear it first.
       await cli.remove(id);
-      await releaseNetwork(p);
+      await releaseNetwork(id, p);
       return boot(spec);
     },
 
@@ -370,14 +393,30 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     async captureLayer(id, destDir) {
       const p = paths(id);
       await cli.remove(id);
-      await Promise.all([releaseNetwork(p), removeCgroups(cgroups, `kiln/${id}`)]);
-      await unmountRoot(p);
-      await rename(p.upper, destDir);
-      // What is left (bundle, work dir, sockets) goes as in destroy; the runtime already has no container.
+      await Promise.all([releaseNetwork(id, p), removeCgroups(cgroups, `kiln/${id}`)]);
+      // Only the overlay root comes down first: the upper dir lives on the machine's own disk image, so it is copied
+      // out (ownership already in the machines' range, whiteout devices and opaque xattrs kept) before the image goes.
+      if (existsSync(p.rootfs) && isMounted(p.rootfs)) {
+        await exec("umount", [p.rootfs]).catch(() => exec("umount", ["-l", p.rootfs]));
+        if (isMounted(p.rootfs)) throw new Error(`${p.rootfs} is still mounted`);
+      }
+      await mkdir(destDir, { recursive: true });
+      try {
+        await exec("cp", ["-a", "--preserve=all", `${p.layer.upper}/.`, destDir], { maxBuffer: 1024 * 1024 });
+      } catch (err) {
+        await rm(destDir, { recursive: true, force: true });
+        throw new Error(`taking the layer of ${id} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
+      }
+      await unmountWritableLayer(p.layer);
+      // What is left (bundle, the disk image, sockets) goes as in destroy; the runtime already has no container.
       await rm(p.dir, { recursive: true, force: true });
     },
 
     destroy,
+
+    async deathCause(id) {
+      return (await oomKills(id)) > 0 ? "out_of_memory" : undefined;
+    },
 
     async listLive() {
       const live: LiveMachine[] = [];
@@ -390,7 +429,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     },
 
     async close() {
-      // Machines (and their slirp4netns) outlive the control plane on purpose; nothing to release here.
+      // Machines (and their slirp4netns) outlive the control plane on purpose; only the spare disks are released.
+      await disks.close();
     },
   };
 }

@@ -21,11 +21,16 @@ export const HOST_ALIAS = "host.kiln.internal";
 /** Where slirp4netns finds the namespace: the machine's first process, or a namespace file made by makeNetns. */
 export type SlirpTarget = { pid: number } | { netnsPath: string };
 
-export async function startSlirp(opts: { target: SlirpTarget; hostAccess: boolean; pidFile: string; logFile: string }): Promise<number> {
+/**
+ * `cgroupProcs`: the cgroup.procs file of the machine's egress cgroup. slirp4netns is started by a shell that moves
+ * itself there first, so every socket slirp4netns ever opens carries that cgroup (the host filters on it).
+ */
+export async function startSlirp(opts: { target: SlirpTarget; hostAccess: boolean; pidFile: string; logFile: string; cgroupProcs: string }): Promise<number> {
   const log = openSync(opts.logFile, "a");
   const target = "pid" in opts.target ? [String(opts.target.pid)] : ["--netns-type=path", opts.target.netnsPath];
   const args = ["--configure", "--mtu=65520", "--ready-fd=3", ...(opts.hostAccess ? [] : ["--disable-host-loopback"]), ...target, "tap0"];
-  const child = spawn("slirp4netns", args, { detached: true, stdio: ["ignore", log, log, "pipe"] });
+  const inCgroup = ["-c", 'echo 0 > "$0" && exec slirp4netns "$@"', opts.cgroupProcs, ...args];
+  const child = spawn("/bin/sh", inCgroup, { detached: true, stdio: ["ignore", log, log, "pipe"] });
   closeSync(log);
   const ready = child.stdio[3] as NodeJS.ReadableStream;
   await new Promise<void>((resolve, reject) => {
@@ -49,17 +54,19 @@ export async function startSlirp(opts: { target: SlirpTarget; hostAccess: boolea
   return child.pid!;
 }
 
+/** Kills the machine's slirp4netns and waits (up to 2 s) until it is gone, so its cgroup can be removed. */
 export async function stopSlirp(pidFile: string): Promise<void> {
   const pid = Number(await readFile(pidFile, "utf8").catch(() => ""));
   if (!pid) return;
   // The pid was recorded maybe long ago (across restarts): only signal it if it is still a slirp4netns.
-  const cmdline = await readFile(`/proc/${pid}/cmdline`, "utf8").catch(() => "");
-  if (cmdline.startsWith("slirp4netns\0")) {
+  const isSlirp = async () => (await readFile(`/proc/${pid}/cmdline`, "utf8").catch(() => "")).startsWith("slirp4netns\0");
+  if (await isSlirp()) {
     try {
       process.kill(pid, "SIGKILL");
     } catch {
       // already gone
     }
+    for (let i = 0; i < 200 && (await isSlirp()); i++) await new Promise((r) => setTimeout(r, 10));
   }
   await rm(pidFile, { force: true });
 }

@@ -65,6 +65,8 @@ export interface SpecInput {
   mounts: { hostPath: string; guestPath: string; readOnly?: boolean }[];
   vcpus: number;
   memoryMb: number;
+  /** The host accounts swap per cgroup (memsw): the limit then covers memory and swap together. */
+  limitSwap: boolean;
   pidsLimit: number;
   /** Open-file limit: machine root cannot raise it past the host's, so the driver passes what the host allows. */
   nofile: number;
@@ -129,7 +131,8 @@ export function machineSpec(input: SpecInput) {
       cgroupsPath: input.cgroupsPath,
       resources: {
         devices: [{ allow: false, access: "rwm" }],
-        memory: { limit: input.memoryMb * 1024 * 1024 },
+        // OCI's swap is memory + swap: equal to the limit, a machine cannot pass its memory limit by swapping.
+        memory: { limit: input.memoryMb * 1024 * 1024, ...(input.limitSwap ? { swap: input.memoryMb * 1024 * 1024 } : {}) },
         cpu: { quota: Math.round(input.vcpus * 100_000), period: 100_000 },
         pids: { limit: input.pidsLimit },
       },

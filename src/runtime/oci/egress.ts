@@ -1,0 +1,207 @@
+// Machines' egress policy, enforced on the host where machine root cannot reach it. A machine's outbound traffic
+// leaves through its slirp4netns, a host process that opens ordinary host sockets for it; each slirp4netns runs in
+// its own cgroup v2 directory, and Kiln's own nftables table (`inet kiln`, nothing else is touched) filters the
+// sockets of those cgroups: never the host's own addresses, link-local or private ranges (the host's DNS resolvers
+// on port 53, and host loopback for host.kiln.internal when host access is on, excepted); per machine, `allow_out`
+// opens and `deny_out` closes ranges (allow_out wins where both match, so deny 0.0.0.0/0 + allow X is an allow list).
+
+import { spawn } from "node:child_process";
+import { existsSync, readFileSync } from "node:fs";
+import { mkdir, readFile, rm, rmdir, writeFile } from "node:fs/promises";
+import { isIPv4, isIPv6 } from "node:net";
+import { parseCidr } from "../cidr.ts";
+import type { Cidr } from "../cidr.ts";
+import type { EgressRules } from "../driver.ts";
+import { join } from "node:path";
+
+export const TABLE = "kiln";
+/** Level 1 of the cgroup v2 tree under which every machine's slirp4netns runs. */
+const EGRESS_CGROUP = "kiln-egress";
+/** Level 2: whether host loopback (host.kiln.internal) is reachable. Level 3 is the machine. */
+const GROUPS = { hostAccess: "host-access", isolated: "isolated" } as const;
+
+const BLOCKED_V4 = ["0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4"];
+const BLOCKED_V6 = ["::/127", "::ffff:0:0/96", "fc00::/7", "fe80::/10", "ff00::/8"];
+
+/** Where the cgroup v2 hierarchy is mounted (its own mount on hybrid v1+v2 hosts), or undefined without one. */
+function cgroupV2Root(): { path: string; nftPrefix: string } | undefined {
+  if (existsSync("/sys/fs/cgroup/cgroup.controllers")) return { path: "/sys/fs/cgroup", nftPrefix: "" };
+  if (existsSync("/sys/fs/cgroup/unified/cgroup.controllers")) return { path: "/sys/fs/cgroup/unified", nftPrefix: "unified/" };
+  return undefined;
+}
+
+/** The host's resolvers, which slirp4netns forwards the machine's DNS (10.0.2.3) to: private or loopback, often. */
+function resolvers(): { v4: string[]; v6: string[] } {
+  let text = "";
+  try {
+    text = readFileSync("/etc/resolv.conf", "utf8");
+  } catch {
+    // no resolvers: DNS in machines will not work, as on the host
+  }
+  const servers = [...text.matchAll(/^\s*nameserver\s+(\S+)/gm)].map((m) => m[1].replace(/%.*$/, ""));
+  return { v4: servers.filter((s) => isIPv4(s)), v6: servers.filter((s) => isIPv6(s)) };
+}
+
+async function nft(script: string): Promise<void> {
+  await new Promise<void>((resolve, reject) => {
+    const child = spawn("nft", ["-f", "-"], { stdio: ["pipe", "ignore", "pipe"] });
+    let stderr = "";
+    child.stderr.on("data", (d: Buffer) => (stderr += d.toString()));
+    child.once("error", (err) => reject(new Error(`nft could not be run (apt-get install nftables): ${err.message}`)));
+    child.once("exit", (code) => (code === 0 ? resolve() : reject(new Error(`nft failed: ${stderr.trim().split("\n").slice(0, 3).join(" ")}`))));
+    child.stdin.end(script);
+  });
+}
+
+const REJECT = "meta l4proto tcp reject with tcp reset";
+const REJECT_OTHER = "reject with icmpx port-unreachable";
+
+function elements(list: string[]): string {
+  return `{ ${list.join(", ")} }`;
+}
+
+export interface Egress {
+  /** Sets up (or refreshes, atomically) Kiln's table; keeps what running machines added to it. */
+  ensure(): Promise<void>;
+  /** The cgroup.procs file a machine's slirp4netns must move into before it opens any socket. */
+  prepare(id: string, hostAccess: boolean, policy: EgressRules | undefined, marker: string): Promise<string>;
+  /** Removes the machine's rules and cgroup once its slirp4netns is gone. Idempotent. */
+  release(id: string, marker: string): Promise<void>;
+  /** How egress is filtered, for readiness. */
+  describe(): string;
+}
+
+export function createEgress(): Egress {
+  const root = cgroupV2Root();
+  let ensured: Promise<void> | undefined;
+
+  const nftName = (id: string) => `m_${id.replace(/[^A-Za-z0-9_]/g, "_")}`;
+  const groupOf = (hostAccess: boolean) => (hostAccess ? GROUPS.hostAccess : GROUPS.isolated);
+  const cgroupDir = (group: string, id: string) => join(root!.path, EGRESS_CGROUP, group, id);
+  const nftCgroup = (group: string, id: string) => `"${root!.nftPrefix}${EGRESS_CGROUP}/${group}/${id}"`;
+
+  async function setUp() {
+    if (!root) throw new Error("no cgroup v2 hierarchy is mounted: machines' egress cannot be filtered");
+    await Promise.all(Object.values(GROUPS).map((g) => mkdir(join(root.path, EGRESS_CGROUP, g), { recursive: true })));
+    const dns = resolvers();
+    const prefix = root.nftPrefix;
+    const script = [
+      `add table inet ${TABLE}`,
+      `add set inet ${TABLE} blocked4 { type ipv4_addr; flags interval; }`,
+      `flush set inet ${TABLE} blocked4`,
+      `add element inet ${TABLE} blocked4 ${elements(BLOCKED_V4)}`,
+      `add set inet ${TABLE} blocked6 { type ipv6_addr; flags interval; }`,
+      `flush set inet ${TABLE} blocked6`,
+      `add element inet ${TABLE} blocked6 ${elements(BLOCKED_V6)}`,
+      `add set inet ${TABLE} dns4 { type ipv4_addr; }`,
+      `flush set inet ${TABLE} dns4`,
+      ...(dns.v4.length ? [`add element inet ${TABLE} dns4 ${elements(dns.v4)}`] : []),
+      `add set inet ${TABLE} dns6 { type ipv6_addr; }`,
+      `flush set inet ${TABLE} dns6`,
+      ...(dns.v6.length ? [`add element inet ${TABLE} dns6 ${elements(dns.v6)}`] : []),
+      // Machines with their own allow/deny lists: the machine's cgroup (level 3) → a jump to its chain.
+      `add map inet ${TABLE} machines { type cgroupsv2 : verdict; }`,
+      `add chain inet ${TABLE} egress`,
+      `flush chain inet ${TABLE} egress`,
+      `add rule inet ${TABLE} egress ip daddr @dns4 meta l4proto { tcp, udp } th dport 53 accept`,
+      `add rule inet ${TABLE} egress ip6 daddr @dns6 meta l4proto { tcp, udp } th dport 53 accept`,
+      `add rule inet ${TABLE} egress socket cgroupv2 level 3 vmap @machines`,
+      `add rule inet ${TABLE} egress socket cgroupv2 level 2 "${prefix}${EGRESS_CGROUP}/${GROUPS.hostAccess}" ip daddr 127.0.0.1 accept`,
+      `add rule inet ${TABLE} egress socket cgroupv2 level 2 "${prefix}${EGRESS_CGROUP}/${GROUPS.hostAccess}" ip6 daddr ::1 accept`,
+      // Every address of the host, whatever interface it is on.
+      `add rule inet ${TABLE} egress fib daddr type local ${REJECT}`,
+      `add rule inet ${TABLE} egress fib daddr type local ${REJECT_OTHER}`,
+      `add rule inet ${TABLE} egress ip daddr @blocked4 ${REJECT}`,
+      `add rule inet ${TABLE} egress ip daddr @blocked4 ${REJECT_OTHER}`,
+      `add rule inet ${TABLE} egress ip6 daddr @blocked6 ${REJECT}`,
+      `add rule inet ${TABLE} egress ip6 daddr @blocked6 ${REJECT_OTHER}`,
+      `add chain inet ${TABLE} output { type filter hook output priority 0; policy accept; }`,
+      `flush chain inet ${TABLE} output`,
+      `add rule inet ${TABLE} output socket cgroupv2 level 1 "${prefix}${EGRESS_CGROUP}" jump egress`,
+    ].join("\n");
+    await nft(script + "\n");
+  }
+
+  function ensure(): Promise<void> {
+    ensured ??= setUp().catch((err: unknown) => {
+      ensured = undefined; // try again on the next machine: nftables may be installed meanwhile
+      throw err;
+    });
+    return ensured;
+  }
+
+  async function prepare(id: string, hostAccess: boolean, policy: EgressRules | undefined, marker: string): Promise<string> {
+    await ensure();
+    const group = groupOf(hostAccess);
+    const dir = cgroupDir(group, id);
+    await mkdir(dir, { recursive: true });
+    // The marker says where the cgroup is and whether rules were added, so release() needs no listing of the table.
+    await writeFile(marker, JSON.stringify({ group, rules: Boolean(policy && (policy.allowOut.length || policy.denyOut.length)) }));
+    if (policy && (policy.allowOut.length || policy.denyOut.length)) {
+      const name = nftName(id);
+      const split = (list: string[]) => {
+        const parsed = list.map(parseCidr).filter((c): c is Cidr => "cidr" in c);
+        return { v4: parsed.filter((c) => c.family === 4).map((c) => c.cidr), v6: parsed.filter((c) => c.family === 6).map((c) => c.cidr) };
+      };
+      const allow = split(policy.allowOut);
+      const deny = split(policy.denyOut);
+      const lines: string[] = [];
+      const set = (suffix: string, type: string, list: string[]) => {
+        lines.push(`add set inet ${TABLE} ${name}_${suffix} { type ${type}; flags interval; auto-merge; }`, `flush set inet ${TABLE} ${name}_${suffix}`);
+        if (list.length) lines.push(`add element inet ${TABLE} ${name}_${suffix} ${elements(list)}`);
+      };
+      set("allow4", "ipv4_addr", allow.v4);
+      set("allow6", "ipv6_addr", allow.v6);
+      set("deny4", "ipv4_addr", deny.v4);
+      set("deny6", "ipv6_addr", deny.v6);
+      lines.push(
+        `add chain inet ${TABLE} ${name}`,
+        `flush chain inet ${TABLE} ${name}`,
+        `add rule inet ${TABLE} ${name} ip daddr @${name}_allow4 accept`,
+        `add rule inet ${TABLE} ${name} ip6 daddr @${name}_allow6 accept`,
+        `add rule inet ${TABLE} ${name} ip daddr @${name}_deny4 ${REJECT}`,
+        `add rule inet ${TABLE} ${name} ip daddr @${name}_deny4 ${REJECT_OTHER}`,
+        `add rule inet ${TABLE} ${name} ip6 daddr @${name}_deny6 ${REJECT}`,
+        `add rule inet ${TABLE} ${name} ip6 daddr @${name}_deny6 ${REJECT_OTHER}`,
+        `add element inet ${TABLE} machines { ${nftCgroup(group, id)} : jump ${name} }`,
+      );
+      await nft(lines.join("\n") + "\n");
+    }
+    return join(dir, "cgroup.procs");
+  }
+
+  async function release(id: string, marker: string): Promise<void> {
+    if (!root) return;
+    const recorded = await readFile(marker, "utf8").catch(() => "");
+    if (!recorded) return;
+    const { group, rules } = JSON.parse(recorded) as { group: string; rules: boolean };
+    const dir = cgroupDir(group, id);
+    if (rules) {
+      const name = nftName(id);
+      const sets = ["allow4", "allow6", "deny4", "deny6"].map((s) => `delete set inet ${TABLE} ${name}_${s}`);
+      const element = existsSync(dir) ? [`delete element inet ${TABLE} machines { ${nftCgroup(group, id)} }`] : [];
+      // One transaction; if part was already gone (a release cut short), each piece on its own.
+      await nft([...element, `delete chain inet ${TABLE} ${name}`, ...sets].join("\n") + "\n").catch(async () => {
+        for (const line of [...element, `delete chain inet ${TABLE} ${name}`, ...sets]) await nft(line + "\n").catch(() => undefined);
+      });
+    }
+    // The cgroup empties once slirp4netns has exited; the kernel may take a moment after the kill to let it go.
+    for (let i = 0; existsSync(dir); i++) {
+      try {
+        await rmdir(dir);
+      } catch (err) {
+        if ((err as NodeJS.ErrnoException).code === "ENOENT") break;
+        if (i >= 200) throw new Error(`the egress cgroup ${dir} did not empty: ${(err as Error).message}`);
+        await new Promise((r) => setTimeout(r, 10));
+      }
+    }
+    await rm(marker, { force: true });
+  }
+
+  return {
+    ensure,
+    prepare,
+    release,
+    describe: () => (root ? `host nftables table inet ${TABLE} on each machine's slirp4netns cgroup (${root.path}/${EGRESS_CGROUP})` : "not filtered: no cgroup v2 hierarchy"),
+  };
+}
