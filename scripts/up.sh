@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql util-linux)
+# Image imports and Dockerfile builds: xattrs on layer dirs (attr), the embedded Dockerfile builder (buildah), and
+# what the tests and benchmarks run against (a loopback registry with bcrypt htpasswd, skopeo as the baseline).
+PACKAGES+=(attr buildah skopeo docker-registry apache2-utils)
 # Any Node with npm will do to bootstrap: npm ci then brings Node 24 itself.
 command -v npm >/dev/null 2>&1 || PACKAGES+=(nodejs npm)
 

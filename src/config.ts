@@ -23,6 +23,8 @@ export interface Config {
   debianMirror: string | undefined;
   /** Machines of the base template kept booted ahead of time (0 turns the pool off). */
   warmPool: number;
+  /** Registry hosts (host or host:port) image imports and Dockerfile builds reach over plain HTTP. */
+  insecureRegistries: string[];
 }
 
 export class ConfigError extends Error {}
@@ -46,6 +48,7 @@ export const CONFIG_VARS = [
   ["KILN_BODY_LIMIT_BYTES", "104857600", "largest request body accepted (file uploads included)"],
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
   ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
+  ["KILN_INSECURE_REGISTRIES", "(none)", "comma-separated registry hosts (host[:port]) reached over plain HTTP"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -83,6 +86,7 @@ export function loadConfig(env: Env = process.env): Config {
     bodyLimitBytes: intVar(env, "KILN_BODY_LIMIT_BYTES", 100 * 1024 * 1024, 1024, 16 * 1024 * 1024 * 1024),
     debianMirror: env.KILN_DEBIAN_MIRROR || undefined,
     warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
+    insecureRegistries: registryList(env, "KILN_INSECURE_REGISTRIES"),
   };
 }
 
@@ -94,6 +98,14 @@ function intVar(env: Env, name: string, fallback: number, min: number, max: numb
     throw new ConfigError(`${name} must be an integer from ${min} to ${max}, got ${JSON.stringify(raw)}`);
   }
   return n;
+}
+
+function registryList(env: Env, name: string): string[] {
+  const hosts = (env[name] ?? "").split(",").map((h) => h.trim()).filter(Boolean);
+  for (const h of hosts) {
+    if (!/^[A-Za-z0-9.-]+(:\d{1,5})?$/.test(h)) throw new ConfigError(`${name} must list registry hosts as host or host:port, got ${JSON.stringify(h)}`);
+  }
+  return hosts;
 }
 
 function boolVar(env: Env, name: string): boolean {

@@ -2,7 +2,7 @@
 // manifest and platform chosen, each layer downloaded once and unpacked once into a dir keyed by its diff id.
 
 import { existsSync } from "node:fs";
-import { mkdir, readFile, rename, rm, writeFile } from "node:fs/promises";
+import { readFile, rename, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { createRegistryClient } from "./registry.ts";
 import type { BaseImageAuth } from "./auth.ts";
@@ -61,12 +61,8 @@ export async function importImage(reference: string, opts: ImportOptions): Promi
     const configDesc = manifest.json.config as { digest: string } | undefined;
     if (!configDesc?.digest) throw importError(`the manifest ${manifest.digest} has no config`);
     const configPath = blobPath(opts.cacheDir, configDesc.digest);
-    let configBody: Buffer;
-    if (existsSync(configPath)) configBody = await readFile(configPath);
-    else {
-      configBody = await client.getBlob(ref.repository, configDesc.digest);
-      await writeAtomic(configPath, configBody);
-    }
+    if (!existsSync(configPath)) await once(configPath, () => client.downloadBlob(ref.repository, configDesc.digest, configPath).then(() => configPath));
+    const configBody = await readFile(configPath);
     const source: BlobSource = async (layer, onBytes) => {
       const path = blobPath(opts.cacheDir, layer.digest);
       if (!existsSync(path)) await once(path, () => client.downloadBlob(ref.repository, layer.digest, path, onBytes).then(() => path));
@@ -191,13 +187,6 @@ function once(key: string, work: () => Promise<string>): Promise<string> {
   const p = work().finally(() => inFlight.delete(key));
   inFlight.set(key, p);
   return p;
-}
-
-async function writeAtomic(path: string, body: Buffer): Promise<void> {
-  await mkdir(join(path, ".."), { recursive: true });
-  const tmp = `${path}.tmp-${process.pid}`;
-  await writeFile(tmp, body);
-  await rename(tmp, path);
 }
 
 function platformName(d: PlatformDescriptor): string {

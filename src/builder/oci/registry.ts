@@ -206,21 +206,7 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
     throw importError(`blob ${digest} of ${registry}/${repository} could not be downloaded after ${BLOB_ATTEMPTS} attempts: ${(lastError as Error)?.message}`);
   }
 
-  /** A small blob (an image config) read whole and checked against its digest. */
-  async function getBlob(repository: string, digest: string, maxBytes = MAX_MANIFEST_BYTES): Promise<Buffer> {
-    const res = await get(repository, `blobs/${digest}`);
-    if (res.statusCode !== 200) {
-      await res.body.dump();
-      throw importError(`registry ${registry} answered ${res.statusCode} for blob ${digest}`);
-    }
-    const body = Buffer.from(await res.body.arrayBuffer());
-    if (body.length > maxBytes) throw importError(`blob ${digest} is larger than expected`);
-    const got = `sha256:${createHash("sha256").update(body).digest("hex")}`;
-    if (got !== digest) throw importError(`blob ${digest} does not match its digest (got ${got})`);
-    return body;
-  }
-
-  return { registry, getManifest, downloadBlob, getBlob, close: () => dispatcher.close() };
+  return { registry, getManifest, downloadBlob, close: () => dispatcher.close() };
 }
 
 export type RegistryClient = ReturnType<typeof createRegistryClient>;
