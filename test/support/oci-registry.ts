@@ -160,7 +160,7 @@ export async function pushImage(reg: TestRegistry, repo: string, tag: string | u
     diffIds.push(sha256(tar));
   }
   const config = Buffer.from(
-    JSON.stringify({ architecture: image.architecture ?? "amd64", os: "linux", config: image.config ?? {}, rootfs: { type: "layers", diff_ids: diffIds }, ...image.extraConfig }),
+    JSON.stringify({ architecture: image.architecture ?? "amd64", os: "linux", config: image.config ?? {}, rootfs: { type: "layers", diff_ids: diffIds }, history: diffIds.map((_, i) => ({ created_by: `kiln test layer ${i + 1}` })), ...image.extraConfig }),
   );
   const configDigest = await pushBlob(reg, repo, config);
   const manifest = {
