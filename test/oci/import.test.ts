@@ -225,3 +225,14 @@ test("a registry is reached over plain HTTP only when KILN_INSECURE_REGISTRIES n
   const msg = await rejection(importImage(`${reg.host}/plain/app:v1`, { cacheDir, arch: "amd64", timeoutMs: 5000 }));
   assert.match(msg, /could not be reached/);
 });
+
+test("a cancelled import stops with an error and leaves no partial layer", opt, async () => {
+  await pushImage(reg, "cancel/app", "v1", { layers: [{ entries: [{ name: "x", content: "x" }] }] });
+  const cache = await mkdtemp(join(tmpdir(), "kiln-oci-cache-"));
+  const ctl = new AbortController();
+  ctl.abort();
+  const err = await importImage(`${reg.host}/cancel/app:v1`, { cacheDir: cache, insecureRegistries: [reg.host], arch: "amd64", signal: ctl.signal }).then(() => undefined, (e: Error) => e);
+  assert.ok(err, "the import fails");
+  assert.ok(!existsSync(join(cache, "layers")) || execFileSync("ls", [join(cache, "layers")]).toString() === "", "no layer dir was left");
+  await rm(cache, { recursive: true, force: true });
+});

@@ -23,11 +23,12 @@ export interface ImportOptions extends ImportEvents {
   insecureRegistries?: string[];
   arch?: string;
   timeoutMs?: number;
+  signal?: AbortSignal;
 }
 
 export interface ImportedImage extends SourceLayers {
-  /** The manifest actually unpacked (platform-specific), `sha256:…`. */
-  manifestDigest: string;
+  /** The manifest actually unpacked (platform-specific), `sha256:…`: the source's identity in cache keys. */
+  digest: string;
   reference: string;
 }
 
@@ -46,7 +47,7 @@ const inFlight = new Map<string, Promise<string>>();
 
 export async function importImage(reference: string, opts: ImportOptions): Promise<ImportedImage> {
   const ref = parseReference(reference);
-  const client = createRegistryClient(ref.registry, { auth: opts.auth, insecureRegistries: opts.insecureRegistries, timeoutMs: opts.timeoutMs });
+  const client = createRegistryClient(ref.registry, { auth: opts.auth, insecureRegistries: opts.insecureRegistries, timeoutMs: opts.timeoutMs, signal: opts.signal });
   try {
     opts.onMessage?.(`resolving ${formatReference(ref)}`);
     let manifest = await client.getManifest(ref.repository, ref.digest ?? ref.tag!);
@@ -69,7 +70,7 @@ export async function importImage(reference: string, opts: ImportOptions): Promi
       return { path, transient: true };
     };
     const result = await materialise(manifest.json, configBody, manifest.digest, source, opts);
-    return { ...result, manifestDigest: manifest.digest, reference: formatReference(ref) };
+    return { ...result, digest: manifest.digest, reference: formatReference(ref) };
   } finally {
     await client.close();
   }
@@ -90,7 +91,7 @@ export async function importOciLayout(layoutDir: string, opts: ImportOptions): P
   const configBody = await read((manifest.config as { digest: string }).digest);
   const source: BlobSource = async (layer) => ({ path: join(layoutDir, "blobs", ...layer.digest.split(":")), transient: false });
   const result = await materialise(manifest, configBody, desc.digest, source, opts);
-  return { ...result, manifestDigest: desc.digest, reference: `oci:${layoutDir}` };
+  return { ...result, digest: desc.digest, reference: `oci:${layoutDir}` };
 }
 
 async function materialise(manifest: Record<string, unknown>, configBody: Buffer, manifestDigest: string, source: BlobSource, opts: ImportOptions): Promise<SourceLayers> {
@@ -130,6 +131,7 @@ async function materialise(manifest: Record<string, unknown>, configBody: Buffer
   let next = 0;
   const worker = async () => {
     while (next < layers.length) {
+      if (opts.signal?.aborted) throw importError("the import was cancelled");
       const i = next++;
       const layer = layers[i];
       const dir = layerDir(opts.cacheDir, layer.diffId);

@@ -48,6 +48,7 @@ export function parseReference(input: string): ImageReference {
   }
   if (registry === "docker.io" || registry === "index.docker.io") registry = DOCKER_HUB;
   if (registry === DOCKER_HUB && !repository.includes("/")) repository = `library/${repository}`;
+  if (!/^[A-Za-z0-9.-]+(:\d{1,5})?$/.test(registry)) throw importError(`image reference ${JSON.stringify(input)} has an invalid registry host`);
   if (!REPO_RE.test(repository)) throw importError(`image reference ${JSON.stringify(input)} has an invalid repository name`);
   if (!tag && !digest) tag = "latest";
   return { registry, repository, tag, digest };

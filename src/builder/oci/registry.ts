@@ -19,6 +19,8 @@ export interface RegistryClientOptions {
   insecureRegistries?: string[];
   /** Bound on one request's headers and on silence while a body streams. */
   timeoutMs?: number;
+  /** Cancels every request in flight (a cancelled build). */
+  signal?: AbortSignal;
 }
 
 export interface Manifest {
@@ -71,7 +73,7 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
     realm.searchParams.set("scope", `repository:${repository}:pull`);
     const headers: Record<string, string> = {};
     if (credential?.kind === "basic") headers.authorization = basicHeader(credential.username, credential.password);
-    const res = await request(realm, { headers, dispatcher });
+    const res = await request(realm, { headers, dispatcher, signal: opts.signal });
     const text = await res.body.text();
     if (res.statusCode === 401 || res.statusCode === 403) throw importError(`registry ${registry} refused the credentials for ${repository} (${res.statusCode})`);
     if (res.statusCode !== 200) throw importError(`registry ${registry}'s token service answered ${res.statusCode}`);
@@ -117,8 +119,9 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
 
   async function send(url: URL, headers: Record<string, string>): Promise<Dispatcher.ResponseData> {
     try {
-      return await request(url, { headers, dispatcher });
+      return await request(url, { headers, dispatcher, signal: opts.signal });
     } catch (err) {
+      if (opts.signal?.aborted) throw err;
       throw importError(`registry ${registry} could not be reached: ${(err as Error).message}`);
     }
   }
@@ -199,7 +202,7 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
         await rename(partial, dest);
         return offset;
       } catch (err) {
-        if ((err as { detail?: unknown }).detail) throw err; // a verdict, not a cut connection
+        if ((err as { detail?: unknown }).detail || opts.signal?.aborted) throw err; // a verdict or a cancel, not a cut connection
         lastError = err;
       }
     }
