@@ -22,6 +22,8 @@ export const SECRET_FIELDS = [
   "key",
   "cookie",
   "x-api-key",
+  "base_image_auth",
+  "registry_credentials",
 ] as const;
 
 const SECRET_SET = new Set<string>(SECRET_FIELDS);
