@@ -25,6 +25,8 @@ export interface Config {
   warmPool: number;
   /** Registry hosts (host or host:port) image imports and Dockerfile builds reach over plain HTTP. */
   insecureRegistries: string[];
+  /** A BuildKit daemon for Dockerfile builds (BuildKit's own BUILDKIT_HOST); unset builds with Buildah. */
+  buildkitHost: string | undefined;
 }
 
 export class ConfigError extends Error {}
@@ -87,6 +89,7 @@ export function loadConfig(env: Env = process.env): Config {
     debianMirror: env.KILN_DEBIAN_MIRROR || undefined,
     warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
     insecureRegistries: registryList(env, "KILN_INSECURE_REGISTRIES"),
+    buildkitHost: env.BUILDKIT_HOST || undefined,
   };
 }
 

@@ -39,4 +39,6 @@ test("a bad database URL never echoes its password", () => {
 test("KILN_INSECURE_REGISTRIES lists the registry hosts reached over plain HTTP", () => {
   assert.deepEqual(loadConfig({}).insecureRegistries, []);
   assert.deepEqual(loadConfig({ KILN_INSECURE_REGISTRIES: "127.0.0.1:5000, registry.lan" }).insecureRegistries, ["127.0.0.1:5000", "registry.lan"]);
+  assert.equal(loadConfig({}).buildkitHost, undefined, "Dockerfile builds use Buildah unless BUILDKIT_HOST names a daemon");
+  assert.equal(loadConfig({ BUILDKIT_HOST: "unix:///run/buildkit/buildkitd.sock" }).buildkitHost, "unix:///run/buildkit/buildkitd.sock");
 });

@@ -7,7 +7,7 @@
 
 import { spawn } from "node:child_process";
 import { existsSync, lstatSync, readFileSync, realpathSync } from "node:fs";
-import { chmod, lchown, lstat, mkdir, mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
+import { chmod, copyFile, lchown, lstat, mkdir, mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
 import { isAbsolute, join, relative, resolve } from "node:path";
 import { HOST_ID_BASE, ID_RANGE } from "../../runtime/oci/idmap.ts";
 import { KilnError } from "../../errors.ts";
@@ -26,8 +26,9 @@ export interface RegistryCredentialInput {
 }
 
 export interface DockerfileBuild extends ImportEvents {
-  /** The build context on disk (the uploaded files). */
-  contextDir: string;
+  /** The build context: a directory on disk, or the uploaded files (blobs) the backend lays out in its scratch dir. */
+  contextDir?: string;
+  contextFiles?: ContextFileInput[];
   /** Inline Dockerfile text; when absent, `dockerfilePath` (default `Dockerfile`) inside the context is used. */
   dockerfile?: string;
   dockerfilePath?: string;
@@ -50,20 +51,36 @@ export interface DockerfileBuild extends ImportEvents {
   signal?: AbortSignal;
 }
 
+/** An uploaded context file: its path in the context and where its verified bytes are. */
+export interface ContextFileInput {
+  path: string;
+  blobPath: string;
+  /** Octal permission bits ("0755" or 0o755); files are 0644 otherwise. */
+  mode?: string | number;
+}
+
 const SECRET_ID = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$/;
 const OUTPUT_TAG = "kiln-build-output";
 
 /** What the Dockerfile says, checked before any stream starts: a bad request is an `invalid_request` error. */
-export function validateDockerfileBuild(b: Pick<DockerfileBuild, "contextDir" | "dockerfile" | "dockerfilePath" | "secrets" | "registryCredentials" | "baseImageAuth">): { text: string; hosts: string[] } {
+export function validateDockerfileBuild(b: Pick<DockerfileBuild, "contextDir" | "contextFiles" | "dockerfile" | "dockerfilePath" | "secrets" | "registryCredentials" | "baseImageAuth">): { text: string; hosts: string[] } {
   const bad = (message: string) => new KilnError("invalid_request", message);
   let text = b.dockerfile;
-  if (text === undefined) {
+  if (text === undefined || b.dockerfilePath !== undefined) {
     const path = b.dockerfilePath ?? "Dockerfile";
     if (isAbsolute(path) || path.split("/").includes("..")) throw bad(`dockerfile_path ${JSON.stringify(path)} must be a relative path inside the build context`);
-    const full = resolve(b.contextDir, path);
-    if (!existsSync(full) || !lstatSync(full).isFile()) throw bad(`dockerfile_path ${JSON.stringify(path)} is not a file in the build context`);
-    if (relative(realpathSync(b.contextDir), realpathSync(full)).startsWith("..")) throw bad(`dockerfile_path ${JSON.stringify(path)} leads outside the build context`);
-    text = readFileSync(full, "utf8");
+    if (b.contextFiles) {
+      const norm = path.replace(/^\.\//, "");
+      const file = b.contextFiles.find((f) => f.path.replace(/^\.?\//, "") === norm);
+      if (!file) throw bad(`dockerfile_path ${JSON.stringify(path)} is not a file in the build context`);
+      text = readFileSync(file.blobPath, "utf8");
+    } else {
+      const dir = b.contextDir ?? ".";
+      const full = resolve(dir, path);
+      if (!existsSync(full) || !lstatSync(full).isFile()) throw bad(`dockerfile_path ${JSON.stringify(path)} is not a file in the build context`);
+      if (relative(realpathSync(dir), realpathSync(full)).startsWith("..")) throw bad(`dockerfile_path ${JSON.stringify(path)} leads outside the build context`);
+      text = readFileSync(full, "utf8");
+    }
   }
   const ids = new Set<string>();
   for (const s of b.secrets ?? []) {
@@ -103,6 +120,8 @@ export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers>
   const scratch = await mkdtemp(join(b.scratchParent, "bld-"));
   await chmod(scratch, 0o700);
   try {
+    // No context at all is an empty one: a Dockerfile without COPY needs none.
+    const contextDir = b.contextDir ?? (await layOutContext(join(scratch, "context"), b.contextFiles ?? []));
     const dockerfile = join(scratch, "Dockerfile");
     await writeFile(dockerfile, text, { mode: 0o600 });
     const secretArgs: string[] = [];
@@ -126,8 +145,8 @@ export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers>
     // A RUN that prints a secret must not put it in the build log: every secret value is masked in builder output.
     const hidden = secretValues(b);
     const onLine = (line: string) => b.onMessage?.(mask(line, hidden));
-    if (b.buildkitHost) await buildWithBuildctl(b, scratch, dockerfile, secretArgs, out, onLine);
-    else await buildWithBuildah(b, scratch, dockerfile, secretArgs, authFile, out, onLine);
+    if (b.buildkitHost) await buildWithBuildctl(b, contextDir, scratch, secretArgs, out, onLine);
+    else await buildWithBuildah(b, contextDir, scratch, dockerfile, secretArgs, authFile, out, onLine);
     return await importOciLayout(out, { cacheDir: b.cacheDir, onMessage: b.onMessage, onLayer: b.onLayer });
   } catch (err) {
     const e = err as Error;
@@ -160,12 +179,27 @@ function mask(text: string, values: string[]): string {
   return out;
 }
 
+/** The uploaded context files at their paths (copies: the builder may change them), with their modes. */
+async function layOutContext(dir: string, files: ContextFileInput[]): Promise<string> {
+  await mkdir(dir, { recursive: true });
+  for (const f of files) {
+    const rel = f.path.replace(/^\.?\/+/, "");
+    if (!rel || isAbsolute(rel) || rel.split("/").includes("..")) throw new KilnError("invalid_request", `context path ${JSON.stringify(f.path)} must stay inside the context`);
+    const dest = join(dir, rel);
+    await mkdir(join(dest, ".."), { recursive: true });
+    await copyFile(f.blobPath, dest);
+    const mode = typeof f.mode === "string" ? parseInt(f.mode, 8) : f.mode;
+    await chmod(dest, Number.isInteger(mode) ? mode! & 0o7777 : 0o644);
+  }
+  return dir;
+}
+
 /** Docker Hub's credentials live under docker.io in containers' auth files. */
 function authKey(registry: string): string {
   return sameRegistry(registry, "docker.io") ? "docker.io" : registry.replace(/^https?:\/\//, "").replace(/\/.*$/, "");
 }
 
-async function buildWithBuildah(b: DockerfileBuild, scratch: string, dockerfile: string, secretArgs: string[], authFile: string, out: string, onLine: (l: string) => void) {
+async function buildWithBuildah(b: DockerfileBuild, contextDir: string, scratch: string, dockerfile: string, secretArgs: string[], authFile: string, out: string, onLine: (l: string) => void) {
   const storage = ["--root", join(scratch, "root"), "--runroot", join(scratch, "runroot"), "--storage-driver", "vfs"];
   await mkdir(join(scratch, "tmp"), { mode: 0o700 });
   const conf = join(scratch, "registries.conf");
@@ -181,7 +215,7 @@ async function buildWithBuildah(b: DockerfileBuild, scratch: string, dockerfile:
   const args = ["bud", "--isolation", "chroot", "--layers=false", "--authfile", authFile, "-f", dockerfile, "-t", OUTPUT_TAG];
   for (const [k, v] of Object.entries(b.buildArgs ?? {})) args.push("--build-arg", `${k}=${v}`);
   if (b.target) args.push("--target", b.target);
-  args.push(...secretArgs, b.contextDir);
+  args.push(...secretArgs, contextDir);
   await buildah(args);
   // Uncompressed layers: the importer reads them straight off the disk, and nothing goes over a network.
   await buildah(["push", "--disable-compression", "--quiet", OUTPUT_TAG, `oci:${out}:latest`]);
@@ -233,9 +267,9 @@ async function unshift(root: string) {
   if (st.uid >= HOST_ID_BASE) await lchown(root, st.uid - HOST_ID_BASE, st.gid - HOST_ID_BASE);
 }
 
-async function buildWithBuildctl(b: DockerfileBuild, scratch: string, dockerfile: string, secretArgs: string[], out: string, onLine: (l: string) => void) {
+async function buildWithBuildctl(b: DockerfileBuild, contextDir: string, scratch: string, secretArgs: string[], out: string, onLine: (l: string) => void) {
   const tar = join(scratch, "image.tar");
-  const args = ["--addr", b.buildkitHost!, "build", "--progress", "plain", "--frontend", "dockerfile.v0", "--local", `context=${b.contextDir}`, "--local", `dockerfile=${scratch}`, "--opt", "filename=Dockerfile"];
+  const args = ["--addr", b.buildkitHost!, "build", "--progress", "plain", "--frontend", "dockerfile.v0", "--local", `context=${contextDir}`, "--local", `dockerfile=${scratch}`, "--opt", "filename=Dockerfile"];
   for (const [k, v] of Object.entries(b.buildArgs ?? {})) args.push("--opt", `build-arg:${k}=${v}`);
   if (b.target) args.push("--opt", `target=${b.target}`);
   args.push(...secretArgs, "--output", `type=oci,dest=${tar},compression=uncompressed`);
