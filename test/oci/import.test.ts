@@ -192,22 +192,28 @@ test("User in all six forms resolves against the image's own /etc/passwd and /et
   const passwd = "root:x:0:0:root:/root:/bin/sh\napp:x:1001:1002:app:/home/app:/bin/sh\n";
   const group = "root:x:0:\nstaff:x:50:\napp:x:1002:\n";
   const base = { entries: [{ name: "etc/passwd", content: passwd }, { name: "etc/group", content: group }] };
-  const cases: [string, string][] = [
-    ["app", "1001:1002"],
-    ["1001", "1001:1002"],
-    ["app:staff", "1001:50"],
-    ["app:77", "1001:77"],
-    ["4242:staff", "4242:50"],
-    ["4242:4343", "4242:4343"],
+  const cases: [string, { uid: number; gid: number }, string][] = [
+    ["app", { uid: 1001, gid: 1002 }, "app"],
+    ["1001", { uid: 1001, gid: 1002 }, "app"],
+    ["app:staff", { uid: 1001, gid: 50 }, "app"],
+    ["app:77", { uid: 1001, gid: 77 }, "app"],
+    ["4242:staff", { uid: 4242, gid: 50 }, "u4242"],
+    ["4242:4343", { uid: 4242, gid: 4343 }, "u4242"],
   ];
-  for (const [i, [user, want]] of cases.entries()) {
+  for (const [i, [user, ids, name]] of cases.entries()) {
     await pushImage(reg, "users/app", `u${i}`, { layers: [base], config: { User: user, Env: ["A=1", "PATH=/bin"], WorkingDir: "/srv", Cmd: ["sh"] } });
     const img = await importOf(`users/app:u${i}`);
-    assert.equal(img.config.user, want, `User ${user}`);
+    assert.deepEqual(img.userIds, ids, `User ${user}`);
+    assert.equal(img.config.user, name, `User ${user} runs as ${name}`);
+    const accounts = (await readFromStack(img.layers.map((l) => l.dir), "/etc/passwd"))?.toString() ?? "";
+    assert.ok(accounts.startsWith(passwd), "the image's own accounts are kept");
+    if (name === "u4242") assert.ok(accounts.includes(`u4242:x:4242:${ids.gid}:`), "a uid the image does not list gets an account in Kiln's top layer");
     assert.deepEqual(img.config.env, { A: "1", PATH: "/bin" });
     assert.equal(img.config.workingDir, "/srv");
     assert.deepEqual(img.config.cmd, ["sh"]);
   }
+  await pushImage(reg, "users/app", "none", { layers: [base] });
+  assert.equal((await importOf("users/app:none")).config.user, "root", "no User means root");
   await pushImage(reg, "users/app", "missing", { layers: [base], config: { User: "nobody-here" } });
   assert.match(await rejection(importOf("users/app:missing")), /user "nobody-here", which the image's \/etc\/passwd does not have/);
   await pushImage(reg, "users/app", "nogroup", { layers: [base], config: { User: "app:wheel" } });

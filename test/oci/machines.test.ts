@@ -59,7 +59,7 @@ after(async () => {
   await rm(dir, { recursive: true, force: true });
 });
 
-async function boot(ref: string): Promise<{ m: LiveMachine; run: (req: ExecRequest) => Promise<string> }> {
+async function boot(ref: string): Promise<{ m: LiveMachine; user: string | undefined; run: (req: ExecRequest) => Promise<string> }> {
   const img = await importImage(`${reg.host}/${ref}`, { cacheDir: join(dir, "cache"), insecureRegistries: [reg.host] });
   const id = `mch_oci${process.pid}x${machines.length}`;
   machines.push(id);
@@ -68,6 +68,7 @@ async function boot(ref: string): Promise<{ m: LiveMachine; run: (req: ExecReque
   agents.push(agent);
   return {
     m,
+    user: img.config.user,
     async run(req) {
       const r = await agent.exec({ timeout_ms: 20_000, ...req });
       const out = Buffer.from(r.stdout_base64, "base64").toString();
@@ -110,4 +111,14 @@ test("whiteouts and an opaque directory across layers are what the machine sees"
   const { run } = await boot("mini/whiteouts:v1");
   assert.equal(await run({ cmd: "echo /a/* /b/* /d/*" }), "/a/keep /b/new /d/again\n");
   assert.equal(await run({ cmd: "cat /hard2" }), "h");
+});
+
+test("a machine runs commands as the image's User, by the name the import resolved", opt, async () => {
+  const passwd = "root:x:0:0:root:/root:/bin/sh\napp:x:1001:1002:app:/:/bin/sh\n";
+  for (const [tag, user, ids] of [["named", "app", "1001 1002"], ["numeric", "4242:4343", "4242 4343"]] as const) {
+    await pushImage(reg, "mini/user", tag, { layers: [{ entries: shellRootfs() }, { entries: [{ name: "etc/passwd", content: passwd }, { name: "etc/group", content: "root:x:0:\n" }] }], config: { User: user } });
+    const { run, user: name } = await boot(`mini/user:${tag}`);
+    const status = await run({ cmd: "while read k v rest; do case $k in Uid:|Gid:) printf '%s ' $v;; esac; done < /proc/self/status", user: name });
+    assert.equal(status.trim(), ids, `User ${user} → ${name}`);
+  }
 });

@@ -8,6 +8,7 @@ import { credentialFor, parseChallenge } from "../../src/builder/oci/auth.ts";
 import { selectPlatform } from "../../src/builder/oci/platform.ts";
 import { entryPath } from "../../src/builder/oci/unpack.ts";
 import { resolveUser } from "../../src/builder/oci/image-config.ts";
+import { accountFiles } from "../../src/builder/oci/stack.ts";
 import { importLogEvents } from "../../src/builder/oci/events.ts";
 import type { ImportLogEntry } from "../../src/builder/oci/events.ts";
 import { dockerfileImages, externalFroms } from "../../src/builder/backends/dockerfile-images.ts";
@@ -45,6 +46,16 @@ test("platform choice: exact variant, then variantless; os requirements and miss
   assert.throws(() => selectPlatform([m("a", { os: "linux", architecture: "amd64", variant: "v3" })], "amd64"), /no manifest for linux\/amd64/);
 });
 
+test("Kiln's top layer adds root and unlisted image users to passwd, keeping the image's own lines", () => {
+  assert.deepEqual(accountFiles(undefined, undefined), { passwd: "root:x:0:0:root:/root:/bin/sh\n", group: "root:x:0:\n", userName: "root" });
+  assert.deepEqual(accountFiles("root:x:0:0::/root:/bin/sh\n", "root:x:0:\n"), { passwd: undefined, group: undefined, userName: "root" });
+  assert.deepEqual(accountFiles("app:x:5:5::/:/bin/sh", "g:x:5:\n", { uid: 7, gid: 8 }), {
+    passwd: "root:x:0:0:root:/root:/bin/sh\napp:x:5:5::/:/bin/sh\nu7:x:7:8::/:/bin/sh\n",
+    group: undefined,
+    userName: "u7",
+  });
+});
+
 test("layer entry paths stay inside the root", () => {
   assert.equal(entryPath("./a/./b/"), "a/b");
   assert.equal(entryPath("/etc/passwd"), "etc/passwd");
@@ -55,9 +66,9 @@ test("layer entry paths stay inside the root", () => {
 test("User resolution: names must exist; numeric ids need not", () => {
   const passwd = "app:x:10:20::/:/bin/sh\n";
   const group = "grp:x:30:\n";
-  assert.equal(resolveUser("app", passwd, group), "10:20");
-  assert.equal(resolveUser("5", passwd, group), "5:0");
-  assert.equal(resolveUser("5:grp", passwd, group), "5:30");
+  assert.deepEqual(resolveUser("app", passwd, group), { uid: 10, gid: 20 });
+  assert.deepEqual(resolveUser("5", passwd, group), { uid: 5, gid: 0 });
+  assert.deepEqual(resolveUser("5:grp", passwd, group), { uid: 5, gid: 30 });
   assert.throws(() => resolveUser("app:x:y", passwd, group), /user\[:group\]/);
   assert.throws(() => resolveUser("70000", passwd, group), /id range/);
 });

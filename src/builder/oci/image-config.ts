@@ -36,10 +36,10 @@ export function parseAccounts(text: string | undefined, kind: "passwd" | "group"
 const NUMERIC = /^\d+$/;
 
 /**
- * `user`, `uid`, `user:group`, `user:gid`, `uid:group`, `uid:gid` → "uid:gid". A name must exist in the image; a
+ * `user`, `uid`, `user:group`, `user:gid`, `uid:group`, `uid:gid` → numeric ids. A name must exist in the image; a
  * numeric uid need not (its group is then the passwd entry's, or 0, as container runtimes do).
  */
-export function resolveUser(user: string, passwd: string | undefined, group: string | undefined): string {
+export function resolveUser(user: string, passwd: string | undefined, group: string | undefined): { uid: number; gid: number } {
   const [u, g, extra] = user.split(":");
   if (extra !== undefined || !u) throw importError(`the image's User ${JSON.stringify(user)} is not of the form user[:group]`);
   const users = parseAccounts(passwd, "passwd");
@@ -63,7 +63,7 @@ export function resolveUser(user: string, passwd: string | undefined, group: str
     gid = entry.id;
   }
   if (uid > 65_535 || gid > 65_535) throw importError(`the image's User ${JSON.stringify(user)} is outside the machines' id range (0–65535)`);
-  return `${uid}:${gid}`;
+  return { uid, gid };
 }
 
 /** Env as a map (later entries win), the rest copied as recorded; User left for the caller to resolve. */

@@ -10,7 +10,7 @@ import { formatReference, parseReference } from "./reference.ts";
 import { rejectOsRequirements, selectPlatform, hostArchitecture } from "./platform.ts";
 import type { PlatformDescriptor } from "./platform.ts";
 import { unpackLayer } from "./unpack.ts";
-import { ensureTopLayer, readFromStack } from "./stack.ts";
+import { accountFiles, ensureTopLayer, readFromStack } from "./stack.ts";
 import { imageConfigOf, resolveUser } from "./image-config.ts";
 import type { OciImageConfig } from "./image-config.ts";
 import { MEDIA, importError, layerCompression } from "./types.ts";
@@ -30,6 +30,8 @@ export interface ImportedImage extends SourceLayers {
   /** The manifest actually unpacked (platform-specific), `sha256:…`: the source's identity in cache keys. */
   digest: string;
   reference: string;
+  /** The image's User resolved to ids (the group of a `user:group` form is here; machines use the user's own). */
+  userIds?: { uid: number; gid: number };
 }
 
 interface LayerDescriptor {
@@ -94,7 +96,13 @@ export async function importOciLayout(layoutDir: string, opts: ImportOptions): P
   return { ...result, digest: desc.digest, reference: `oci:${layoutDir}` };
 }
 
-async function materialise(manifest: Record<string, unknown>, configBody: Buffer, manifestDigest: string, source: BlobSource, opts: ImportOptions): Promise<SourceLayers> {
+async function materialise(
+  manifest: Record<string, unknown>,
+  configBody: Buffer,
+  manifestDigest: string,
+  source: BlobSource,
+  opts: ImportOptions,
+): Promise<SourceLayers & { userIds?: { uid: number; gid: number } }> {
   let config: OciImageConfig;
   try {
     config = JSON.parse(configBody.toString());
@@ -163,13 +171,17 @@ async function materialise(manifest: Record<string, unknown>, configBody: Buffer
   };
   await Promise.all(Array.from({ length: Math.min(PARALLEL_LAYERS, layers.length) }, worker));
 
-  const passwd = await readFromStack(dirs, "/etc/passwd");
-  const group = await readFromStack(dirs, "/etc/group");
-  const top = await ensureTopLayer(opts.cacheDir, { passwd: !passwd || !/^root:/m.test(passwd.toString()), group: !group });
+  const passwd = (await readFromStack(dirs, "/etc/passwd"))?.toString();
+  const group = (await readFromStack(dirs, "/etc/group"))?.toString();
   const { rawUser, ...rest } = imageConfigOf(config);
+  const ids = rawUser ? resolveUser(rawUser, passwd, group) : undefined;
+  const accounts = accountFiles(passwd, group, ids);
+  const top = await ensureTopLayer(opts.cacheDir, { passwd: accounts.passwd, group: accounts.group });
   return {
     layers: [...layers.map((l, i) => ({ dir: dirs[i], digest: l.diffId })), top],
-    config: { ...rest, ...(rawUser ? { user: resolveUser(rawUser, passwd?.toString(), group?.toString()) } : {}) },
+    // No User means root, as every container runtime reads it; machines run as the user by name.
+    config: { ...rest, user: accounts.userName },
+    ...(ids ? { userIds: ids } : {}),
   };
 }
 

@@ -7,6 +7,7 @@ import { chmod, lchown, lstat, mkdir, readFile, rename, rm, writeFile } from "no
 import { execFileSync } from "node:child_process";
 import { join } from "node:path";
 import { HOST_ID_BASE } from "../../runtime/oci/idmap.ts";
+import { parseAccounts } from "./image-config.ts";
 
 /** A whiteout is a character device 0:0. */
 async function isWhiteout(path: string): Promise<boolean> {
@@ -45,17 +46,18 @@ export async function readFromStack(layers: string[], path: string): Promise<Buf
   return undefined;
 }
 
-const TOP_LAYER_VERSION = "kiln-top-1";
-const ROOT_PASSWD = "root:x:0:0:root:/root:/bin/sh\n";
-const ROOT_GROUP = "root:x:0:\n";
+const TOP_LAYER_VERSION = "kiln-top-2";
+export const ROOT_PASSWD = "root:x:0:0:root:/root:/bin/sh\n";
+export const ROOT_GROUP = "root:x:0:\n";
 
 /**
  * The layer Kiln puts on top of every imported image: empty mount points for what the machine binds at boot
  * (/etc/hosts, /etc/hostname, /etc/resolv.conf, /opt/kiln, /run/kiln, /dev, /proc, /sys, /tmp) and, only when the
- * image has none, an /etc/passwd and /etc/group with root. Keyed by what it holds, so images share it.
+ * image's lack what a machine needs, an /etc/passwd and /etc/group (see accountFiles). Keyed by what it holds, so
+ * images share it.
  */
-export async function ensureTopLayer(cacheDir: string, opts: { passwd: boolean; group: boolean }): Promise<{ dir: string; digest: string }> {
-  const key = createHash("sha256").update(JSON.stringify([TOP_LAYER_VERSION, opts.passwd, opts.group])).digest("hex");
+export async function ensureTopLayer(cacheDir: string, opts: { passwd?: string; group?: string }): Promise<{ dir: string; digest: string }> {
+  const key = createHash("sha256").update(JSON.stringify([TOP_LAYER_VERSION, opts.passwd ?? null, opts.group ?? null])).digest("hex");
   const dir = join(cacheDir, "layers", `kiln-${key}`);
   const digest = `sha256:${key}`;
   if (existsSync(dir)) return { dir, digest };
@@ -75,12 +77,12 @@ export async function ensureTopLayer(cacheDir: string, opts: { passwd: boolean; 
     await writeFile(join(tmp, f), "");
     await owned(join(tmp, f), 0o644);
   }
-  if (opts.passwd) {
-    await writeFile(join(tmp, "etc/passwd"), ROOT_PASSWD);
+  if (opts.passwd !== undefined) {
+    await writeFile(join(tmp, "etc/passwd"), opts.passwd);
     await owned(join(tmp, "etc/passwd"), 0o644);
   }
-  if (opts.group) {
-    await writeFile(join(tmp, "etc/group"), ROOT_GROUP);
+  if (opts.group !== undefined) {
+    await writeFile(join(tmp, "etc/group"), opts.group);
     await owned(join(tmp, "etc/group"), 0o644);
   }
   await owned(tmp, 0o755);
@@ -89,4 +91,27 @@ export async function ensureTopLayer(cacheDir: string, opts: { passwd: boolean; 
     if (!existsSync(dir)) throw err;
   });
   return { dir, digest };
+}
+
+/**
+ * The /etc/passwd and /etc/group the top layer must carry, if any: root when the image has no root (an image
+ * without the files gets them), and an account for an image User whose uid the image's passwd does not list, so
+ * the guest agent can run processes as it. The image's own entries are kept as they are.
+ */
+export function accountFiles(passwd: string | undefined, group: string | undefined, user?: { uid: number; gid: number }): { passwd?: string; group?: string; userName: string } {
+  const accounts = parseAccounts(passwd, "passwd");
+  let passwdOut: string | undefined;
+  const base = () => (passwd === undefined ? "" : passwd.endsWith("\n") || passwd === "" ? passwd : `${passwd}\n`);
+  if (!accounts.some((a) => a.id === 0 && a.name === "root")) passwdOut = ROOT_PASSWD + base();
+  let userName = "root";
+  if (user) {
+    const known = accounts.find((a) => a.id === user.uid);
+    if (known) userName = known.name;
+    else if (user.uid !== 0) {
+      userName = `u${user.uid}`;
+      passwdOut = (passwdOut ?? base()) + `${userName}:x:${user.uid}:${user.gid}::/:/bin/sh\n`;
+    }
+  }
+  const groupOut = group === undefined ? ROOT_GROUP : undefined;
+  return { passwd: passwdOut, group: groupOut, userName };
 }
