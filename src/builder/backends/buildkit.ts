@@ -243,6 +243,12 @@ async function importTemplate(buildah: (args: string[], lines?: (l: string) => v
   }
   await unshift(mnt);
   await buildah(["umount", ctr], () => {});
+  // The template's image config goes with it: a Dockerfile on top inherits its env, working dir and user.
+  const cfg = layers.config;
+  const configArgs = Object.entries(cfg.env).flatMap(([k, v]) => ["--env", `${k}=${v}`]);
+  if (cfg.workingDir) configArgs.push("--workingdir", cfg.workingDir);
+  if (cfg.user) configArgs.push("--user", cfg.user);
+  if (configArgs.length) await buildah(["config", ...configArgs, ctr], () => {});
   const ref = parseReference(name);
   const local = `localhost/${name.replace(/:[^/:]*$/, "")}:${ref.tag ?? "latest"}`;
   await buildah(["commit", "--quiet", "--format", "oci", ctr, local], () => {});

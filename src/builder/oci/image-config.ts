@@ -76,7 +76,8 @@ export function imageConfigOf(config: OciImageConfig): Omit<ImageConfig, "user">
   }
   return {
     env,
-    ...(c.WorkingDir ? { workingDir: c.WorkingDir } : {}),
+    // An image without WorkingDir runs in `/`, as container runtimes run it (Kiln's /workspace is its base's).
+    workingDir: c.WorkingDir || "/",
     ...(c.Entrypoint?.length ? { entrypoint: c.Entrypoint } : {}),
     ...(c.Cmd?.length ? { cmd: c.Cmd } : {}),
     ...(c.User ? { rawUser: c.User } : {}),
