@@ -173,3 +173,15 @@ test("a failing RUN is a build_error with the builder's last lines; a secret a R
   assert.ok(seen.some((l) => l.includes("[secret]")), "the line that printed it shows a mask");
   assert.deepEqual(readdirSync(join(dir, "data", "builder")), [], "a failed build leaves no storage behind");
 });
+
+test("a build's scratch dir left by a killed Kiln (builder storage, secret files) is removed by the next build", opt, async () => {
+  const dead = spawnSync("true").pid!;
+  const parent = join(dir, "data", "builder");
+  const stale = join(parent, `bld-${dead}-abc123`);
+  await mkdir(join(stale, "secrets"), { recursive: true });
+  await writeFile(join(stale, "secrets", "0"), secret);
+  const ctx = await context({ Dockerfile: `FROM ${reg.host}/mini/shell:v1\nRUN echo again > /again\n` });
+  await buildDockerfile(base({ contextDir: ctx }));
+  assert.ok(!existsSync(stale), "the abandoned scratch dir is gone");
+  assert.deepEqual(holding(dir, secret), [], "and with it the secret file");
+});

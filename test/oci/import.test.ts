@@ -3,8 +3,9 @@
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { execFileSync } from "node:child_process";
-import { existsSync, lstatSync, readFileSync, readlinkSync, statSync } from "node:fs";
+import { execFileSync, spawnSync } from "node:child_process";
+import { randomBytes } from "node:crypto";
+import { existsSync, lstatSync, mkdirSync, readFileSync, readlinkSync, statSync, writeFileSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -240,5 +241,29 @@ test("a cancelled import stops with an error and leaves no partial layer", opt, 
   const err = await importImage(`${reg.host}/cancel/app:v1`, { cacheDir: cache, insecureRegistries: [reg.host], arch: "amd64", signal: ctl.signal }).then(() => undefined, (e: Error) => e);
   assert.ok(err, "the import fails");
   assert.ok(!existsSync(join(cache, "layers")) || execFileSync("ls", [join(cache, "layers")]).toString() === "", "no layer dir was left");
+  await rm(cache, { recursive: true, force: true });
+});
+
+test("what a killed import left (a half-unpacked layer) is swept; its partial download is resumed, not refetched", opt, async () => {
+  const tar = await tarOf([{ name: "big", content: randomBytes(256 << 10) }]);
+  await pushImage(reg, "killed/app", "v1", { layers: [{ tar, compression: "none" }] });
+  const cache = await mkdtemp(join(tmpdir(), "kiln-oci-cache-"));
+  const dead = spawnSync("true").pid!; // a pid that has exited: what a kill -9 leaves behind
+  const hex = sha256(tar).slice(7);
+  const stale = join(cache, "layers", `${hex}.tmp-${dead}-1`);
+  mkdirSync(join(stale, "half"), { recursive: true });
+  const partial = join(cache, "blobs", "sha256", `${hex}.partial`);
+  mkdirSync(join(partial, ".."), { recursive: true });
+  // A partial download is continued from where it stopped: bytes on disk that are wrong make the whole blob fail
+  // its digest (and are deleted), which shows they were used rather than fetched again.
+  writeFileSync(partial, Buffer.alloc(tar.length >> 1, 1));
+  assert.match(await rejection(importImage(`${reg.host}/killed/app:v1`, { cacheDir: cache, insecureRegistries: [reg.host], arch: "amd64" })), /does not match its digest/);
+  assert.ok(!existsSync(partial), "a partial that failed its digest is not kept");
+  // The first half of the blob, as a download cut by the kill left it.
+  writeFileSync(partial, tar.subarray(0, tar.length >> 1));
+  const img = await importImage(`${reg.host}/killed/app:v1`, { cacheDir: cache, insecureRegistries: [reg.host], arch: "amd64" });
+  assert.equal(readFileSync(join(img.layers[0].dir, "big")).length, 256 << 10);
+  assert.ok(!existsSync(stale), "the dead process's half-unpacked layer is gone");
+  assert.ok(!existsSync(partial), "the partial download was completed and used");
   await rm(cache, { recursive: true, force: true });
 });

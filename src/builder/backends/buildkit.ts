@@ -13,7 +13,7 @@ import { HOST_ID_BASE, ID_RANGE } from "../../runtime/oci/idmap.ts";
 import { KilnError } from "../../errors.ts";
 import type { BaseImageAuth } from "../oci/auth.ts";
 import { credentialFor } from "../oci/auth.ts";
-import { importOciLayout } from "../oci/import.ts";
+import { alive, importOciLayout } from "../oci/import.ts";
 import { parseReference, sameRegistry } from "../oci/reference.ts";
 import { importError } from "../oci/types.ts";
 import type { ImportEvents, SourceLayers } from "../oci/types.ts";
@@ -117,7 +117,8 @@ export function validateDockerfileBuild(b: Pick<DockerfileBuild, "contextDir" | 
 export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers> {
   const { text, hosts } = validateDockerfileBuild(b);
   await mkdir(b.scratchParent, { recursive: true, mode: 0o700 });
-  const scratch = await mkdtemp(join(b.scratchParent, "bld-"));
+  await sweepScratch(b.scratchParent);
+  const scratch = await mkdtemp(join(b.scratchParent, `bld-${process.pid}-`));
   await chmod(scratch, 0o700);
   try {
     // No context at all is an empty one: a Dockerfile without COPY needs none.
@@ -284,6 +285,14 @@ async function buildWithBuildctl(b: DockerfileBuild, contextDir: string, scratch
   await mkdir(out);
   await run("tar", ["-xf", tar, "-C", out], process.env, onLine);
   await rm(tar, { force: true });
+}
+
+/** Scratch dirs of a Kiln that died mid-build (kill -9): their builder storage and secret files go now. */
+async function sweepScratch(parent: string): Promise<void> {
+  for (const name of await readdir(parent).catch(() => [] as string[])) {
+    const m = /^bld-(\d+)-/.exec(name);
+    if (m && !alive(Number(m[1]))) await removeScratch(join(parent, name));
+  }
 }
 
 /** Unmounts anything left mounted below the scratch dir (a killed RUN), then removes it. */

@@ -2,7 +2,7 @@
 // manifest and platform chosen, each layer downloaded once and unpacked once into a dir keyed by its diff id.
 
 import { existsSync } from "node:fs";
-import { readFile, rename, rm } from "node:fs/promises";
+import { readFile, readdir, rename, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { createRegistryClient } from "./registry.ts";
 import type { BaseImageAuth } from "./auth.ts";
@@ -122,6 +122,7 @@ async function materialise(
     if (!/^sha256:[a-f0-9]{64}$/.test(l.digest) || !/^sha256:[a-f0-9]{64}$/.test(l.diffId)) throw importError(`layer ${l.digest} has a digest Kiln cannot check`);
   }
 
+  await sweepAbandoned(join(opts.cacheDir, "layers"));
   const total = layers.reduce((n, l) => n + l.size, 0);
   let received = 0;
   let lastReport = 0;
@@ -183,6 +184,28 @@ async function materialise(
     config: { ...rest, user: accounts.userName },
     ...(ids ? { userIds: ids } : {}),
   };
+}
+
+/**
+ * Half-unpacked layers (`<hex>.tmp-<pid>-…`) of a process that died (kill -9, a crash) are removed; partial blob
+ * downloads are kept on purpose, so the next import resumes them.
+ */
+export async function sweepAbandoned(layersDir: string): Promise<void> {
+  const names = await readdir(layersDir).catch(() => [] as string[]);
+  for (const name of names) {
+    const m = /\.tmp-(\d+)-/.exec(name);
+    if (m && !alive(Number(m[1]))) await rm(join(layersDir, name), { recursive: true, force: true });
+  }
+}
+
+export function alive(pid: number): boolean {
+  if (pid === process.pid) return true;
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (err) {
+    return (err as NodeJS.ErrnoException).code === "EPERM";
+  }
 }
 
 /** `<cache>/layers/<hex>`: the unpacked layer for a diff id. */
