@@ -53,7 +53,7 @@ export async function unpackLayer(source: string | Readable, compression: LayerC
       : compression === "zstd"
         ? pipeline(input, createZstdDecompress({ chunkSize: INFLATE_CHUNK }), tap, ex)
         : pipeline(input, tap, ex);
-  const state: LayerState = { dest, dirs: new Set([""]), dirTimes: [], xattrs: [], whiteouts: [], files: 0 };
+  const state: LayerState = { dest, dirs: new Set([""]), written: new Set(), dirTimes: [], xattrs: [], whiteouts: [], files: 0 };
   try {
     for await (const entry of ex) {
       try {
@@ -82,6 +82,8 @@ interface LayerState {
   dest: string;
   /** Directories (relative paths) known to be real directories of this layer, never symlinks. */
   dirs: Set<string>;
+  /** Every non-directory path written so far: the layer dir starts empty, so only these can need replacing. */
+  written: Set<string>;
   dirTimes: [string, Date][];
   xattrs: { rel: string; name: string; value: Buffer }[];
   whiteouts: string[];
@@ -135,7 +137,7 @@ async function writeEntry(state: LayerState, h: Headers, body: Readable): Promis
   switch (h.type) {
     case "directory": {
       if (!state.dirs.has(rel)) {
-        await replaceable(abs, true);
+        if (state.written.delete(rel)) await replaceable(abs, true);
         await mkdir(abs).catch((e) => (e.code === "EEXIST" ? undefined : Promise.reject(e)));
         state.dirs.add(rel);
       }
@@ -146,7 +148,7 @@ async function writeEntry(state: LayerState, h: Headers, body: Readable): Promis
     }
     case "file":
     case "contiguous-file": {
-      await replaceable(abs, false);
+      await replace(state, rel, abs);
       const fh = await open(abs, constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL | constants.O_NOFOLLOW, 0o600);
       try {
         for await (const chunk of body) await fh.write(chunk as Buffer);
@@ -160,7 +162,7 @@ async function writeEntry(state: LayerState, h: Headers, body: Readable): Promis
       break;
     }
     case "symlink": {
-      await replaceable(abs, false);
+      await replace(state, rel, abs);
       await symlink(h.linkname ?? "", abs); // the target is kept verbatim and never followed
       await lchown(abs, uid, gid);
       await lutimes(abs, mtime, mtime);
@@ -170,7 +172,7 @@ async function writeEntry(state: LayerState, h: Headers, body: Readable): Promis
       const target = entryPath(h.linkname ?? "");
       const st = target ? await lstat(join(state.dest, target)).catch(() => undefined) : undefined;
       if (!st || st.isDirectory()) throw importError(`layer entry ${JSON.stringify(h.name)} is a hard link to ${JSON.stringify(h.linkname)}, which is not a file in the same layer`);
-      await replaceable(abs, false);
+      await replace(state, rel, abs);
       await link(join(state.dest, target), abs);
       break;
     }
@@ -209,6 +211,16 @@ async function ensureDir(state: LayerState, rel: string, entry: string): Promise
     throw importError(`layer entry /${entry} lies under /${rel}, which this layer made a ${st.isSymbolicLink() ? "symlink" : "file"}`);
   }
   state.dirs.add(rel);
+}
+
+/** Clears the way for a non-directory at `rel`: only a path this layer already wrote (or a directory) can be there. */
+async function replace(state: LayerState, rel: string, abs: string): Promise<void> {
+  if (state.written.has(rel) || state.dirs.has(rel)) {
+    await replaceable(abs, false);
+    state.dirs.delete(rel);
+    for (const d of state.dirs) if (d.startsWith(`${rel}/`)) state.dirs.delete(d);
+  }
+  state.written.add(rel);
 }
 
 /** A later entry for the same path replaces the earlier one (a directory stays when a directory comes again). */
