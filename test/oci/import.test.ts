@@ -111,6 +111,16 @@ test("an index prefers the exact variant for the host architecture, then a varia
   assert.match(await rejection(importOf("multi/app:none")), /no manifest for linux\/amd64.*offers: linux\/amd64\/v3, windows\/amd64/);
 });
 
+test("Docker's manifest list and schema 2 manifest are pulled like OCI's", opt, async () => {
+  const one = await pushImage(reg, "docker/app", undefined, { docker: true, layers: [{ entries: [{ name: "which", content: "docker-v2" }] }, { compression: "none", entries: [{ name: "raw", content: "r" }] }] });
+  await pushIndex(reg, "docker/app", "list", [{ ...one, platform: { os: "linux", architecture: "amd64" } }], { docker: true });
+  const img = await importOf("docker/app:list");
+  const dirs = img.layers.map((l) => l.dir);
+  assert.equal((await readFromStack(dirs, "/which"))?.toString(), "docker-v2");
+  assert.equal((await readFromStack(dirs, "/raw"))?.toString(), "r");
+  assert.equal(img.digest, one.digest, "the platform manifest is the source's identity");
+});
+
 test("manifests with os.version or non-empty os.features are rejected, naming the manifest and why", opt, async () => {
   const feat = await pushImage(reg, "osreq/app", "features", { layers: [{ entries: [{ name: "f", content: "x" }] }], extraConfig: { "os.features": ["win32k"] } });
   const msg = await rejection(importOf("osreq/app:features"));
@@ -166,6 +176,24 @@ test("a hard link and an absolute symlink are kept; symlinks are never followed 
   assert.match(await rejection(importOf("links/through:v1")), /\/out\/planted lies under \/out, which this layer made a symlink/);
   await pushImage(reg, "links/dotdot", "v1", { layers: [{ entries: [{ name: "../evil", content: "x" }] }] });
   assert.match(await rejection(importOf("links/dotdot:v1")), /escapes the image root/);
+});
+
+test("extended attributes from PAX records are kept, except overlayfs's own trusted.* namespace", opt, async () => {
+  await pushImage(reg, "xattr/app", "v1", {
+    layers: [
+      {
+        entries: [
+          { name: "tagged", content: "x", pax: { "SCHILY.xattr.user.kiln": "flame" } },
+          { name: "forged/", type: "directory", pax: { "SCHILY.xattr.trusted.overlay.opaque": "y" } },
+        ],
+      },
+    ],
+  });
+  const dir = (await importOf("xattr/app:v1")).layers[0].dir;
+  const get = (path: string, name: string) =>
+    spawnSync("getfattr", ["--only-values", "-n", name, join(dir, path)]).stdout.toString();
+  assert.equal(get("tagged", "user.kiln"), "flame");
+  assert.equal(get("forged", "trusted.overlay.opaque"), "", "a layer cannot make a directory opaque by xattr");
 });
 
 test("whiteouts become 0:0 character devices and an opaque directory gets trusted.overlay.opaque", opt, async () => {

@@ -146,6 +146,8 @@ export interface TestImage {
   config?: Record<string, unknown>;
   architecture?: string;
   extraConfig?: Record<string, unknown>;
+  /** Docker's media types (schema 2 manifest, rootfs.diff.tar.gzip layers) instead of OCI's. */
+  docker?: boolean;
 }
 
 /** Pushes one image manifest (tag `tag`, or only by digest when tag is omitted); returns its digest and size. */
@@ -156,7 +158,8 @@ export async function pushImage(reg: TestRegistry, repo: string, tag: string | u
     const tar = layer.tar ?? (await tarOf(layer.entries ?? []));
     const compression = layer.compression ?? "gzip";
     const blob = compression === "gzip" ? gzipSync(tar) : compression === "zstd" ? zstdCompressSync(tar) : tar;
-    descs.push({ mediaType: LAYER_TYPES[compression], digest: await pushBlob(reg, repo, blob), size: blob.length });
+    const layerType = image.docker ? (compression === "gzip" ? "application/vnd.docker.image.rootfs.diff.tar.gzip" : "application/vnd.docker.image.rootfs.diff.tar") : LAYER_TYPES[compression];
+    descs.push({ mediaType: layerType, digest: await pushBlob(reg, repo, blob), size: blob.length });
     diffIds.push(sha256(tar));
   }
   const config = Buffer.from(
@@ -165,8 +168,8 @@ export async function pushImage(reg: TestRegistry, repo: string, tag: string | u
   const configDigest = await pushBlob(reg, repo, config);
   const manifest = {
     schemaVersion: 2,
-    mediaType: "application/vnd.oci.image.manifest.v1+json",
-    config: { mediaType: "application/vnd.oci.image.config.v1+json", digest: configDigest, size: config.length },
+    mediaType: image.docker ? "application/vnd.docker.distribution.manifest.v2+json" : "application/vnd.oci.image.manifest.v1+json",
+    config: { mediaType: image.docker ? "application/vnd.docker.container.image.v1+json" : "application/vnd.oci.image.config.v1+json", digest: configDigest, size: config.length },
     layers: descs,
   };
   const body = Buffer.from(JSON.stringify(manifest));
@@ -174,11 +177,12 @@ export async function pushImage(reg: TestRegistry, repo: string, tag: string | u
   return { digest, size: body.length };
 }
 
-export async function pushIndex(reg: TestRegistry, repo: string, tag: string, manifests: { digest: string; size: number; platform: Record<string, unknown> }[]): Promise<string> {
-  const mediaType = "application/vnd.oci.image.index.v1+json";
+export async function pushIndex(reg: TestRegistry, repo: string, tag: string, manifests: { digest: string; size: number; platform: Record<string, unknown> }[], opts: { docker?: boolean } = {}): Promise<string> {
+  const mediaType = opts.docker ? "application/vnd.docker.distribution.manifest.list.v2+json" : "application/vnd.oci.image.index.v1+json";
+  const child = opts.docker ? "application/vnd.docker.distribution.manifest.v2+json" : "application/vnd.oci.image.manifest.v1+json";
   return pushManifest(reg, repo, tag, mediaType, {
     schemaVersion: 2,
     mediaType,
-    manifests: manifests.map((m) => ({ mediaType: "application/vnd.oci.image.manifest.v1+json", digest: m.digest, size: m.size, platform: m.platform })),
+    manifests: manifests.map((m) => ({ mediaType: child, digest: m.digest, size: m.size, platform: m.platform })),
   });
 }
