@@ -4,7 +4,7 @@
 
 import { spawnSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
-import { mkdir, mkdtemp, rm, writeFile } from "node:fs/promises";
+import { chmod, mkdir, mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { importImage } from "../src/builder/oci/import.ts";
@@ -45,6 +45,7 @@ export async function run(_ctx: BenchContext): Promise<BenchResult[]> {
   }
   const reg = await startRegistry();
   const dir = await mkdtemp(join(tmpdir(), "kiln-oci-bench-"));
+  await chmod(dir, 0o755);
   try {
     const layers = [0, 1, 2, 3].map((i) => ({ entries: bulkLayer(i, 33 << 20), compression: "gzip" as const }));
     await pushImage(reg, "bench/big", "v1", { layers });
@@ -92,7 +93,7 @@ export async function run(_ctx: BenchContext): Promise<BenchResult[]> {
       const root = join(dir, `bud-${i}`);
       budTimes.push(
         time(() =>
-          spawnSync("buildah", ["--root", join(root, "root"), "--runroot", join(root, "run"), "--storage-driver", "vfs", "bud", "--isolation", "chroot", "--layers=false", "-q", "-t", "bench", ctx], {
+          spawnSync("buildah", ["--root", join(root, "root"), "--runroot", join(root, "run"), "--storage-driver", "vfs", "--userns-uid-map", "0:100000:65536", "--userns-gid-map", "0:100000:65536", "bud", "--isolation", "chroot", "--layers=false", "-q", "-t", "bench", ctx], {
             env: { ...process.env, CONTAINERS_REGISTRIES_CONF: conf, TMPDIR: dir },
           }),
         ),

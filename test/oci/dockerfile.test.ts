@@ -6,8 +6,8 @@ import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { execFileSync, spawnSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
-import { existsSync, readdirSync } from "node:fs";
-import { mkdir, mkdtemp, rm, writeFile } from "node:fs/promises";
+import { existsSync, readdirSync, statSync } from "node:fs";
+import { chmod, mkdir, mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { buildDockerfile, validateDockerfileBuild } from "../../src/builder/backends/buildkit.ts";
@@ -38,6 +38,7 @@ before(async () => {
   if (skip) return;
   [reg, priv] = await Promise.all([startRegistry(), startRegistry({ auth: { username: "builder", password } })]);
   dir = await mkdtemp(join(tmpdir(), "kiln-oci-dockerfile-"));
+  await chmod(dir, 0o755); // RUN steps run as the machines' unprivileged uids and must reach their rootfs below here
   await pushImage(reg, "mini/shell", "v1", { layers: [{ entries: shellRootfs() }] });
   await pushImage(priv, "mini/private", "v1", { layers: [{ entries: shellRootfs() }, { entries: [{ name: "private-marker", content: "p" }] }] });
 });
@@ -78,7 +79,7 @@ test("a Dockerfile build: secret mount, build args, target stage and COPY from t
     "docker/Dockerfile.app": [
       `FROM ${reg.host}/mini/shell:v1 AS base`,
       "ARG GREETING=unset",
-      'RUN echo "$GREETING" > /greeting',
+      'RUN echo "$GREETING" > /greeting; cat /proc/self/uid_map > /uid_map',
       "COPY app.txt /app.txt",
       "RUN --mount=type=secret,id=token read s < /run/secrets/token; echo ${#s} > /secret-len",
       "FROM base AS final",
@@ -104,6 +105,9 @@ test("a Dockerfile build: secret mount, build args, target stage and COPY from t
   );
   const dirs = img.layers.map((l) => l.dir);
   assert.equal((await readFromStack(dirs, "/greeting"))?.toString(), "hello-arg\n");
+  const holder = dirs.findLast((d) => existsSync(join(d, "greeting")))!;
+  assert.equal(statSync(join(holder, "greeting")).uid, 100_000, "a file RUN wrote as build root is machine root (host 100000), shifted once");
+  assert.deepEqual((await readFromStack(dirs, "/uid_map"))?.toString().trim().split(/\s+/), ["0", "100000", "65536"], "RUN steps are root only inside a user namespace, as machines are");
   assert.equal((await readFromStack(dirs, "/app.txt"))?.toString(), "from the context\n");
   assert.equal((await readFromStack(dirs, "/final"))?.toString(), "final\n");
   assert.equal(await readFromStack(dirs, "/other"), undefined, "the stage after the target is not built");

@@ -116,10 +116,13 @@ export function validateDockerfileBuild(b: Pick<DockerfileBuild, "contextDir" | 
 /** Runs the build and imports its image; the builder's storage and every secret file are gone when this returns. */
 export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers> {
   const { text, hosts } = validateDockerfileBuild(b);
-  await mkdir(b.scratchParent, { recursive: true, mode: 0o700 });
+  await mkdir(b.scratchParent, { recursive: true });
+  await chmod(b.scratchParent, 0o711);
   await sweepScratch(b.scratchParent);
   const scratch = await mkdtemp(join(b.scratchParent, `bld-${process.pid}-`));
-  await chmod(scratch, 0o700);
+  // Traversable, not listable: RUN steps run as the machines' unprivileged uids and must reach their rootfs below
+  // here; the secret and auth dirs inside stay 0700 (the builder, host root, reads them).
+  await chmod(scratch, 0o711);
   try {
     // No context at all is an empty one: a Dockerfile without COPY needs none.
     const contextDir = b.contextDir ?? (await layOutContext(join(scratch, "context"), b.contextFiles ?? []));
@@ -201,8 +204,12 @@ function authKey(registry: string): string {
 }
 
 async function buildWithBuildah(b: DockerfileBuild, contextDir: string, scratch: string, dockerfile: string, secretArgs: string[], authFile: string, out: string, onLine: (l: string) => void) {
-  const storage = ["--root", join(scratch, "root"), "--runroot", join(scratch, "runroot"), "--storage-driver", "vfs"];
-  await mkdir(join(scratch, "tmp"), { mode: 0o700 });
+  // The storage's default id mapping is the machines': RUN steps are root only inside a user namespace (host uid
+  // 100000, not host root), and every image layer — pulled, or a Kiln template committed here — is laid out for it.
+  const idMap = `0:${HOST_ID_BASE}:${ID_RANGE}`;
+  const storage = ["--root", join(scratch, "root"), "--runroot", join(scratch, "runroot"), "--storage-driver", "vfs", "--userns-uid-map", idMap, "--userns-gid-map", idMap];
+  await mkdir(join(scratch, "tmp"));
+  await chmod(join(scratch, "tmp"), 0o711);
   const conf = join(scratch, "registries.conf");
   const insecure = (b.insecureRegistries ?? []).map((h) => `[[registry]]\nlocation = ${JSON.stringify(h)}\ninsecure = true\n`).join("\n");
   await writeFile(conf, `unqualified-search-registries = ["docker.io"]\nshort-name-mode = "permissive"\n\n${insecure}`);
@@ -224,11 +231,13 @@ async function buildWithBuildah(b: DockerfileBuild, contextDir: string, scratch:
 
 /**
  * A Kiln template named by FROM, given to Buildah as a local image of that name: its stacked layers (read through
- * a read-only overlay mount, so whiteouts apply) copied into a scratch container with ownership shifted back to
- * the image's own ids, and committed as `localhost/<name>`, which Buildah finds before looking at any registry.
+ * a read-only overlay mount, so whiteouts apply) copied into a scratch container mapped like the machines, and
+ * committed as `localhost/<name>`, which Buildah finds before looking at any registry.
  */
 async function importTemplate(buildah: (args: string[], lines?: (l: string) => void) => Promise<string>, scratch: string, name: string, layers: SourceLayers, onLine: (l: string) => void) {
   onLine(`FROM ${name}: Kiln template (${layers.layers.length} layers)`);
+  // The storage is mapped like the layers themselves: files keep their 100000+ owners on disk, and the commit
+  // writes them as the image's own 0-based ids.
   const ctr = (await buildah(["from", "--quiet", "scratch"], () => {})).trim();
   const mnt = (await buildah(["mount", ctr], () => {})).trim();
   const merged = join(scratch, "template-view");
@@ -242,7 +251,6 @@ async function importTemplate(buildah: (args: string[], lines?: (l: string) => v
   } finally {
     await run("umount", [merged], process.env, () => {});
   }
-  await unshift(mnt);
   await buildah(["umount", ctr], () => {});
   // The template's image config goes with it: a Dockerfile on top inherits its env, working dir and user.
   const cfg = layers.config;
@@ -253,25 +261,7 @@ async function importTemplate(buildah: (args: string[], lines?: (l: string) => v
   const ref = parseReference(name);
   const local = `localhost/${name.replace(/:[^/:]*$/, "")}:${ref.tag ?? "latest"}`;
   await buildah(["commit", "--quiet", "--format", "oci", ctr, local], () => {});
-}
-
-/** Layer files are owned in the machines' range (100000+); inside an image they are 0-based again. */
-async function unshift(root: string) {
-  const stack = [root];
-  while (stack.length) {
-    const dir = stack.pop()!;
-    for (const e of await readdir(dir, { withFileTypes: true })) {
-      const p = join(dir, e.name);
-      const st = await lstat(p);
-      if (st.uid >= HOST_ID_BASE && st.uid < HOST_ID_BASE + ID_RANGE) {
-        await lchown(p, st.uid - HOST_ID_BASE, st.gid >= HOST_ID_BASE ? st.gid - HOST_ID_BASE : st.gid);
-        if (!st.isSymbolicLink() && st.mode & 0o6000) await chmod(p, st.mode & 0o7777);
-      }
-      if (e.isDirectory()) stack.push(p);
-    }
-  }
-  const st = await lstat(root);
-  if (st.uid >= HOST_ID_BASE) await lchown(root, st.uid - HOST_ID_BASE, st.gid - HOST_ID_BASE);
+  await buildah(["rm", ctr], () => {});
 }
 
 async function buildWithBuildctl(b: DockerfileBuild, contextDir: string, scratch: string, secretArgs: string[], out: string, onLine: (l: string) => void) {
