@@ -16,6 +16,7 @@ import { prepareGuestRuntime } from "./runtime/guest-runtime.ts";
 import { bundleAgent, AGENT_SOURCES } from "./agent/bundle.ts";
 import { ensureBaseTemplate } from "./builder/base-template.ts";
 import { MACHINE_DEFAULTS } from "./services/machines.ts";
+import { ensureHostId } from "./runtime/host-id.ts";
 
 export interface Kiln {
   app: App;
@@ -36,12 +37,19 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
   const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, runscPlatform: config.runscPlatform, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool });
+  const hostId = await ensureHostId(config.dataDir, config.hostId);
+  const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs };
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, hostId, webhooks });
   await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });
 
   const adoption = await services.machines.adopt();
   if (adoption.adopted + adoption.lost + adoption.removed > 0) log.info(adoption, "machines reconciled after start");
   services.machines.startSweeper();
+  // Builds a previous process left running end `error` (their build machines went with adoption above).
+  const interrupted = await services.builds.recoverInterrupted();
+  if (interrupted > 0) log.warn({ builds: interrupted }, "builds interrupted by the last stop were marked error");
+  services.builds.startCollector();
+  await services.dispatcher.start();
 
   const baseReady = ensureBaseTemplate({ cacheDir: config.cacheDir, mirror: config.debianMirror, log, onProgress: (line) => log.info({ phase: "base-template" }, line) })
     .then(async ({ layerDir, digest }) => {
@@ -62,9 +70,12 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   let closing: Promise<void> | undefined;
   async function close() {
     closing ??= (async () => {
+      // Running builds end first (as `error`: the server stopped), so their log streams close and app.close can finish.
+      await services.builds.close();
       await app.close();
       await services.pool.close();
       await services.machines.close();
+      await services.dispatcher.close();
       await driver.close();
       await store.close();
     })();

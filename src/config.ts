@@ -27,7 +27,19 @@ export interface Config {
   insecureRegistries: string[];
   /** A BuildKit daemon for Dockerfile builds (BuildKit's own BUILDKIT_HOST); unset builds with Buildah. */
   buildkitHost: string | undefined;
+  /** How long an artifact no tag points at is kept before its layers may be collected. */
+  buildRetentionS: number;
+  /** This host's id on a shared store; unset → made once into $KILN_DATA_DIR/host-id. */
+  hostId: string | undefined;
+  /** Delay before each webhook delivery attempt (the first is usually 0); its length is the number of attempts. */
+  webhookRetryScheduleMs: number[];
+  webhookAllowPrivate: boolean;
+  /** How long a rotated-out signing secret keeps signing beside the new one. */
+  webhookRotationGraceMs: number;
 }
+
+/** DESIGN.md §4: immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. */
+export const DEFAULT_WEBHOOK_RETRY_SCHEDULE_MS = [0, 5_000, 300_000, 1_800_000, 7_200_000, 18_000_000, 36_000_000, 36_000_000];
 
 export class ConfigError extends Error {}
 
@@ -51,6 +63,11 @@ export const CONFIG_VARS = [
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
   ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
   ["KILN_INSECURE_REGISTRIES", "(none)", "comma-separated registry hosts (host[:port]) reached over plain HTTP"],
+  ["KILN_BUILD_RETENTION_S", "604800", "seconds an untagged template artifact is kept before the collector removes it"],
+  ["KILN_HOST_ID", "(made once into $KILN_DATA_DIR/host-id)", "this host's id when several servers share one store"],
+  ["KILN_WEBHOOK_RETRY_SCHEDULE_MS", "0,5000,300000,1800000,7200000,18000000,36000000,36000000", "delay before each webhook delivery attempt, comma-separated"],
+  ["KILN_WEBHOOK_ALLOW_PRIVATE", "0", "1 lets webhooks reach private and loopback addresses (link-local never)"],
+  ["KILN_WEBHOOK_ROTATION_GRACE_MS", "86400000", "how long a rotated-out webhook signing secret keeps signing"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -90,6 +107,11 @@ export function loadConfig(env: Env = process.env): Config {
     warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
     insecureRegistries: registryList(env, "KILN_INSECURE_REGISTRIES"),
     buildkitHost: env.BUILDKIT_HOST || undefined,
+    buildRetentionS: intVar(env, "KILN_BUILD_RETENTION_S", 604_800, 0, 10 * 365 * 86_400),
+    hostId: hostIdVar(env),
+    webhookRetryScheduleMs: scheduleVar(env, "KILN_WEBHOOK_RETRY_SCHEDULE_MS", DEFAULT_WEBHOOK_RETRY_SCHEDULE_MS),
+    webhookAllowPrivate: boolVar(env, "KILN_WEBHOOK_ALLOW_PRIVATE"),
+    webhookRotationGraceMs: intVar(env, "KILN_WEBHOOK_ROTATION_GRACE_MS", 86_400_000, 0, 30 * 86_400_000),
   };
 }
 
@@ -109,6 +131,25 @@ function registryList(env: Env, name: string): string[] {
     if (!/^[A-Za-z0-9.-]+(:\d{1,5})?$/.test(h)) throw new ConfigError(`${name} must list registry hosts as host or host:port, got ${JSON.stringify(h)}`);
   }
   return hosts;
+}
+
+function hostIdVar(env: Env): string | undefined {
+  const raw = env.KILN_HOST_ID;
+  if (raw === undefined || raw === "") return undefined;
+  if (!/^[A-Za-z0-9_.-]{1,64}$/.test(raw)) throw new ConfigError(`KILN_HOST_ID must be 1 to 64 letters, digits, '.', '_' or '-', got ${JSON.stringify(raw)}`);
+  return raw;
+}
+
+function scheduleVar(env: Env, name: string, fallback: number[]): number[] {
+  const raw = env[name];
+  if (raw === undefined || raw.trim() === "") return fallback;
+  const parts = raw.split(",").map((p) => p.trim());
+  const delays = parts.map(Number);
+  if (parts.length > 50 || delays.some((d, i) => parts[i] === "" || !Number.isInteger(d) || d < 0 || d > 7 * 86_400_000)) {
+    throw new ConfigError(`${name} must be a comma list of 1 to 50 delays in milliseconds (each 0 to 604800000), got ${JSON.stringify(raw)}`);
+  }
+  if (delays[0] !== 0) throw new ConfigError(`${name} must start with 0: an event's first delivery attempt goes at once, got ${JSON.stringify(raw)}`);
+  return delays;
 }
 
 function boolVar(env: Env, name: string): boolean {

@@ -13,6 +13,7 @@ export const ERROR_CATALOGUE = {
   unsupported_media_type: { status: 415, message: "Unsupported content type" },
   git_error: { status: 422, message: "The git operation failed" },
   build_rejected: { status: 422, message: "The build was rejected" },
+  build_error: { status: 422, message: "The build failed" },
   rate_limited: { status: 429, message: "Too many requests" },
   internal: { status: 500, message: "Internal error" },
   unavailable: { status: 503, message: "The service is unavailable" },

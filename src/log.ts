@@ -13,6 +13,9 @@ export const SECRET_FIELDS = [
   "private_key",
   "passphrase",
   "signing_secret",
+  "signingSecret",
+  "previous_signing_secret",
+  "secret",
   "token",
   "secrets",
   "envs",
@@ -22,6 +25,8 @@ export const SECRET_FIELDS = [
   "key",
   "cookie",
   "x-api-key",
+  "build_envs",
+  "name_claim_token",
   "base_image_auth",
   "registry_credentials",
 ] as const;

@@ -15,6 +15,8 @@ import { createReadStream } from "node:fs";
 import { lstat } from "node:fs/promises";
 import { AGENT_SOCKET_DEFAULT } from "./protocol.ts";
 import type { AgentHealth, ExecRequest } from "./protocol.ts";
+import { handleGitRun, sweepScratch } from "./git.ts";
+import { handleCode, stopAllKernels } from "./kernels/index.ts";
 
 const bootId = randomUUID();
 const startedAt = Date.now();
@@ -125,7 +127,12 @@ async function route(req: IncomingMessage, res: ServerResponse) {
       const body = await readJson(req);
       return send(res, 200, await move(absolutePath(body.src, "src"), absolutePath(body.dest, "dest"), ownerOf(body.user)));
     }
+    case "POST /git/run": {
+      const body = await readJson(req);
+      return send(res, 200, await handleGitRun(req, res, body));
+    }
   }
+  if (url.pathname.startsWith("/code/") && (await handleCode(req, res, url.pathname, readJson, send))) return;
   if (req.method === "GET" && url.pathname.startsWith("/users/")) {
     const user = lookupUser(decodeURIComponent(url.pathname.slice("/users/".length)));
     if (!user) throw new AgentFailure("not_found", "No such user");
@@ -195,8 +202,12 @@ if (fdArg > 0) {
   server.listen(path, () => chmodSync(path, 0o600));
 }
 
+// Credentials of a git run cut short by an agent crash do not outlive it.
+void sweepScratch();
+
 const stop = () => {
   void streams?.then((s) => s.resetSessions());
+  void stopAllKernels();
   server.close(() => process.exit(0));
   setTimeout(() => process.exit(0), 500).unref();
 };

@@ -216,3 +216,81 @@ export interface StreamErrorFrame {
 }
 
 export type StreamServerFrame = ExecStartedFrame | ExecOutputFrame | ExecExitFrame | PtyStartedFrame | PtyOutputFrame | PtyExitFrame | PtyReconnectedFrame | StreamErrorFrame;
+
+// ── Git (src/agent/git.ts) ───────────────────────────────────────────────────────────────────────────────────────
+//   POST   /git/run       GitRunRequest  → GitRunResult (git's outputs scrubbed of every credential)
+// The control plane builds the argv (user refs after --end-of-options); the agent owns the credentials: a 0700
+// scratch dir per run with an askpass helper and key files, removed when the run ends. A closed request cancels.
+
+export interface GitAuth {
+  kind: "https" | "ssh";
+  username?: string;
+  password?: string;
+  private_key?: string;
+  passphrase?: string;
+}
+
+export interface GitRunRequest {
+  /** Arguments after `git` (the agent adds `-c protocol.ext.allow=never` and an empty credential.helper). */
+  args: string[];
+  cwd?: string;
+  user?: string;
+  auth?: GitAuth;
+  envs?: Record<string, string>;
+  stdin?: string;
+  timeout_ms?: number;
+}
+
+export interface GitRunResult {
+  exit_code: number | null;
+  signal: string | null;
+  stdout: string;
+  stderr: string;
+  timed_out: boolean;
+  cancelled: boolean;
+  duration_ms: number;
+}
+
+// ── Code interpreter (src/agent/kernels/*) ──────────────────────────────────────────────────────────────────────
+//   POST   /code/contexts               CodeContextCreate → CodeContext (the kernel is up when this answers)
+//   GET    /code/contexts                                 → {contexts: CodeContext[]}
+//   POST   /code/contexts/:id/restart                     → CodeContext (a fresh kernel, state gone)
+//   DELETE /code/contexts/:id                             → {deleted: true} (kernel process gone) | 404
+//   POST   /code/execute                CodeExecuteRequest → application/x-ndjson of CodeFrame, one per line;
+//          errors found before the first line (unknown context, bad language) answer a JSON error instead.
+// An execute past timeout_ms, or whose request closes, is interrupted; the kernel stays usable.
+
+export type CodeLanguage = "python" | "javascript";
+
+export interface CodeContextCreate {
+  /** Chosen by the control plane (ctx_…). */
+  id: string;
+  language: CodeLanguage;
+  cwd: string;
+  user: string;
+}
+
+export interface CodeContext {
+  id: string;
+  language: CodeLanguage;
+  cwd: string;
+  user: string;
+  /** Pid of the kernel process itself (the Python kernel, or the Node kernel). */
+  kernel_pid: number | null;
+  created_at: string;
+}
+
+export interface CodeExecuteRequest {
+  code: string;
+  context_id?: string;
+  /** Without context_id: the default context of this language, made on first use with these fields. */
+  language?: CodeLanguage;
+  default_context?: CodeContextCreate;
+  timeout_ms?: number;
+}
+
+export type CodeFrame =
+  | { type: "stdout" | "stderr"; text: string }
+  | { type: "result"; data: Record<string, string>; is_main_result: boolean; execution_count?: number | null }
+  | { type: "error"; name: string; value: string; traceback: string }
+  | { type: "end"; context_id: string; execution_count: number | null; duration_ms: number; status: "ok" | "error" | "interrupted" | "timeout" };

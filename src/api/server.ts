@@ -17,6 +17,10 @@ import { keyRoutes } from "./routes/keys.ts";
 import { machineRoutes } from "./routes/machines.ts";
 import { fileRoutes } from "./routes/files.ts";
 import { machineWsRoutes } from "./routes/machine-ws.ts";
+import { templateRoutes } from "./routes/templates.ts";
+import { webhookRoutes } from "./routes/webhooks.ts";
+import { gitRoutes } from "./routes/git.ts";
+import { codeRoutes } from "./routes/code.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -107,6 +111,10 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(keyRoutes, { services: opts.services });
   await app.register(machineRoutes, { services: opts.services });
   await app.register(fileRoutes, { services: opts.services });
+  await app.register(templateRoutes, { services: opts.services });
+  await app.register(webhookRoutes, { services: opts.services });
+  await app.register(gitRoutes, { services: opts.services });
+  await app.register(codeRoutes, { services: opts.services });
   await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
 

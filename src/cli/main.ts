@@ -8,6 +8,9 @@ import { createLogger } from "../log.ts";
 import { machineCommands } from "./machines.ts";
 import { keyCommands } from "./keys.ts";
 import { templateCommands } from "./templates.ts";
+import { webhookCommands } from "./webhooks.ts";
+import { codeCommands } from "./code.ts";
+import { gitCommands } from "./git.ts";
 
 const program = new Command("kiln")
   .description("Kiln: isolated Linux machines for AI agents, self-hosted")
@@ -60,5 +63,8 @@ withServerFlags(program.command("serve").description("Run the Kiln server (makes
 keyCommands(program);
 templateCommands(program);
 machineCommands(program);
+webhookCommands(program);
+codeCommands(program);
+gitCommands(program);
 
 await program.parseAsync(process.argv);

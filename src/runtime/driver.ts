@@ -47,6 +47,11 @@ export interface MachineDriver {
   /** Freezes every process of the machine in place. */
   hibernate(id: string): Promise<void>;
   resume(id: string): Promise<LiveMachine>;
+  /**
+   * Stops a (build) machine and moves its writable layer to `destDir` as a read-only template layer (already in
+   * overlayfs form and the machines' uid range), then removes the machine like destroy.
+   */
+  captureLayer(id: string, destDir: string): Promise<void>;
   /** Leaves no process, mount or directory behind. Idempotent. */
   destroy(id: string): Promise<void>;
   /** Machines this driver still has alive on the host (used to adopt them after a restart). */

@@ -9,13 +9,40 @@ import { createMachineService } from "./machines.ts";
 import { createExecService } from "./exec.ts";
 import { createFileService } from "./files.ts";
 import { createWarmPool } from "./warm-pool.ts";
+import { createBuildService } from "./builds.ts";
+import type { BuildExtensions } from "./builds.ts";
+import { createTemplateCatalog } from "./template-catalog.ts";
+import { createWebhookService } from "./webhooks.ts";
+import { createDispatcher } from "../webhooks/dispatcher.ts";
+import { createGitService } from "./git.ts";
+import { createCodeService } from "./code.ts";
 
-export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number }) {
-  const { store, driver, log } = deps;
+export interface WebhookSettings {
+  retryScheduleMs: number[];
+  allowPrivate: boolean;
+  rotationGraceMs: number;
+}
+
+export function createServices(deps: {
+  store: Store;
+  driver: MachineDriver;
+  log: Logger;
+  warmPoolSize: number;
+  dataDir: string;
+  buildRetentionS: number;
+  buildExtensions?: BuildExtensions;
+  hostId: string;
+  webhooks: WebhookSettings;
+}) {
+  const { store, driver, log, hostId } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
-  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool });
+  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId });
+  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, extensions: deps.buildExtensions });
+  const templateCatalog = createTemplateCatalog({ db: store.db, templateIdOf: builds.templateIdOf });
+  const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
+  const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });
   return {
     store,
     driver,
@@ -25,6 +52,12 @@ export function createServices(deps: { store: Store; driver: MachineDriver; log:
     machines,
     exec: createExecService(machines),
     files: createFileService(machines),
+    builds,
+    templateCatalog,
+    webhooks,
+    dispatcher,
+    git: createGitService(machines),
+    code: createCodeService(machines),
   };
 }
 

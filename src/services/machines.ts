@@ -11,6 +11,9 @@ import type { AgentClient } from "../runtime/agent-client.ts";
 import type { TemplateService } from "./templates.ts";
 import type { WarmPool } from "./warm-pool.ts";
 import type { Logger } from "../log.ts";
+import { artifactConfig } from "../builder/artifact-config.ts";
+import { runStartCommand } from "../builder/phases/startup.ts";
+import { announceDeliveries, recordEvent } from "../webhooks/outbox.ts";
 
 export const MACHINE_STATUSES = ["creating", "running", "hibernated", "destroyed", "failed"] as const;
 export type MachineStatus = (typeof MACHINE_STATUSES)[number];
@@ -63,8 +66,8 @@ export function machineView(row: MachineRow) {
 }
 export type MachineView = ReturnType<typeof machineView>;
 
-export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool }) {
-  const { db, driver, templates, log } = deps;
+export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool; hostId: string }) {
+  const { db, driver, templates, log, hostId } = deps;
   const agents = new Map<string, AgentClient>();
   const locks = new Map<string, Promise<unknown>>();
   let sweeper: NodeJS.Timeout | undefined;
@@ -93,17 +96,19 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   /** Applies a state change and records its lifecycle event in the same transaction. */
   async function transition(id: string, set: MachineUpdate, operation: LifecycleOperation | null): Promise<MachineRow> {
     const now = new Date().toISOString();
+    let queued = 0;
     return db.transaction().execute(async (tx) => {
       await tx.updateTable("machines").set({ ...set, updated_at: now }).where("id", "=", id).execute();
       const row = await tx.selectFrom("machines").selectAll().where("id", "=", id).executeTakeFirstOrThrow();
       if (operation) {
         const eventId = newId("evt");
         const payload = { id: eventId, operation, occurred_at: now, machine: machineView(row) };
-        await tx.insertInto("events").values({ id: eventId, operation, machine_id: id, payload_json: JSON.stringify(payload), occurred_at: now }).execute();
+        queued = await recordEvent(tx, { id: eventId, operation, occurredAt: now, payload, machineId: id });
       }
       return row;
     }).then((row) => {
       if (set.status) statusChanges.emit("status", id, set.status as MachineStatus);
+      if (queued > 0) announceDeliveries(db);
       return row;
     });
   }
@@ -128,6 +133,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
 
   async function create(input: CreateMachineInput): Promise<MachineView> {
     const resolved = await templates.resolve(input.template ?? deps.baseTemplateRef);
+    // A built template's image config gives the defaults: its envs, working directory and user.
+    const image = artifactConfig(resolved.artifact);
     const now = new Date();
     const timeoutS = input.timeout_s ?? MACHINE_DEFAULTS.timeoutS;
     const vcpus = input.vcpus ?? MACHINE_DEFAULTS.vcpus;
@@ -140,8 +147,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       artifact_id: resolved.artifact.id,
       name: input.name ?? null,
       status: "creating",
-      cwd: input.cwd ?? null,
-      user: input.user ?? MACHINE_DEFAULTS.user,
+      cwd: input.cwd ?? image.image.workingDir ?? null,
+      user: input.user ?? image.image.user ?? MACHINE_DEFAULTS.user,
       metadata_json: JSON.stringify(input.metadata ?? {}),
       vcpus,
       memory_mb: memoryMb,
@@ -152,6 +159,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       updated_at: now.toISOString(),
       destroyed_at: null,
       failure_reason: null,
+      host_id: hostId,
     };
     await db.insertInto("machines").values(row).execute();
     return withLock(row.id, async () => {
@@ -172,7 +180,10 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
         await agent.user(row.user).catch((err: unknown) => {
           throw err instanceof AgentError && err.code === "not_found" ? new KilnError("invalid_request", `No user ${JSON.stringify(row.user)} in template ${resolved.template.canonical_ref}`) : err;
         });
-        if (input.envs && Object.keys(input.envs).length > 0) await agent.setEnvs(input.envs);
+        // The start command sees the template's envs only; create-time envs apply to what runs after it.
+        if (Object.keys(image.image.env).length > 0) await agent.setEnvs(image.image.env);
+        await runStartCommand(agent, image, row.user);
+        if (input.envs && Object.keys(input.envs).length > 0) await agent.setEnvs({ ...image.image.env, ...input.envs });
         // The machine's cwd is where its commands start: make sure it exists, owned by the machine's user.
         if (row.cwd) await agent.mkdir(row.cwd, { user: row.user });
         return machineView(await transition(row.id, { status: "running" }, "create"));
@@ -263,7 +274,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
    * Rows are read before the runtime's list, so a machine that became running in between was already live.
    */
   async function reapDead(): Promise<number> {
-    const rows = await db.selectFrom("machines").select("id").where("status", "in", ["running", "hibernated"]).execute();
+    const rows = await db.selectFrom("machines").select("id").where("host_id", "=", hostId).where("status", "in", ["running", "hibernated"]).execute();
     if (rows.length === 0) return 0;
     const live = new Set((await driver.listLive()).map((m) => m.id));
     let reaped = 0;
@@ -293,7 +304,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   /** Destroys machines whose timeout has passed. Runs every second; cheap because of the status index. */
   async function sweepExpired(): Promise<void> {
     const now = new Date().toISOString();
-    const due = await db.selectFrom("machines").select("id").where("status", "in", ["running", "hibernated"]).where("expires_at", "<=", now).execute();
+    const due = await db.selectFrom("machines").select("id").where("host_id", "=", hostId).where("status", "in", ["running", "hibernated"]).where("expires_at", "<=", now).execute();
     for (const { id } of due) {
       await destroy(id, "timeout").catch((err: unknown) => log.error({ err, machine_id: id }, "destroying an expired machine failed"));
     }
@@ -305,7 +316,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
    */
   async function adopt(): Promise<{ adopted: number; lost: number; removed: number }> {
     const live = new Map((await driver.listLive()).map((m) => [m.id, m]));
-    const rows = await db.selectFrom("machines").selectAll().where("status", "in", ["creating", "running", "hibernated"]).execute();
+    // Records from before hosts were named belong to the first server that starts on this store again.
+    await db.updateTable("machines").set({ host_id: hostId }).where("host_id", "is", null).execute();
+    const rows = await db.selectFrom("machines").selectAll().where("host_id", "=", hostId).where("status", "in", ["creating", "running", "hibernated"]).execute();
     let adopted = 0;
     let lost = 0;
     for (const row of rows) {

@@ -63,7 +63,7 @@ export function createTemplateService(db: Db) {
     await db.transaction().execute(async (tx) => {
       let template = await tx.selectFrom("templates").selectAll().where("canonical_ref", "=", BASE_TEMPLATE_REF).executeTakeFirst();
       if (!template) {
-        template = { id: newId("tpl"), namespace: DEFAULT_NAMESPACE, name: "base", canonical_ref: BASE_TEMPLATE_REF, created_at: now, updated_at: now };
+        template = { id: newId("tpl"), namespace: DEFAULT_NAMESPACE, name: "base", canonical_ref: BASE_TEMPLATE_REF, created_at: now, updated_at: now, name_claim_hash: null };
         await tx.insertInto("templates").values(template).execute();
       }
       const tagged = await tx

@@ -93,6 +93,114 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.createIndex("template_aliases_template").on("template_aliases").column("template_id").execute();
       },
     },
+    // Template builds: build records, their durable logs, the layer cache, and what artifacts now carry (image
+    // config, the source digest the final-artifact cache matches on, retention) and templates (name claims).
+    "0005_builds": {
+      async up(db: Kysely<any>) {
+        await db.schema
+          .createTable("builds")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("template_id", "text", (c) => c.notNull().references("templates.id"))
+          .addColumn("name", "text", (c) => c.notNull())
+          .addColumn("tags_json", "text", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("build_backend", "text", (c) => c.notNull())
+          .addColumn("source_type", "text", (c) => c.notNull())
+          .addColumn("source_digest", "text")
+          .addColumn("context_digest", "text")
+          .addColumn("dockerfile_digest", "text")
+          .addColumn("triggered_by", "text")
+          .addColumn("queued_at", "text", (c) => c.notNull())
+          .addColumn("started_at", "text")
+          .addColumn("finished_at", "text")
+          .addColumn("duration_ms", "bigint")
+          .addColumn("failure_phase", "text")
+          .addColumn("failure_reason", "text")
+          .addColumn("cache_summary_json", "text", (c) => c.notNull())
+          .addColumn("artifact_ids_json", "text", (c) => c.notNull())
+          .addColumn("retention_expires_at", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .execute();
+        await db.schema.createIndex("builds_template_created").on("builds").columns(["template_id", "created_at", "id"]).execute();
+        await db.schema.createIndex("builds_status").on("builds").column("status").execute();
+        await db.schema
+          .createTable("build_logs")
+          .addColumn("build_id", "text", (c) => c.notNull())
+          .addColumn("seq", "integer", (c) => c.notNull())
+          .addColumn("kind", "text", (c) => c.notNull())
+          .addColumn("entry_json", "text", (c) => c.notNull())
+          .addPrimaryKeyConstraint("build_logs_pk", ["build_id", "seq"])
+          .execute();
+        await db.schema
+          .createTable("build_cache")
+          .addColumn("key", "text", (c) => c.primaryKey())
+          .addColumn("layer_dir", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("last_used_at", "text", (c) => c.notNull())
+          .execute();
+        await db.schema.alterTable("artifacts").addColumn("config_json", "text").execute();
+        await db.schema.alterTable("artifacts").addColumn("source_digest", "text").execute();
+        await db.schema.alterTable("artifacts").addColumn("retention_expires_at", "text").execute();
+        await db.schema.createIndex("artifacts_source_digest").on("artifacts").column("source_digest").execute();
+        await db.schema.alterTable("templates").addColumn("name_claim_hash", "text").execute();
+      },
+    },
+    // Lifecycle webhooks: registrations, a durable outbox of deliveries written with each event, and every attempt.
+    // Machines name the host (data dir) that runs them, so several servers on one store reconcile only their own.
+    "0004_webhooks": {
+      async up(db: Kysely<any>) {
+        await db.schema.alterTable("machines").addColumn("host_id", "text").execute();
+        await db.schema.createIndex("machines_host_status").on("machines").columns(["host_id", "status"]).execute();
+        await db.schema
+          .createTable("webhooks")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("url", "text", (c) => c.notNull())
+          .addColumn("operations_json", "text", (c) => c.notNull())
+          .addColumn("enabled", "integer", (c) => c.notNull())
+          .addColumn("signing_secret", "text", (c) => c.notNull())
+          .addColumn("previous_signing_secret", "text")
+          .addColumn("previous_secret_expires_at", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .execute();
+        await db.schema.createIndex("webhooks_created").on("webhooks").columns(["created_at", "id"]).execute();
+        await db.schema
+          .createTable("webhook_deliveries")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("webhook_id", "text", (c) => c.notNull())
+          .addColumn("event_id", "text", (c) => c.notNull())
+          .addColumn("operation", "text", (c) => c.notNull())
+          .addColumn("body", "text", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("attempts", "integer", (c) => c.notNull())
+          .addColumn("schedule_base", "integer", (c) => c.notNull())
+          .addColumn("next_attempt_at", "text", (c) => c.notNull())
+          .addColumn("claimed_by", "text")
+          .addColumn("claimed_at", "text")
+          .addColumn("claim_expires_at", "text")
+          .addColumn("last_status_code", "integer")
+          .addColumn("last_error", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .addColumn("completed_at", "text")
+          .execute();
+        // Covers the dispatcher's claim (due order, and which webhook) without reading the rows' bodies.
+        await db.schema.createIndex("webhook_deliveries_due").on("webhook_deliveries").columns(["status", "next_attempt_at", "id", "webhook_id"]).execute();
+        await db.schema.createIndex("webhook_deliveries_webhook").on("webhook_deliveries").columns(["webhook_id", "created_at", "id"]).execute();
+        await db.schema
+          .createTable("webhook_delivery_attempts")
+          .addColumn("delivery_id", "text", (c) => c.notNull())
+          .addColumn("attempt", "integer", (c) => c.notNull())
+          .addColumn("started_at", "text", (c) => c.notNull())
+          .addColumn("duration_ms", "integer", (c) => c.notNull())
+          .addColumn("status_code", "integer")
+          .addColumn("error", "text")
+          .addColumn("response_excerpt", "text")
+          .addPrimaryKeyConstraint("webhook_delivery_attempts_pk", ["delivery_id", "attempt"])
+          .execute();
+      },
+    },
   };
 }
 

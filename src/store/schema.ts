@@ -22,6 +22,8 @@ export interface TemplatesTable {
   canonical_ref: string; // "<namespace>/<name>", unique
   created_at: string;
   updated_at: string;
+  /** SHA-256 of the name_claim_token the template was first built with; later builds must present it. */
+  name_claim_hash?: string | null;
 }
 
 export interface TemplateAliasesTable {
@@ -38,6 +40,12 @@ export interface ArtifactsTable {
   layers_json: string;
   digest: string;
   created_at: string;
+  /** ArtifactConfig JSON (image config, layer digests, start/ready commands); null for the base template. */
+  config_json?: string | null;
+  /** The build input digest the final-artifact cache matches on. */
+  source_digest?: string | null;
+  /** Set when no tag points at the artifact any more; the collector removes it after this time. */
+  retention_expires_at?: string | null;
 }
 
 export interface ArtifactTagsTable {
@@ -65,6 +73,8 @@ export interface MachinesTable {
   updated_at: string;
   destroyed_at: string | null;
   failure_reason: string | null;
+  /** The host (data dir) whose runtime runs the machine; only that server reconciles, expires and adopts it. */
+  host_id: string | null;
 }
 
 export interface EventsTable {
@@ -78,6 +88,96 @@ export interface EventsTable {
   occurred_at: string;
 }
 
+export interface BuildsTable {
+  id: string; // bld_…
+  template_id: string;
+  name: string;
+  tags_json: string;
+  status: string; // BUILD_STATUSES
+  build_backend: string;
+  source_type: string;
+  source_digest: string | null;
+  context_digest: string | null;
+  dockerfile_digest: string | null;
+  triggered_by: string | null;
+  queued_at: string;
+  started_at: string | null;
+  finished_at: string | null;
+  duration_ms: number | null;
+  failure_phase: string | null;
+  failure_reason: string | null;
+  cache_summary_json: string;
+  artifact_ids_json: string;
+  retention_expires_at: string | null;
+  created_at: string;
+  updated_at: string;
+}
+
+export interface BuildLogsTable {
+  build_id: string;
+  seq: number;
+  kind: string;
+  /** One SPEC.md build log entry, JSON. */
+  entry_json: string;
+}
+
+export interface BuildCacheTable {
+  /** sha256 of the parent layer's key, the step's Dockerfile text and its inputs' digests. */
+  key: string;
+  /** The step's layer directory; null for steps that change no file (env, user). */
+  layer_dir: string | null;
+  created_at: string;
+  last_used_at: string;
+}
+
+export interface WebhooksTable {
+  id: string; // whk_…
+  url: string;
+  operations_json: string; // JSON array of lifecycle operations
+  enabled: number;
+  /** The one place a signing secret is stored (it signs deliveries); never in a response, log or event. */
+  signing_secret: string;
+  /** The secret before the last rotation, still signing beside the new one until previous_secret_expires_at. */
+  previous_signing_secret: string | null;
+  previous_secret_expires_at: string | null;
+  created_at: string;
+  updated_at: string;
+}
+
+export interface WebhookDeliveriesTable {
+  id: string; // dlv_…
+  webhook_id: string;
+  event_id: string;
+  operation: string;
+  /** The exact request body sent on every attempt (the signature covers it). */
+  body: string;
+  status: string; // queued | in_progress | succeeded | dead_letter
+  /** Attempts made so far, interrupted ones included. */
+  attempts: number;
+  /** attempts at the last manual retry: the schedule restarts from there. */
+  schedule_base: number;
+  next_attempt_at: string;
+  /** Host id of the server sending it now (in_progress), and until when that claim holds. */
+  claimed_by: string | null;
+  claimed_at: string | null;
+  claim_expires_at: string | null;
+  last_status_code: number | null;
+  last_error: string | null;
+  created_at: string;
+  updated_at: string;
+  completed_at: string | null;
+}
+
+export interface WebhookDeliveryAttemptsTable {
+  delivery_id: string;
+  attempt: number;
+  started_at: string;
+  duration_ms: number;
+  status_code: number | null;
+  error: string | null;
+  response_excerpt: string | null;
+}
+
 export interface Database {
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
@@ -86,6 +186,12 @@ export interface Database {
   artifact_tags: ArtifactTagsTable;
   machines: MachinesTable;
   events: EventsTable;
+  builds: BuildsTable;
+  build_logs: BuildLogsTable;
+  build_cache: BuildCacheTable;
+  webhooks: WebhooksTable;
+  webhook_deliveries: WebhookDeliveriesTable;
+  webhook_delivery_attempts: WebhookDeliveryAttemptsTable;
 }
 
 export type Db = Kysely<Database>;
@@ -95,4 +201,8 @@ export type MachineUpdate = Updateable<MachinesTable>;
 export type ApiKeyRow = Selectable<ApiKeysTable>;
 export type TemplateRow = Selectable<TemplatesTable>;
 export type ArtifactRow = Selectable<ArtifactsTable>;
+export type BuildRow = Selectable<BuildsTable>;
 export type EventRow = Selectable<EventsTable>;
+export type WebhookRow = Selectable<WebhooksTable>;
+export type DeliveryRow = Selectable<WebhookDeliveriesTable>;
+export type DeliveryAttemptRow = Selectable<WebhookDeliveryAttemptsTable>;

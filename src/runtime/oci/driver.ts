@@ -5,7 +5,7 @@ import { execFile, spawn } from "node:child_process";
 import { connect, createServer } from "node:net";
 import { get as httpGet } from "node:http";
 import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync } from "node:fs";
-import { chmod, chown, link, mkdir, readFile, rm, writeFile } from "node:fs/promises";
+import { chmod, chown, link, mkdir, readFile, rename, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import type { DriverReadiness, LiveMachine, MachineDriver, MachineSpec } from "../driver.ts";
@@ -365,6 +365,16 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       const st = await cli.state(id);
       if (!st || st.status !== "running") throw new Error(`machine ${id} is ${st?.status ?? "gone"} after resume`);
       return { id, state: "running", agentSocket: paths(id).socket, pid: st.pid };
+    },
+
+    async captureLayer(id, destDir) {
+      const p = paths(id);
+      await cli.remove(id);
+      await Promise.all([releaseNetwork(p), removeCgroups(cgroups, `kiln/${id}`)]);
+      await unmountRoot(p);
+      await rename(p.upper, destDir);
+      // What is left (bundle, work dir, sockets) goes as in destroy; the runtime already has no container.
+      await rm(p.dir, { recursive: true, force: true });
     },
 
     destroy,

@@ -1,0 +1,21 @@
+// What a template artifact carries besides its layers: the image config machines start with, the per-layer
+// digests, and the start/ready commands a machine runs at create. Stored as JSON on the artifact row.
+
+import type { ArtifactRow } from "../store/schema.ts";
+import type { ImageConfig } from "./sources/source.ts";
+
+export interface ArtifactConfig {
+  /** env, workingDir, user after the build with runtime_defaults applied; entrypoint/cmd recorded as found. */
+  image: ImageConfig;
+  /** One per entry of the artifact's layers, lowest first. */
+  layerDigests?: string[];
+  /** runtime_defaults as requested, kept for inspection. */
+  runtimeDefaults?: { envs?: Record<string, string>; cwd?: string; user?: string };
+  startCmd?: string;
+  readyCmd?: string;
+}
+
+export function artifactConfig(row: Pick<ArtifactRow, "config_json">): ArtifactConfig {
+  if (!row.config_json) return { image: { env: {} } };
+  return JSON.parse(row.config_json) as ArtifactConfig;
+}

@@ -1,0 +1,240 @@
+// The native backend: each declarative step runs in a build machine booted through the driver on the layers so far;
+// when it ends, the machine's writable upper dir becomes the step's read-only layer (driver.captureLayer). Step
+// output streams into the build log line by line as it happens; the layer cache lets unchanged steps skip running.
+
+import { createReadStream } from "node:fs";
+import { mkdir, rm } from "node:fs/promises";
+import { basename, join, posix } from "node:path";
+import type { MachineDriver } from "../../runtime/driver.ts";
+import { createAgentClient } from "../../runtime/agent-client.ts";
+import type { AgentClient } from "../../runtime/agent-client.ts";
+import type { StreamServerFrame } from "../../agent/protocol.ts";
+import { newId } from "../../store/ids.ts";
+import type { Logger } from "../../log.ts";
+import type { BuildBackend, BuildContext, BuildOutput, PlannedStep } from "./backend.ts";
+import type { ImageConfig } from "../sources/source.ts";
+import type { Instruction } from "../dockerfile.ts";
+import { layerKey } from "../cache/keys.ts";
+import type { LayerCache } from "../cache/layers.ts";
+import { selectContext } from "../context.ts";
+import type { ContextFile } from "../context.ts";
+import { BuildCancelled, BuildFailure } from "../failure.ts";
+
+/** A real bound on one step: a command that hangs does not hold a build machine forever. */
+const STEP_TIMEOUT_MS = 60 * 60 * 1000;
+const MAX_LINE = 4096;
+
+/** Applies the config-changing instructions (ENV, WORKDIR, USER) of a step to the image config. */
+export function applyConfig(config: ImageConfig, instructions: Instruction[]): ImageConfig {
+  const next: ImageConfig = { ...config, env: { ...config.env } };
+  for (const i of instructions) {
+    if (i.op === "ENV") for (const [k, v] of i.envs) next.env[k] = v;
+    else if (i.op === "WORKDIR") next.workingDir = posix.resolve(next.workingDir ?? "/", i.path);
+    else if (i.op === "USER") next.user = i.user;
+  }
+  return next;
+}
+
+/**
+ * How many read-only layers a machine's root may stack. overlayfs takes its lower dirs as one mount option string,
+ * and the kernel caps mount options at a page (4 KiB), so long stacks of long paths do not mount. Squashing older
+ * layers into one would lift this; until then a build that would pass it is refused before it starts.
+ */
+export const MAX_LAYERS = 40;
+const MOUNT_OPTIONS_MAX = 4000;
+
+/** Whether a machine root of `lowers` plus `added` new layers under `layersDir` fits overlayfs's option page. */
+export function stackFits(lowers: string[], added: number, layersDir: string): boolean {
+  if (lowers.length + added > MAX_LAYERS) return false;
+  // lowerdir=…,upperdir=<machine>/upper,workdir=<machine>/work; a machine dir is about as long as layersDir + 35.
+  const bytes = lowers.reduce((n, d) => n + d.length + 1, 0) + added * (layersDir.length + 31) + 2 * (layersDir.length + 45) + 40;
+  return bytes <= MOUNT_OPTIONS_MAX;
+}
+
+/** Steps that only change the config (env, user) leave no filesystem change and need no machine. */
+export function touchesFiles(step: PlannedStep): boolean {
+  return step.instructions.some((i) => i.op === "RUN" || i.op === "COPY" || i.op === "WORKDIR");
+}
+
+/** The digests a step's result depends on besides its text: the context files a COPY reads. */
+function inputDigests(step: PlannedStep, context: ContextFile[]): string[] {
+  const out: string[] = [];
+  for (const i of step.instructions) {
+    if (i.op !== "COPY") continue;
+    for (const { file } of selectContext(context, i.src)) out.push(`${file.path}\0${file.sha256}\0${file.mode ?? ""}`);
+  }
+  return out;
+}
+
+class TransientError extends Error {}
+
+export function createNativeBackend(deps: { driver: MachineDriver; layerCache: LayerCache; layersDir: string; log: Logger }): BuildBackend {
+  const { driver, layerCache } = deps;
+
+  async function runScript(agent: AgentClient, script: string, opts: { cwd: string; user: string; envs: Record<string, string> }, onLine: (line: string, stream: "stdout" | "stderr") => void, signal: AbortSignal): Promise<number | null> {
+    const ws = agent.openStream();
+    return new Promise<number | null>((resolve, reject) => {
+      const partial = { stdout: "", stderr: "" };
+      let settled = false;
+      const finish = (fn: () => void) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        signal.removeEventListener("abort", onAbort);
+        ws.removeAllListeners("close");
+        ws.close();
+        fn();
+      };
+      const onAbort = () => finish(() => reject(new BuildCancelled()));
+      const timer = setTimeout(() => finish(() => reject(new BuildFailure(`the step ran longer than ${STEP_TIMEOUT_MS / 60000} minutes`, { phase: "step" }))), STEP_TIMEOUT_MS);
+      signal.addEventListener("abort", onAbort);
+      const feed = (stream: "stdout" | "stderr", text: string) => {
+        const lines = (partial[stream] + text).split("\n");
+        partial[stream] = lines.pop() ?? "";
+        if (partial[stream].length > MAX_LINE) {
+          lines.push(partial[stream]);
+          partial[stream] = "";
+        }
+        for (const l of lines) onLine(l.replace(/\r$/, "").slice(0, MAX_LINE), stream);
+      };
+      ws.on("open", () => ws.send(JSON.stringify({ type: "exec.start", request_id: "step", cmd: "/bin/sh", args: ["-c", script], cwd: opts.cwd, envs: opts.envs, user: opts.user })));
+      ws.on("message", (data) => {
+        const f = JSON.parse(String(data)) as StreamServerFrame;
+        if (f.type === "exec.stdout" || f.type === "exec.stderr") feed(f.type === "exec.stdout" ? "stdout" : "stderr", Buffer.from(f.data_base64, "base64").toString("utf8"));
+        else if (f.type === "exec.exit") {
+          for (const s of ["stdout", "stderr"] as const) if (partial[s]) onLine(partial[s].slice(0, MAX_LINE), s);
+          finish(() => resolve(f.exit_code ?? (f.signal ? 128 : 1)));
+        } else if (f.type === "error") finish(() => reject(new BuildFailure(`the step could not start: ${f.error}`, { phase: "step" })));
+      });
+      ws.on("error", (err) => finish(() => reject(new TransientError(`the build machine's agent went away: ${err.message}`))));
+      ws.on("close", () => finish(() => reject(new TransientError("the build machine's agent closed the stream before the step ended"))));
+    });
+  }
+
+  async function copyIn(agent: AgentClient, i: Extract<Instruction, { op: "COPY" }>, config: ImageConfig, context: ContextFile[], stepIndex: number) {
+    const picked = selectContext(context, i.src);
+    if (picked.length === 0) throw new BuildFailure(`copy: ${JSON.stringify(i.src)} is not in the build context`, { phase: "step", stepIndex, suggestedAction: "add the file to context.files" });
+    const dest = posix.resolve(config.workingDir ?? "/", i.dest);
+    const intoDir = i.dest.endsWith("/") || picked.length > 1 || picked[0].rel !== "";
+    for (const { file, rel } of picked) {
+      const target = intoDir ? posix.join(dest, rel || basename(file.path)) : dest;
+      await agent.writeFile(target, createReadStream(file.blobPath), { mode: i.mode ?? file.mode ?? "0644", user: i.owner });
+    }
+  }
+
+  /** Runs one step in a fresh build machine and captures its layer into `layerDir`. */
+  async function runStep(ctx: BuildContext, step: PlannedStep, lowers: string[], configBefore: ImageConfig, layerDir: string, attempt: number): Promise<void> {
+    const id = newId("mch");
+    const common = { step_index: step.index, total_steps: ctx.steps.length, attempt, max_attempts: ctx.maxAttempts };
+    ctx.log({ kind: "message", phase: "vm_create", message: `starting a build machine for step ${step.index}/${ctx.steps.length}`, ...common, level: "debug" });
+    let agent: AgentClient | undefined;
+    let captured = false;
+    try {
+      const live = await driver.create({ id, layers: lowers, hostname: "kiln-build", vcpus: ctx.vm.vcpus, memoryMb: ctx.vm.memoryMb, internet: ctx.vm.internet, mounts: [] }).catch((err: unknown) => {
+        throw new TransientError(`the build machine did not start: ${(err as Error).message}`);
+      });
+      agent = createAgentClient(live.agentSocket);
+      let config = configBefore;
+      ctx.log({ kind: "message", phase: "step", message: `step ${step.index}/${ctx.steps.length}: ${step.description}`, ...common });
+      for (const ins of step.instructions) {
+        if (ctx.signal.aborted) throw new BuildCancelled();
+        if (ins.op === "RUN") {
+          const code = await runScript(
+            agent,
+            ins.script,
+            { cwd: config.workingDir ?? "/", user: config.user ?? "root", envs: { ...config.env, ...ctx.buildEnvs } },
+            (line) => ctx.log({ kind: "message", phase: "step", message: line, ...common }),
+            ctx.signal,
+          );
+          if (code !== 0) {
+            const msg = `step ${step.index} (${step.description}) exited with code ${code}`;
+            if (step.transient) throw new TransientError(msg);
+            throw new BuildFailure(msg, { phase: "step", stepIndex: step.index, suggestedAction: "fix the command of this step and build again" });
+          }
+        } else if (ins.op === "COPY") {
+          await copyIn(agent, ins, config, ctx.context, step.index);
+        } else if (ins.op === "WORKDIR") {
+          const path = posix.resolve(config.workingDir ?? "/", ins.path);
+          await agent.mkdir(path, { user: config.user && config.user !== "root" ? config.user : undefined });
+        }
+        config = applyConfig(config, [ins]);
+      }
+      await agent.close();
+      agent = undefined;
+      ctx.log({ kind: "message", phase: "snapshot", message: `capturing the layer of step ${step.index}`, ...common, level: "debug" });
+      await driver.captureLayer(id, layerDir);
+      captured = true;
+    } finally {
+      await agent?.close().catch(() => undefined);
+      if (!captured) await driver.destroy(id).catch((err: unknown) => deps.log.error({ err, machine_id: id }, "destroying a build machine failed"));
+    }
+  }
+
+  async function run(ctx: BuildContext): Promise<BuildOutput> {
+    let parentKey = ctx.source.digest;
+    let config: ImageConfig = { ...ctx.source.config, env: { ...ctx.source.config.env } };
+    const lowers = ctx.source.layers.map((l) => l.dir);
+    const layers: BuildOutput["layers"] = [];
+    await mkdir(deps.layersDir, { recursive: true });
+    for (const step of ctx.steps) {
+      if (ctx.signal.aborted) throw new BuildCancelled();
+      const key = layerKey(parentKey, step.text, inputDigests(step, ctx.context));
+      const common = { step_index: step.index, total_steps: ctx.steps.length };
+      const target = `step ${step.index}: ${step.description}`;
+      let cached: { dir: string | null } | null = null;
+      if (ctx.skipCache) {
+        ctx.count("layer_bypasses");
+        ctx.log({ kind: "cache", phase: "cache", cache_layer: "layer", cache_outcome: "bypass", cache_reason: "whole_build_skip_cache", cache_target: target, message: `cache bypass: ${target}`, ...common });
+      } else {
+        cached = await layerCache.lookup(key);
+        ctx.count(cached ? "layer_hits" : "layer_misses");
+        ctx.log(
+          cached
+            ? { kind: "cache", phase: "cache", cache_layer: "layer", cache_outcome: "hit", cache_target: target, message: `cache hit: ${target}`, ...common }
+            : { kind: "cache", phase: "cache", cache_layer: "layer", cache_outcome: "miss", cache_reason: "missing_or_incompatible", cache_target: target, message: `cache miss: ${target}`, ...common },
+        );
+      }
+      const configBefore = config;
+      config = applyConfig(config, step.instructions);
+      if (cached) {
+        if (cached.dir) {
+          lowers.push(cached.dir);
+          layers.push({ dir: cached.dir, digest: key });
+        }
+        parentKey = key;
+        continue;
+      }
+      let dir: string | null = null;
+      if (touchesFiles(step)) {
+        // Short names keep the lower-dir mount option small: 20 hex of the key and the id's 8 random characters.
+        dir = join(deps.layersDir, `${key.slice("sha256:".length, "sha256:".length + 20)}-${newId("bld").slice(-8)}`);
+        for (let attempt = 1; ; attempt++) {
+          try {
+            await runStep(ctx, step, lowers, configBefore, dir, attempt);
+            break;
+          } catch (err) {
+            await rm(dir, { recursive: true, force: true }).catch(() => undefined);
+            if (!(err instanceof TransientError)) {
+              if (err instanceof BuildFailure && err.stepIndex === undefined) throw new BuildFailure(err.message, { phase: err.phase, stepIndex: step.index, retryable: err.retryable, suggestedAction: err.suggestedAction });
+              throw err;
+            }
+            if (ctx.signal.aborted) throw new BuildCancelled();
+            if (attempt >= ctx.maxAttempts) {
+              throw new BuildFailure(`${err.message} (after ${attempt} attempts)`, { phase: "step", stepIndex: step.index, retryable: true });
+            }
+            ctx.log({ kind: "retry", level: "warn", phase: "retry", message: `${err.message}; trying step ${step.index} again`, ...common, attempt: attempt + 1, max_attempts: ctx.maxAttempts });
+          }
+        }
+        lowers.push(dir);
+        layers.push({ dir, digest: key });
+      }
+      await layerCache.store(key, dir);
+      ctx.count("layer_stores");
+      ctx.log({ kind: "cache", phase: "cache", cache_layer: "layer", cache_outcome: "stored", cache_target: target, message: `cached: ${target}`, ...common, level: "debug" });
+      parentKey = key;
+    }
+    return { layers, config };
+  }
+
+  return { name: "native", run };
+}

@@ -1,0 +1,81 @@
+// Logical templates as the API shows them: list, get (with tags, aliases and artifacts) and delete, which refuses
+// while machines use the template and leaves its layers to the retention collector.
+
+import type { Db, TemplateRow } from "../store/schema.ts";
+import { KilnError } from "../errors.ts";
+import { artifactConfig } from "../builder/artifact-config.ts";
+import { BASE_TEMPLATE_REF } from "./templates.ts";
+
+export function createTemplateCatalog(deps: { db: Db; templateIdOf: (id: string) => Promise<string> }) {
+  const { db } = deps;
+
+  async function view(t: TemplateRow) {
+    const tags = await db.selectFrom("artifact_tags").select(["tag", "artifact_id"]).where("template_id", "=", t.id).orderBy("tag").execute();
+    const aliases = await db.selectFrom("template_aliases").select("alias_ref").where("template_id", "=", t.id).orderBy("alias_ref").execute();
+    const artifacts = await db.selectFrom("artifacts").selectAll().where("template_id", "=", t.id).orderBy("created_at", "desc").limit(20).execute();
+    return {
+      template_id: t.id,
+      namespace: t.namespace,
+      name: t.name,
+      canonical_ref: t.canonical_ref,
+      aliases: aliases.map((a) => a.alias_ref),
+      tags: Object.fromEntries(tags.map((r) => [r.tag, r.artifact_id])) as Record<string, string>,
+      artifacts: artifacts.map((a) => {
+        const c = artifactConfig(a);
+        return {
+          artifact_id: a.id,
+          build_id: a.build_id,
+          digest: a.digest,
+          tags: tags.filter((r) => r.artifact_id === a.id).map((r) => r.tag),
+          layers: (JSON.parse(a.layers_json) as string[]).length,
+          env: Object.keys(c.image.env).sort(),
+          cwd: c.image.workingDir ?? null,
+          user: c.image.user ?? null,
+          start_cmd: c.startCmd ?? null,
+          created_at: a.created_at,
+          retention_expires_at: a.retention_expires_at ?? null,
+        };
+      }),
+      created_at: t.created_at,
+      updated_at: t.updated_at,
+    };
+  }
+
+  async function list() {
+    const rows = await db.selectFrom("templates").selectAll().orderBy("canonical_ref").execute();
+    return { templates: await Promise.all(rows.map(view)) };
+  }
+
+  async function load(id: string): Promise<TemplateRow> {
+    const templateId = await deps.templateIdOf(id);
+    return db.selectFrom("templates").selectAll().where("id", "=", templateId).executeTakeFirstOrThrow();
+  }
+
+  async function get(id: string) {
+    return view(await load(id));
+  }
+
+  async function remove(id: string) {
+    const t = await load(id);
+    if (t.canonical_ref === BASE_TEMPLATE_REF) throw new KilnError("conflict", `${BASE_TEMPLATE_REF} is Kiln's own base template and cannot be deleted`);
+    const used = await db.selectFrom("machines").select("id").where("template_id", "=", t.id).where("status", "in", ["creating", "running", "hibernated"]).execute();
+    if (used.length > 0) throw new KilnError("conflict", `${t.canonical_ref} is used by ${used.length} machine(s): ${used.slice(0, 5).map((m) => m.id).join(", ")}`);
+    const running = await db.selectFrom("builds").select("id").where("template_id", "=", t.id).where("status", "in", ["waiting", "building"]).executeTakeFirst();
+    if (running) throw new KilnError("conflict", `${t.canonical_ref} has a build running (${running.id}); cancel it first`);
+    const shown = await view(t);
+    await db.transaction().execute(async (tx) => {
+      const buildIds = (await tx.selectFrom("builds").select("id").where("template_id", "=", t.id).execute()).map((b) => b.id);
+      if (buildIds.length) await tx.deleteFrom("build_logs").where("build_id", "in", buildIds).execute();
+      await tx.deleteFrom("builds").where("template_id", "=", t.id).execute();
+      await tx.deleteFrom("artifact_tags").where("template_id", "=", t.id).execute();
+      await tx.deleteFrom("template_aliases").where("template_id", "=", t.id).execute();
+      await tx.deleteFrom("artifacts").where("template_id", "=", t.id).execute();
+      await tx.deleteFrom("templates").where("id", "=", t.id).execute();
+    });
+    return shown;
+  }
+
+  return { list, get, remove };
+}
+
+export type TemplateCatalog = ReturnType<typeof createTemplateCatalog>;
