@@ -1,7 +1,6 @@
 // Image imports and Dockerfile builds through POST /v1/templates/build, seen from outside: the SSE log (progress,
 // layer cache entries, builder output, build_error), machines from the resulting templates, and credentials and
-// secrets absent from the data dir and the server's logs. Needs the build pipeline (issue 8) with this room's
-// sources wired in (docs/oci.md, "Wiring"); until that is merged the endpoint is absent and these tests skip.
+// secrets absent from the data dir and the server's logs.
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
@@ -63,8 +62,7 @@ const machines: string[] = [];
 
 const skip = registryAvailable() ?? (hostArchSupported() ? undefined : "x86-64 only");
 const opt = { skip };
-/** Set in before(): the build endpoint is not on this server (issue 8 not merged yet). */
-let noPipeline = false;
+
 const password = `pw-${randomBytes(10).toString("hex")}`;
 let reg: TestRegistry;
 let priv: TestRegistry;
@@ -77,9 +75,6 @@ before(async () => {
   await pushImage(reg, "mini/shell", "v1", image);
   await pushImage(priv, "mini/private", "v1", image);
   k = await startTestKiln({ env: { KILN_INSECURE_REGISTRIES: `${reg.host},${priv.host}` } });
-  const probe = await k.call("POST", "/v1/templates/build", { body: {} });
-  noPipeline = probe.status === 404 && probe.body?.code === "not_found";
-  if (noPipeline) process.stderr.write("skipping the build-endpoint tests: POST /v1/templates/build is not on this server\n");
 });
 
 after(async () => {
@@ -89,8 +84,7 @@ after(async () => {
   await Promise.all([reg?.stop(), priv?.stop()]);
 });
 
-test("base_image import with declarative steps on top in one build; a machine from it runs commands", opt, async (t) => {
-  if (noPipeline) return t.skip("POST /v1/templates/build is not on this server yet");
+test("base_image import with declarative steps on top in one build; a machine from it runs commands", opt, async () => {
   const { events } = await buildOk(k, { name: "imported-mini", base_image: `${reg.host}/mini/shell:v1`, steps: [{ type: "run", command: "cat /etc/motd > /from-step" }] });
   const layerEntries = events.filter((e) => e.data.cache_layer === "layer" && /image layer/.test(e.data.cache_target ?? ""));
   const outcomes = layerEntries.map((e) => e.data.cache_outcome);
@@ -104,8 +98,7 @@ test("base_image import with declarative steps on top in one build; a machine fr
   assert.deepEqual(again.events.filter((e) => e.data.cache_layer === "layer" && /image layer/.test(e.data.cache_target ?? "")).map((e) => e.data.cache_outcome), ["hit", "hit"]);
 });
 
-test("an unsupported manifest ends the stream with build_error naming it; credentials are never stored or logged", opt, async (t) => {
-  if (noPipeline) return t.skip("POST /v1/templates/build is not on this server yet");
+test("an unsupported manifest ends the stream with build_error naming it; credentials are never stored or logged", opt, async () => {
   await pushImage(reg, "mini/features", "v1", { layers: [{ entries: [{ name: "x", content: "x" }] }], extraConfig: { "os.features": ["win32k"] } });
   const r = await build(k, { name: "bad-features", base_image: `${reg.host}/mini/features:v1` });
   const last = r.events.at(-1)!;
@@ -119,8 +112,7 @@ test("an unsupported manifest ends the stream with build_error naming it; creden
   assert.ok(!k.logs.join("").includes(password), "nor in the server's logs");
 });
 
-test("a Dockerfile build through the endpoint: secret mount, build args, target, COPY from the context, FROM a Kiln template; the secret is nowhere", opt, async (t) => {
-  if (noPipeline) return t.skip("POST /v1/templates/build is not on this server yet");
+test("a Dockerfile build through the endpoint: secret mount, build args, target, COPY from the context, FROM a Kiln template; the secret is nowhere", opt, async () => {
   const secret = `sec-${randomBytes(10).toString("hex")}`;
   const dockerfile = `FROM imported-mini AS base\nARG WHO=nobody\nRUN echo "hello $WHO" > /hello\nCOPY app.txt /app.txt\nRUN --mount=type=secret,id=tok read s < /run/secrets/tok; echo \${#s} > /len\nFROM base AS final\nRUN echo final > /final\nFROM base AS unused\nRUN echo unused > /unused\n`;
   const appSha = await putBlob(k, "from the context\n");

@@ -3,19 +3,7 @@
 
 import { KilnError } from "../../errors.ts";
 
-export interface ImageConfig {
-  env: Record<string, string>;
-  workingDir?: string;
-  user?: string;
-  entrypoint?: string[];
-  cmd?: string[];
-}
-
-export interface SourceLayers {
-  /** Layer directories, lowest first, in overlayfs form and the machines' uid range; digest = the layer's diff id. */
-  layers: { dir: string; digest: string }[];
-  config: ImageConfig;
-}
+export type { ImageConfig, SourceLayers } from "../sources/source.ts";
 
 export const MEDIA = {
   ociIndex: "application/vnd.oci.image.index.v1+json",

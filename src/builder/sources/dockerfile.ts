@@ -1,5 +1,5 @@
-// The `dockerfile` build source: a user's Dockerfile built by the `buildkit` backend into layer dirs, plus the
-// digest that identifies its input (for the final-artifact cache, known before anything is built).
+// The `buildkit` BuildBackend the pipeline calls for a Dockerfile build: the Dockerfile built by a real builder
+// into layer dirs (its whole image: the source is empty), checked before the stream, with an input digest.
 
 import { createHash } from "node:crypto";
 import { join } from "node:path";
@@ -9,6 +9,8 @@ import { importLogEvents } from "../oci/events.ts";
 import type { ImportLogEntry } from "../oci/events.ts";
 import type { BaseImageAuth } from "../oci/auth.ts";
 import type { SourceLayers } from "../oci/types.ts";
+import type { BuildBackend, BuildContext, BuildOutput, DockerfileInput } from "../backends/backend.ts";
+import type { ContextFile } from "../context.ts";
 
 export interface DockerfileSourceDeps {
   cacheDir: string;
@@ -16,6 +18,39 @@ export interface DockerfileSourceDeps {
   insecureRegistries: string[];
   /** BUILDKIT_HOST; unset uses Buildah. */
   buildkitHost?: string;
+  /** A FROM name's Kiln template, if it is one (set late: the template service exists after the backends). */
+  resolveTemplate?: (name: string) => Promise<SourceLayers | undefined>;
+}
+
+/** The pipeline's Dockerfile input and context, in this module's terms. */
+export function dockerfileRequestOf(input: DockerfileInput, context: ContextFile[]): DockerfileRequest {
+  return {
+    dockerfile: input.text,
+    dockerfilePath: input.path,
+    buildArgs: input.buildArgs,
+    target: input.target,
+    secrets: input.secrets,
+    registryCredentials: input.registryCredentials,
+    baseImageAuth: input.baseImageAuth as BaseImageAuth | undefined,
+    contextFiles: context,
+  };
+}
+
+/**
+ * The `buildkit` backend: `run` builds the Dockerfile and returns its image as the artifact's layers; `validate`
+ * is what the pipeline checks before the stream (credentials for unused registries, authenticated-build rules).
+ */
+export function createBuildkitBackend(deps: DockerfileSourceDeps): BuildBackend & { validate(input: DockerfileInput, context: ContextFile[]): void } {
+  const source = createDockerfileSource(deps);
+  return {
+    name: "buildkit",
+    validate: (input, context) => source.validate(dockerfileRequestOf(input, context)),
+    async run(ctx: BuildContext): Promise<BuildOutput> {
+      if (!ctx.dockerfile) throw new Error("the buildkit backend builds Dockerfiles only");
+      const out = await source.build(dockerfileRequestOf(ctx.dockerfile, ctx.context), { signal: ctx.signal, log: ctx.log, count: ctx.count, resolveTemplate: deps.resolveTemplate });
+      return { layers: out.layers, config: out.config };
+    },
+  };
 }
 
 /** The request fields a Dockerfile build uses (DESIGN.md §4 names, camelCased). */
