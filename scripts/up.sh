@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql util-linux openssh-server e2fsprogs inotify-tools nftables)
 # openssh-server: the git tests start their own sshd (own config and port on 127.0.0.1) as an SSH git remote.
+# Image imports and Dockerfile builds: xattrs on layer dirs (attr), the embedded Dockerfile builder (buildah), and
+# what the tests and benchmarks run against (a loopback registry with bcrypt htpasswd, skopeo as the baseline).
+PACKAGES+=(attr buildah skopeo docker-registry apache2-utils)
 # Any Node with npm will do to bootstrap: npm ci then brings Node 24 itself.
 command -v npm >/dev/null 2>&1 || PACKAGES+=(nodejs npm)
 

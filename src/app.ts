@@ -8,6 +8,10 @@ import type { Logger } from "./log.ts";
 import { openStore } from "./store/db.ts";
 import type { Store } from "./store/db.ts";
 import { createServices } from "./services/index.ts";
+import { createOciImportSource } from "./builder/sources/oci-import.ts";
+import { createBuildkitBackend } from "./builder/sources/dockerfile.ts";
+import { templateBaseSource } from "./builder/sources/template-base.ts";
+import type { SourceLayers } from "./builder/sources/source.ts";
 import type { Services } from "./services/index.ts";
 import { buildServer } from "./api/server.ts";
 import type { App } from "./api/server.ts";
@@ -41,7 +45,24 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs };
   const deployments = { dataDir: config.dataDir, publicUrl: config.publicUrl, maxCrashes: config.serviceMaxCrashes, backoffMs: config.serviceBackoffMs, edgeTokenTtlS: config.edgeTokenTtlS };
   const limits = { dataDir: config.dataDir, maxDiskMb: config.maxDiskMb, minFreeDiskMb: config.minFreeDiskMb, minFreeMemoryMb: config.minFreeMemoryMb, memoryOvercommit: config.memoryOvercommit };
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, hostId, webhooks, deployments, limits });
+  // Image imports and Dockerfile builds plug into the build pipeline; a Dockerfile's FROM may name a Kiln template,
+  // resolved through the template service the pipeline itself is part of (bound once the services exist).
+  let templateLayers: ((name: string) => Promise<SourceLayers | undefined>) | undefined;
+  const buildExtensions = {
+    ociImport: createOciImportSource({ cacheDir: config.cacheDir, insecureRegistries: config.insecureRegistries }),
+    buildkit: createBuildkitBackend({
+      cacheDir: config.cacheDir,
+      dataDir: config.dataDir,
+      insecureRegistries: config.insecureRegistries,
+      buildkitHost: config.buildkitHost,
+      resolveTemplate: async (name) => templateLayers?.(name),
+    }),
+  };
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, hostId, webhooks, deployments, limits, buildExtensions });
+  templateLayers = async (name) => {
+    const resolved = await services.templates.resolve(name).catch(() => undefined);
+    return resolved ? templateBaseSource(resolved) : undefined;
+  };
   await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });
 
   const adoption = await services.machines.adopt();

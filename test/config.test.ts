@@ -25,6 +25,7 @@ for (const [name, value, pattern] of [
   ["KILN_DATABASE_URL", "mysql://x", /KILN_DATABASE_URL/],
   ["KILN_MACHINE_HOST_ACCESS", "maybe", /KILN_MACHINE_HOST_ACCESS/],
   ["KILN_API_KEY", "short", /KILN_API_KEY/],
+  ["KILN_INSECURE_REGISTRIES", "http://127.0.0.1:5000", /KILN_INSECURE_REGISTRIES/],
 ] as const) {
   test(`${name}=${value} is refused with a message naming it`, () => {
     assert.throws(() => loadConfig({ [name]: value }), (err: unknown) => err instanceof ConfigError && pattern.test(err.message));
@@ -33,4 +34,11 @@ for (const [name, value, pattern] of [
 
 test("a bad database URL never echoes its password", () => {
   assert.throws(() => loadConfig({ KILN_DATABASE_URL: "mysql://u:hunter2@db/x" }), (err: unknown) => !(err as Error).message.includes("hunter2"));
+});
+
+test("KILN_INSECURE_REGISTRIES lists the registry hosts reached over plain HTTP", () => {
+  assert.deepEqual(loadConfig({}).insecureRegistries, []);
+  assert.deepEqual(loadConfig({ KILN_INSECURE_REGISTRIES: "127.0.0.1:5000, registry.lan" }).insecureRegistries, ["127.0.0.1:5000", "registry.lan"]);
+  assert.equal(loadConfig({}).buildkitHost, undefined, "Dockerfile builds use Buildah unless BUILDKIT_HOST names a daemon");
+  assert.equal(loadConfig({ BUILDKIT_HOST: "unix:///run/buildkit/buildkitd.sock" }).buildkitHost, "unix:///run/buildkit/buildkitd.sock");
 });

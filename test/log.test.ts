@@ -18,7 +18,7 @@ function capture() {
 
 const SECRET = "s3cr3t-value-that-must-not-appear";
 
-for (const field of ["authorization", "password", "private_key", "passphrase", "signing_secret", "token", "secrets", "envs", "edge_token"]) {
+for (const field of ["authorization", "password", "private_key", "passphrase", "signing_secret", "token", "secrets", "envs", "edge_token", "base_image_auth", "registry_credentials"]) {
   test(`${field} is redacted at the top level and nested`, () => {
     assert.ok((SECRET_FIELDS as readonly string[]).includes(field));
     const { log, lines } = capture();

@@ -11,7 +11,7 @@ import { basename, join } from "node:path";
 export const GUEST_LOADER = process.arch === "arm64" ? "ld-linux-aarch64.so.1" : "ld-linux-x86-64.so.2";
 
 /** Bump when the layout below changes, so every host rebuilds its runtime. */
-const RECIPE = "guest-runtime-2";
+const RECIPE = "guest-runtime-3";
 /** Versions kept beside the current one: machines still running on an older runtime keep their files. */
 const KEEP_OLD_VERSIONS = 2;
 /** tini must be static: it is pid 1 in roots whose libc (if any) is not ours. */
@@ -32,6 +32,12 @@ function sharedLibraries(binary: string): { loader: string; libs: string[] } {
   }
   if (!loader) throw new Error(`could not find the dynamic loader of ${binary} in ldd output`);
   return { loader, libs };
+}
+
+function nativeAddons(dir: string): string[] {
+  const found: string[] = [];
+  for (const e of readdirSync(dir, { withFileTypes: true, recursive: true })) if (e.isFile() && e.name.endsWith(".node")) found.push(join(e.parentPath, e.name));
+  return found;
 }
 
 /** Cheap identity of the inputs (size and mtime, not content): a restart with nothing changed costs a few stats. */
@@ -70,6 +76,11 @@ export async function prepareGuestRuntime(opts: { dir: string; agentBundle: (out
     await copyFile(loader, join(work, "lib", GUEST_LOADER));
     for (const lib of libs) await copyFile(lib, join(work, "lib", basename(lib)));
     await opts.agentBundle(join(work, "agent"));
+    // The agent's native addons (node-pty's pty.node needs libutil) load their libraries from here too: an
+    // imported image may have no libc at all, or one that is not ours.
+    for (const addon of nativeAddons(join(work, "agent"))) {
+      for (const lib of sharedLibraries(addon).libs) if (!existsSync(join(work, "lib", basename(lib)))) await copyFile(lib, join(work, "lib", basename(lib)));
+    }
     // Machine users are unprivileged host uids: everything must be world-readable, nothing writable but by host root.
     execFileSync("chmod", ["-R", "a+rX,go-w", work]);
     for (const exe of ["bin/node", "bin/tini", `lib/${GUEST_LOADER}`]) await chmod(join(work, exe), 0o755);

@@ -21,7 +21,7 @@ import { createBlobStore } from "../builder/context.ts";
 import type { ContextFile } from "../builder/context.ts";
 import { planSteps } from "../builder/steps/index.ts";
 import { assembleDockerfile, sha256 } from "../builder/dockerfile.ts";
-import type { BuildBackend, PlannedStep } from "../builder/backends/backend.ts";
+import type { BuildBackend, DockerfileInput, PlannedStep } from "../builder/backends/backend.ts";
 import { createNativeBackend, MAX_LAYERS, stackFits, touchesFiles } from "../builder/backends/native.ts";
 import { createLayerCache } from "../builder/cache/layers.ts";
 import { contextDigest, sourceDigest } from "../builder/cache/keys.ts";
@@ -40,8 +40,13 @@ export const BUILD_DEFAULTS = { tags: ["default"], vcpus: 1, memoryMb: 1024, int
 
 /** Where another room plugs in: an OCI importer for `base_image`, a backend for Dockerfile builds. */
 export interface BuildExtensions {
-  ociImport?: (ref: string, opts: { auth?: BuildRequestT["base_image_auth"]; signal: AbortSignal; dataDir: string }) => Promise<SourceLayers & { digest: string }>;
-  buildkit?: BuildBackend;
+  /** `log`/`count` carry the import's progress and its `layer` cache entries into the build's log and summary. */
+  ociImport?: (
+    ref: string,
+    opts: { auth?: BuildRequestT["base_image_auth"]; signal: AbortSignal; dataDir: string; log: (entry: LogInput) => void; count: (counter: string) => void },
+  ) => Promise<SourceLayers & { digest: string }>;
+  /** `validate` runs before the stream: what the Dockerfile's request gets wrong is an HTTP error, not a build. */
+  buildkit?: BuildBackend & { validate?(input: DockerfileInput, context: ContextFile[]): void };
 }
 
 /** Everything checked and resolved before the stream starts. */
@@ -131,6 +136,7 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
     for (const step of req.steps ?? []) {
       if (step.type === "copy" && selectContext(context, step.src).length === 0) throw new KilnError("invalid_request", `copy step: ${JSON.stringify(step.src)} is not in context.files`);
     }
+    if (req.dockerfile) deps.extensions?.buildkit?.validate?.(dockerfileInput(req)!, context);
 
     // The source: local/base, a Kiln template named by base_image (template_base), or an OCI image (oci_import).
     let source: BuildSource | null = null;
@@ -283,7 +289,7 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
       let source = p.source;
       if (!source) {
         emit({ kind: "message", phase: "preparing", message: `importing ${p.request.base_image}` });
-        const imported = await deps.extensions!.ociImport!(p.request.base_image!, { auth: p.request.base_image_auth, signal, dataDir: deps.dataDir });
+        const imported = await deps.extensions!.ociImport!(p.request.base_image!, { auth: p.request.base_image_auth, signal, dataDir: deps.dataDir, log: emit, count });
         source = { ...imported, type: "oci_import", description: p.request.base_image! };
       }
       const req = p.request;
@@ -313,9 +319,7 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
           source,
           steps: p.steps,
           context: p.context,
-          dockerfile: req.dockerfile
-            ? { text: req.dockerfile, path: req.dockerfile_path, buildArgs: req.build_args, target: req.target, secrets: req.secrets, registryCredentials: req.registry_credentials, baseImageAuth: req.base_image_auth }
-            : undefined,
+          dockerfile: dockerfileInput(req),
           buildEnvs: req.build_envs ?? {},
           vm: buildVm(req),
           skipCache: req.skip_cache === true,
@@ -614,3 +618,9 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
 
 export type BuildService = ReturnType<typeof createBuildService>;
 export { CACHE_COUNTER_SUFFIX };
+
+/** A Dockerfile build's inputs as the buildkit backend takes them (undefined for other builds). */
+function dockerfileInput(req: BuildRequestT): DockerfileInput | undefined {
+  if (!req.dockerfile) return undefined;
+  return { text: req.dockerfile, path: req.dockerfile_path, buildArgs: req.build_args, target: req.target, secrets: req.secrets, registryCredentials: req.registry_credentials, baseImageAuth: req.base_image_auth };
+}

@@ -1,0 +1,113 @@
+// The `buildkit` BuildBackend the pipeline calls for a Dockerfile build: the Dockerfile built by a real builder
+// into layer dirs (its whole image: the source is empty), checked before the stream, with an input digest.
+
+import { createHash } from "node:crypto";
+import { join } from "node:path";
+import { buildDockerfile, validateDockerfileBuild } from "../backends/buildkit.ts";
+import type { ContextFileInput, RegistryCredentialInput } from "../backends/buildkit.ts";
+import { importLogEvents } from "../oci/events.ts";
+import type { ImportLogEntry } from "../oci/events.ts";
+import type { BaseImageAuth } from "../oci/auth.ts";
+import type { SourceLayers } from "../oci/types.ts";
+import type { BuildBackend, BuildContext, BuildOutput, DockerfileInput } from "../backends/backend.ts";
+import type { ContextFile } from "../context.ts";
+
+export interface DockerfileSourceDeps {
+  cacheDir: string;
+  dataDir: string;
+  insecureRegistries: string[];
+  /** BUILDKIT_HOST; unset uses Buildah. */
+  buildkitHost?: string;
+  /** A FROM name's Kiln template, if it is one (set late: the template service exists after the backends). */
+  resolveTemplate?: (name: string) => Promise<SourceLayers | undefined>;
+}
+
+/** The pipeline's Dockerfile input and context, in this module's terms. */
+export function dockerfileRequestOf(input: DockerfileInput, context: ContextFile[]): DockerfileRequest {
+  return {
+    dockerfile: input.text,
+    dockerfilePath: input.path,
+    buildArgs: input.buildArgs,
+    target: input.target,
+    secrets: input.secrets,
+    registryCredentials: input.registryCredentials,
+    baseImageAuth: input.baseImageAuth as BaseImageAuth | undefined,
+    contextFiles: context,
+  };
+}
+
+/**
+ * The `buildkit` backend: `run` builds the Dockerfile and returns its image as the artifact's layers; `validate`
+ * is what the pipeline checks before the stream (credentials for unused registries, authenticated-build rules).
+ */
+export function createBuildkitBackend(deps: DockerfileSourceDeps): BuildBackend & { validate(input: DockerfileInput, context: ContextFile[]): void } {
+  const source = createDockerfileSource(deps);
+  return {
+    name: "buildkit",
+    validate: (input, context) => source.validate(dockerfileRequestOf(input, context)),
+    async run(ctx: BuildContext): Promise<BuildOutput> {
+      if (!ctx.dockerfile) throw new Error("the buildkit backend builds Dockerfiles only");
+      const out = await source.build(dockerfileRequestOf(ctx.dockerfile, ctx.context), { signal: ctx.signal, log: ctx.log, count: ctx.count, resolveTemplate: deps.resolveTemplate });
+      return { layers: out.layers, config: out.config };
+    },
+  };
+}
+
+/** The request fields a Dockerfile build uses (DESIGN.md §4 names, camelCased). */
+export interface DockerfileRequest {
+  dockerfile?: string;
+  dockerfilePath?: string;
+  buildArgs?: Record<string, string>;
+  target?: string;
+  secrets?: { id: string; value: string }[];
+  registryCredentials?: RegistryCredentialInput[];
+  baseImageAuth?: BaseImageAuth;
+  contextFiles: (ContextFileInput & { sha256: string })[];
+}
+
+/**
+ * What the build's output depends on, without a secret: the Dockerfile, its args and target, the context's file
+ * digests and modes, and which secret ids exist (their values are not part of any key).
+ */
+export function dockerfileSourceDigest(req: DockerfileRequest): string {
+  const h = createHash("sha256").update("dockerfile-source-1\n");
+  h.update(JSON.stringify([req.dockerfile ?? null, req.dockerfilePath ?? null, Object.entries(req.buildArgs ?? {}).sort(), req.target ?? null, (req.secrets ?? []).map((s) => s.id).sort()]));
+  for (const f of [...req.contextFiles].sort((a, b) => (a.path < b.path ? -1 : 1))) h.update(`\n${f.path}\0${f.sha256}\0${f.mode ?? ""}`);
+  return `sha256:${h.digest("hex")}`;
+}
+
+export function createDockerfileSource(deps: DockerfileSourceDeps) {
+  const input = (req: DockerfileRequest) => ({
+    contextFiles: req.contextFiles,
+    dockerfile: req.dockerfile,
+    dockerfilePath: req.dockerfilePath,
+    secrets: req.secrets,
+    registryCredentials: req.registryCredentials,
+    baseImageAuth: req.baseImageAuth,
+  });
+  return {
+    /** Before the stream: an `invalid_request` for anything SPEC.md rejects up front. */
+    validate(req: DockerfileRequest): void {
+      validateDockerfileBuild(input(req));
+    },
+    async build(
+      req: DockerfileRequest,
+      call: { signal: AbortSignal; log?: (entry: ImportLogEntry) => void; count?: (counter: string) => void; resolveTemplate?: (name: string) => Promise<SourceLayers | undefined> },
+    ): Promise<SourceLayers & { digest: string }> {
+      const events = call.log && call.count ? importLogEvents(call.log, call.count) : {};
+      const out = await buildDockerfile({
+        ...input(req),
+        buildArgs: req.buildArgs,
+        target: req.target,
+        resolveTemplate: call.resolveTemplate,
+        cacheDir: join(deps.cacheDir, "oci"),
+        scratchParent: join(deps.dataDir, "builder"),
+        insecureRegistries: deps.insecureRegistries,
+        buildkitHost: deps.buildkitHost,
+        signal: call.signal,
+        ...events,
+      });
+      return { ...out, digest: dockerfileSourceDigest(req) };
+    },
+  };
+}
