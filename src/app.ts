@@ -59,7 +59,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     });
   services.templates.setPending("the base template is being made (first start); try again in a minute");
 
-  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs });
+  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, e2b: { dataDir: config.dataDir, publicUrl: config.publicUrl } });
   let url = "";
   if (opts.listen !== false) url = await app.listen({ host: config.host, port: config.port });
 

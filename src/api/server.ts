@@ -18,6 +18,7 @@ import { machineRoutes } from "./routes/machines.ts";
 import { fileRoutes } from "./routes/files.ts";
 import { machineWsRoutes } from "./routes/machine-ws.ts";
 import { templateRoutes } from "./routes/templates.ts";
+import { e2bCompat } from "../compat/e2b/index.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -26,6 +27,8 @@ export interface ServerOptions {
   services: Services;
   bodyLimitBytes: number;
   wsPingIntervalMs: number;
+  /** Where the E2B compatibility layer keeps its token secret, and the public URL it reports as `domain`. */
+  e2b?: { dataDir: string; publicUrl: string };
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
@@ -111,6 +114,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(templateRoutes, { services: opts.services });
   await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
+  if (opts.e2b) await app.register(e2bCompat, { services: opts.services, ...opts.e2b });
 
   app.get("/v1/openapi.json", { schema: { hide: true } }, async () => app.swagger());
   return app;

@@ -1,0 +1,217 @@
+// The published `e2b` SDK, unchanged, against a real Kiln: E2B_API_URL and the sandbox URL are both Kiln's base
+// URL and the key is one Kiln issued in E2B's shape. Each test asserts what E2B's documentation says a call returns.
+
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { readdir, readFile } from "node:fs/promises";
+import { join } from "node:path";
+import { request } from "undici";
+import { Sandbox, CommandExitError, SandboxNotFoundError, AuthenticationError, NotFoundError } from "e2b";
+import type { SandboxOpts } from "e2b";
+import { startTestKiln } from "../support/kiln.ts";
+import type { TestKiln } from "../support/kiln.ts";
+import { generateKeyIn } from "../../src/services/keys.ts";
+
+let k: TestKiln;
+let key: string;
+let opts: SandboxOpts;
+let sbx: Sandbox;
+
+before(async () => {
+  k = await startTestKiln();
+  key = (await k.kiln.services.keys.create("e2b-sdk", generateKeyIn("e2b"))).key;
+  // The SDK's defaults otherwise: its key check (^e2b_[0-9a-f]+$) stays on; plain http to Kiln for both planes.
+  opts = { apiKey: key, apiUrl: k.url, sandboxUrl: k.url, requestTimeoutMs: 30_000 };
+  sbx = await Sandbox.create("base", { ...opts, metadata: { suite: "e2b-sdk" } });
+});
+after(async () => k?.close());
+
+test("kiln issues keys in the shape the E2B SDK checks", () => {
+  assert.match(key, /^e2b_[0-9a-f]+$/);
+});
+
+test("Sandbox.create returns a sandbox with an id, and getInfo describes it as running", async () => {
+  assert.match(sbx.sandboxId, /^mch_/);
+  const info = await Sandbox.getInfo(sbx.sandboxId, opts);
+  assert.equal(info.sandboxId, sbx.sandboxId);
+  assert.equal(info.state, "running");
+  assert.deepEqual(info.metadata, { suite: "e2b-sdk" });
+  assert.ok(info.startedAt instanceof Date && !Number.isNaN(info.startedAt.getTime()));
+  assert.ok(info.endAt.getTime() > Date.now());
+  assert.equal(await sbx.isRunning(), true);
+});
+
+test("commands.run in the foreground returns stdout, stderr and the exit code", async () => {
+  const r = await sbx.commands.run("echo hello; echo oops >&2; whoami; pwd");
+  assert.equal(r.exitCode, 0);
+  assert.equal(r.stdout, "hello\nuser\n/home/user\n");
+  assert.equal(r.stderr, "oops\n");
+  const envs = await sbx.commands.run("echo $GREETING", { envs: { GREETING: "hi" }, cwd: "/tmp", user: "root" });
+  assert.equal(envs.stdout, "hi\n");
+  const where = await sbx.commands.run("pwd; whoami", { cwd: "/tmp", user: "root" });
+  assert.equal(where.stdout, "/tmp\nroot\n");
+});
+
+test("a command that exits non-zero rejects with CommandExitError carrying its exit code", async () => {
+  await assert.rejects(sbx.commands.run("echo partial; exit 3"), (err: unknown) => {
+    assert.ok(err instanceof CommandExitError);
+    assert.equal(err.exitCode, 3);
+    assert.equal(err.stdout, "partial\n");
+    return true;
+  });
+});
+
+test("a background command takes stdin, is listed, and wait() gives its result", async () => {
+  const handle = await sbx.commands.run("cat", { background: true, stdin: true });
+  assert.ok(handle.pid > 0);
+  const listed = await sbx.commands.list();
+  assert.ok(listed.some((p) => p.pid === handle.pid && p.cmd === "/bin/bash" && p.args.includes("cat")));
+  await sbx.commands.sendStdin(handle.pid, "line one\n");
+  await handle.closeStdin();
+  const result = await handle.wait();
+  assert.equal(result.exitCode, 0);
+  assert.equal(result.stdout, "line one\n");
+});
+
+test("a background command outlives its handle, can be re-attached with connect, and kill ends it", async () => {
+  const handle = await sbx.commands.run("echo started; sleep 600", { background: true });
+  await handle.disconnect();
+  const again = await sbx.commands.connect(handle.pid);
+  assert.equal(again.pid, handle.pid);
+  assert.equal(await sbx.commands.kill(handle.pid), true);
+  await assert.rejects(again.wait(), (err: unknown) => err instanceof CommandExitError);
+  assert.ok(!(await sbx.commands.list()).some((p) => p.pid === handle.pid));
+  assert.equal(await sbx.commands.kill(handle.pid), false);
+});
+
+test("files.write and files.read carry text and bytes, relative paths from the user's home", async () => {
+  const info = await sbx.files.write("notes/hello.txt", "hello from e2b\n");
+  assert.equal(info.path, "/home/user/notes/hello.txt");
+  assert.equal(await sbx.files.read("/home/user/notes/hello.txt"), "hello from e2b\n");
+  const bytes = new Uint8Array(256).map((_, i) => i);
+  await sbx.files.write("/tmp/bytes.bin", bytes.buffer);
+  assert.deepEqual(await sbx.files.read("/tmp/bytes.bin", { format: "bytes" }), bytes);
+  const big = Buffer.alloc(3 * 1024 * 1024, "k");
+  await sbx.files.write("/tmp/big.txt", new Blob([big]));
+  assert.equal((await sbx.files.read("/tmp/big.txt")).length, big.length);
+  const r = await sbx.commands.run("cat notes/hello.txt; stat -c %U notes/hello.txt");
+  assert.equal(r.stdout, "hello from e2b\nuser\n");
+});
+
+test("files.list, exists, getInfo, makeDir, rename and remove", async () => {
+  assert.equal(await sbx.files.makeDir("/tmp/tree/a"), true);
+  assert.equal(await sbx.files.makeDir("/tmp/tree/a"), false);
+  await sbx.files.write("/tmp/tree/a/one.txt", "1");
+  await sbx.files.write("/tmp/tree/top.txt", "top");
+  const shallow = await sbx.files.list("/tmp/tree");
+  assert.deepEqual(shallow.map((e) => `${e.name}:${e.type}`).sort(), ["a:dir", "top.txt:file"]);
+  const deep = await sbx.files.list("/tmp/tree", { depth: 2 });
+  assert.ok(deep.some((e) => e.path === "/tmp/tree/a/one.txt" && e.type === "file"));
+  assert.equal(await sbx.files.exists("/tmp/tree/top.txt"), true);
+  assert.equal(await sbx.files.exists("/tmp/tree/nope"), false);
+  const info = await sbx.files.getInfo("/tmp/tree/top.txt");
+  assert.equal(info.size, 3);
+  assert.equal(info.type, "file");
+  const moved = await sbx.files.rename("/tmp/tree/top.txt", "/tmp/tree/moved.txt");
+  assert.equal(moved.path, "/tmp/tree/moved.txt");
+  assert.equal(await sbx.files.exists("/tmp/tree/top.txt"), false);
+  await sbx.files.remove("/tmp/tree");
+  assert.equal(await sbx.files.exists("/tmp/tree"), false);
+  await assert.rejects(sbx.files.read("/tmp/tree/moved.txt"), (err: unknown) => err instanceof NotFoundError);
+});
+
+test("a PTY takes input, reports output and can be resized", async () => {
+  let out = "";
+  const decoder = new TextDecoder();
+  const pty = await sbx.pty.create({ cols: 80, rows: 24, onData: (d) => void (out += decoder.decode(d)) });
+  await sbx.pty.resize(pty.pid, { cols: 120, rows: 40 });
+  await sbx.pty.sendInput(pty.pid, new TextEncoder().encode("stty size; exit\n"));
+  const result = await pty.wait();
+  assert.equal(result.exitCode, 0);
+  assert.match(out, /40 120/);
+});
+
+test("Sandbox.list pages through sandboxes filtered by metadata and state", async () => {
+  const other = await Sandbox.create("base", { ...opts, metadata: { suite: "other" } });
+  try {
+    const page = await Sandbox.list({ ...opts, query: { metadata: { suite: "e2b-sdk" }, state: ["running"] } }).nextItems();
+    assert.deepEqual(page.map((s) => s.sandboxId), [sbx.sandboxId]);
+    const paginator = Sandbox.list({ ...opts, limit: 1 });
+    const first = await paginator.nextItems();
+    assert.equal(first.length, 1);
+    assert.equal(paginator.hasNext, true);
+    const second = await paginator.nextItems();
+    assert.notEqual(second[0]?.sandboxId, first[0].sandboxId);
+  } finally {
+    await other.kill();
+  }
+});
+
+test("setTimeout moves the sandbox's end", async () => {
+  await sbx.setTimeout(600_000);
+  const info = await sbx.getInfo();
+  assert.ok(info.endAt.getTime() > Date.now() + 500_000);
+});
+
+test("pause then connect resumes the sandbox; pausing a paused sandbox answers false (409)", async () => {
+  const s = await Sandbox.create("base", opts);
+  await s.files.write("/tmp/kept.txt", "kept");
+  assert.equal(await s.pause(), true);
+  assert.equal((await Sandbox.getInfo(s.sandboxId, opts)).state, "paused");
+  assert.equal(await Sandbox.pause(s.sandboxId, opts), false);
+  const back = await Sandbox.connect(s.sandboxId, opts);
+  assert.equal((await back.getInfo()).state, "running");
+  assert.equal(await back.files.read("/tmp/kept.txt"), "kept");
+  assert.equal((await back.commands.run("echo resumed")).stdout, "resumed\n");
+  await back.kill();
+});
+
+test("kill removes the sandbox; an unknown sandbox is SandboxNotFoundError", async () => {
+  const s = await Sandbox.create("base", opts);
+  assert.equal(await Sandbox.kill(s.sandboxId, opts), true);
+  await assert.rejects(Sandbox.getInfo(s.sandboxId, opts), (err: unknown) => err instanceof SandboxNotFoundError);
+  assert.equal(await Sandbox.kill(s.sandboxId, opts), false);
+  await assert.rejects(Sandbox.connect("mch_00000000000000000000000000", opts), (err: unknown) => err instanceof SandboxNotFoundError);
+});
+
+test("a wrong API key is refused with AuthenticationError", async () => {
+  await assert.rejects(Sandbox.create("base", { ...opts, apiKey: "e2b_0123456789abcdef0123456789abcdef01234567" }), (err: unknown) => err instanceof AuthenticationError);
+  await assert.rejects(Sandbox.list({ ...opts, apiKey: "e2b_00" }).nextItems(), (err: unknown) => err instanceof AuthenticationError);
+});
+
+test("envd refuses a request without the sandbox's access token, and Kiln's /health is unaffected", async () => {
+  const headers = { "e2b-sandbox-id": sbx.sandboxId, "content-type": "application/json" };
+  const noToken = await request(`${k.url}/process.Process/List`, { method: "POST", headers, body: "{}" });
+  assert.equal(noToken.statusCode, 401);
+  assert.equal(((await noToken.body.json()) as { code: string }).code, "unauthenticated");
+  const wrong = await request(`${k.url}/filesystem.Filesystem/Stat`, { method: "POST", headers: { ...headers, "x-access-token": "not-it" }, body: '{"path":"/"}' });
+  assert.equal(wrong.statusCode, 401);
+  await wrong.body.dump();
+  const kilnHealth = await request(`${k.url}/health`);
+  assert.equal(kilnHealth.statusCode, 200);
+  await kilnHealth.body.dump();
+  const token = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
+  const envdHealth = await request(`${k.url}/health`, { headers: { "e2b-sandbox-id": sbx.sandboxId, "x-access-token": token } });
+  assert.equal(envdHealth.statusCode, 204);
+  await envdHealth.body.dump();
+  // The same sandbox by Host name, as sandbox.getHost(49983) names it.
+  const byHost = await request(`${k.url}/filesystem.Filesystem/Stat`, { method: "POST", headers: { host: `49983-${sbx.sandboxId}.kiln.test`, "content-type": "application/json", "x-access-token": token }, body: '{"path":"/home/user"}' });
+  assert.equal(byHost.statusCode, 200);
+  assert.equal(((await byHost.body.json()) as { entry: { type: string } }).entry.type, "FILE_TYPE_DIRECTORY");
+});
+
+test("no API key or access token reaches the data dir or the logs", async () => {
+  const token = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
+  assert.ok(token);
+  const all = k.logs.join("");
+  assert.ok(!all.includes(key) && !all.includes(token));
+  const files = await readdir(k.dataDir, { recursive: true, withFileTypes: true });
+  for (const f of files) {
+    if (!f.isFile()) continue;
+    const path = join(f.parentPath, f.name);
+    // Machine root filesystems are the template's bytes; records, logs and Kiln's own files are what matter.
+    if (path.includes("/rootfs/")) continue;
+    const text = await readFile(path).catch(() => Buffer.alloc(0));
+    assert.ok(!text.includes(key) && !text.includes(token), `${path} holds a secret`);
+  }
+});
