@@ -215,3 +215,32 @@ test("no API key or access token reaches the data dir or the logs", async () => 
     assert.ok(!text.includes(key) && !text.includes(token), `${path} holds a secret`);
   }
 });
+
+test("bad envd requests get Connect errors (unary: HTTP status + JSON; streams: the end frame) and the server goes on", async () => {
+  const token = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
+  const headers = { "e2b-sandbox-id": sbx.sandboxId, "x-access-token": token };
+  const unary = async (method: string, body: string) => {
+    const res = await request(`${k.url}/${method}`, { method: "POST", headers: { ...headers, "content-type": "application/json" }, body });
+    return { status: res.statusCode, body: (await res.body.json()) as { code: string; message: string } };
+  };
+  assert.deepEqual((await unary("process.Process/SendInput", "{")).status, 400);
+  const unknownPid = await unary("process.Process/SendInput", '{"process":{"pid":999999},"input":{"stdin":"aGk="}}');
+  assert.equal(unknownPid.status, 404);
+  assert.equal(unknownPid.body.code, "not_found");
+  assert.equal((await unary("process.Process/SendSignal", '{"process":{"pid":1},"signal":"SIGNAL_SIGHUP"}')).body.code, "invalid_argument");
+  assert.equal((await unary("filesystem.Filesystem/Stat", '{"path":42}')).body.code, "invalid_argument");
+  const stream = async (body: Buffer) => {
+    const res = await request(`${k.url}/process.Process/Start`, { method: "POST", headers: { ...headers, "content-type": "application/connect+json" }, body });
+    const bytes = Buffer.from(await res.body.arrayBuffer());
+    return { status: res.statusCode, flags: bytes[0], end: JSON.parse(bytes.subarray(5).toString()) as { error?: { code: string } } };
+  };
+  const garbage = await stream(Buffer.from("not an envelope"));
+  assert.equal(garbage.status, 200);
+  assert.equal(garbage.flags, 0x02);
+  assert.equal(garbage.end.error?.code, "invalid_argument");
+  const json = Buffer.from('{"process":{"args":["x"]}}');
+  const head = Buffer.alloc(5);
+  head.writeUInt32BE(json.length, 1);
+  assert.equal((await stream(Buffer.concat([head, json]))).end.error?.code, "invalid_argument");
+  assert.equal((await sbx.commands.run("echo still fine")).stdout, "still fine\n");
+});

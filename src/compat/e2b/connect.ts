@@ -54,6 +54,12 @@ export function connectError(err: unknown): { code: ConnectCode; message: string
     const code = FROM_KILN[err.code] ?? "internal";
     return { code, message: code === "internal" ? "internal error" : err.message };
   }
+  // Fastify's own refusals before a handler runs: a body that is not JSON, too large, of an unknown type.
+  const status = (err as { statusCode?: unknown })?.statusCode;
+  if (typeof status === "number" && status >= 400 && status < 500) {
+    const code: ConnectCode = status === 413 ? "resource_exhausted" : status === 415 ? "unimplemented" : "invalid_argument";
+    return { code, message: (err as Error).message };
+  }
   return { code: "internal", message: "internal error" };
 }
 
