@@ -13,6 +13,8 @@ export interface ControlDeps {
   tokenOf: (sandboxId: string) => string;
   /** The domain sandboxes are reached under (the host of KILN_PUBLIC_URL). */
   domain: string;
+  /** Told about every sandbox this API made or resumed (envd warms its per-machine state). */
+  sandboxReady: (id: string) => void;
 }
 
 /** E2B's default sandbox timeout when a create names none (seconds). */
@@ -98,6 +100,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
       timeout_s: timeoutOf(body.timeout) ?? E2B_DEFAULT_TIMEOUT_S,
       internet: body.allow_internet_access as boolean | undefined,
     });
+    deps.sandboxReady(m.id);
     return created(m);
   }
 
@@ -134,6 +137,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     let status = 200;
     if (m.status === "hibernated") {
       await machines.resume(m.id);
+      deps.sandboxReady(m.id);
       status = 201;
     } else if (opts.mustBePaused) {
       throw new KilnError("conflict", `sandbox "${m.id}" is already running`);

@@ -24,6 +24,8 @@ export interface EnvdDeps {
   /** The sandbox id of an envd request (from E2b-Sandbox-Id or the Host name). */
   sandboxIdOf: (req: FastifyRequest) => string;
   bodyLimit: number;
+  /** Subscribes to sandboxes becoming usable (created, resumed) through the control plane. */
+  onSandboxReady: (fn: (id: string) => void) => void;
 }
 
 // ── Request fields ────────────────────────────────────────────────────────────────────────────────────────────
@@ -110,11 +112,7 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
   const { services, processes } = deps;
   const homes = new Map<string, string>();
 
-  /** The machine, the acting user and that user's home (cached: homes do not move while a machine runs). */
-  async function context(req: FastifyRequest) {
-    const id = deps.sandboxIdOf(req);
-    const { row, agent } = await services.machines.agentOf(id);
-    const user = userNameOf(req) ?? row.user;
+  async function homeOf(id: string, agent: Parameters<typeof userOf>[0], user: string): Promise<string> {
     const key = `${id}\0${user}`;
     let home = homes.get(key);
     if (home === undefined) {
@@ -122,7 +120,15 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
       if (homes.size > 10_000) homes.clear();
       homes.set(key, home);
     }
-    return { id, user, home };
+    return home;
+  }
+
+  /** The machine, the acting user and that user's home (cached: homes do not move while a machine runs). */
+  async function context(req: FastifyRequest) {
+    const id = deps.sandboxIdOf(req);
+    const { row, agent } = await services.machines.agentOf(id);
+    const user = userNameOf(req) ?? row.user;
+    return { id, user, home: await homeOf(id, agent, user) };
   }
 
   /** Relative paths resolve from the user's home, as envd does. */
@@ -184,6 +190,13 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
       }, reject);
     });
   }
+
+  // A sandbox the control plane just made or resumed gets its stream socket and default user's home looked up
+  // now, so its first command does not wait for them.
+  deps.onSandboxReady((id) => {
+    processes.prepare(id);
+    services.machines.agentOf(id).then(({ row, agent }) => homeOf(id, agent, row.user)).catch(() => undefined);
+  });
 
   // ── process.Process ────────────────────────────────────────────────────────────────────────────────────────
   serverStream("process.Process/Start", async (msg, req, stream) => {

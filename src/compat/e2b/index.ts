@@ -83,6 +83,13 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
     return reply.code(status).type("application/json; charset=utf-8").send(body);
   });
 
-  await controlRoutes(app, { services, tokenOf: tokens.tokenOf, domain: new URL(opts.publicUrl).host });
-  await envdRoutes(app, { services, processes, sandboxIdOf: (req) => sandboxIdOf(req)!, bodyLimit: app.initialConfig.bodyLimit ?? 1024 * 1024 });
+  const readyListeners: ((id: string) => void)[] = [];
+  await controlRoutes(app, { services, tokenOf: tokens.tokenOf, domain: new URL(opts.publicUrl).host, sandboxReady: (id) => readyListeners.forEach((fn) => fn(id)) });
+  await envdRoutes(app, {
+    services,
+    processes,
+    sandboxIdOf: (req) => sandboxIdOf(req)!,
+    bodyLimit: app.initialConfig.bodyLimit ?? 1024 * 1024,
+    onSandboxReady: (fn) => readyListeners.push(fn),
+  });
 }
