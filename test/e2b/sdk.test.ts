@@ -244,3 +244,41 @@ test("bad envd requests get Connect errors (unary: HTTP status + JSON; streams: 
   assert.equal((await stream(Buffer.concat([head, json]))).end.error?.code, "invalid_argument");
   assert.equal((await sbx.commands.run("echo still fine")).stdout, "still fine\n");
 });
+
+test("the README's three variables are all the SDK needs", async () => {
+  const saved = { ...process.env };
+  Object.assign(process.env, { E2B_API_KEY: key, E2B_API_URL: k.url, E2B_SANDBOX_URL: k.url });
+  try {
+    const s = await Sandbox.create();
+    assert.equal((await s.commands.run("echo hello from $(whoami)")).stdout, "hello from user\n");
+    await s.files.write("notes.txt", "kept");
+    assert.equal(await s.files.read("notes.txt"), "kept");
+    await s.kill();
+  } finally {
+    for (const name of ["E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL"]) if (saved[name] === undefined) delete process.env[name];
+  }
+});
+
+test("getHost(port) reaches a server in the sandbox through Kiln, with the sandbox's token", async () => {
+  const token = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
+  await sbx.files.write("/tmp/site/index.html", "<h1>served from the sandbox</h1>");
+  const server = await sbx.commands.run("cd /tmp/site && exec python3 -m http.server 8000 --bind 127.0.0.1", { background: true });
+  const host = sbx.getHost(8000);
+  assert.equal(host, `8000-${sbx.sandboxId}.${new URL(k.url).host}`);
+  let res;
+  for (let i = 0; i < 100; i++) {
+    res = await request(`${k.url}/index.html`, { headers: { host, "e2b-traffic-access-token": token } });
+    if (res.statusCode === 200) break;
+    await res.body.dump();
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  assert.equal(res!.statusCode, 200);
+  assert.equal(await res!.body.text(), "<h1>served from the sandbox</h1>");
+  const noToken = await request(`${k.url}/index.html`, { headers: { host } });
+  assert.equal(noToken.statusCode, 401);
+  await noToken.body.dump();
+  const closed = await request(`${k.url}/`, { headers: { host: sbx.getHost(8001), "e2b-traffic-access-token": token } });
+  assert.equal(closed.statusCode, 502);
+  await closed.body.dump();
+  await server.kill();
+});

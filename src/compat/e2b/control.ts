@@ -11,8 +11,8 @@ import { ENVD_VERSION } from "./envd.ts";
 export interface ControlDeps {
   services: Services;
   tokenOf: (sandboxId: string) => string;
-  /** The domain sandboxes are reached under (the host of KILN_PUBLIC_URL). */
-  domain: string;
+  /** The domain sandboxes are reached under (the host of KILN_PUBLIC_URL); undefined: the Host the client used. */
+  domain: string | undefined;
   /** Told about every sandbox this API made or resumed (envd warms its per-machine state). */
   sandboxReady: (id: string) => void;
 }
@@ -58,8 +58,10 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
 
   const state = (m: MachineView) => (m.status === "hibernated" ? "paused" : "running");
 
-  function created(m: MachineView) {
-    return { sandboxID: m.id, templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, envdAccessToken: deps.tokenOf(m.id), domain: deps.domain };
+  const domainFor = (req: FastifyRequest) => deps.domain ?? req.headers.host ?? "localhost";
+
+  function created(m: MachineView, req: FastifyRequest) {
+    return { sandboxID: m.id, templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, envdAccessToken: deps.tokenOf(m.id), domain: domainFor(req) };
   }
 
   function listed(m: MachineView) {
@@ -80,8 +82,8 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     };
   }
 
-  function detail(m: MachineView) {
-    return { ...listed(m), allowInternetAccess: m.internet, envdAccessToken: deps.tokenOf(m.id), domain: deps.domain };
+  function detail(m: MachineView, req: FastifyRequest) {
+    return { ...listed(m), allowInternetAccess: m.internet, envdAccessToken: deps.tokenOf(m.id), domain: domainFor(req) };
   }
 
   async function create(req: FastifyRequest) {
@@ -101,13 +103,13 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
       internet: body.allow_internet_access as boolean | undefined,
     });
     deps.sandboxReady(m.id);
-    return created(m);
+    return created(m, req);
   }
 
   app.post("/sandboxes", route, async (req, reply) => reply.code(201).send(await create(req)));
   app.post("/v2/sandboxes", route, async (req, reply) => reply.code(201).send(await create(req)));
 
-  app.get("/sandboxes/:id", route, async (req) => detail(await live((req.params as { id: string }).id)));
+  app.get("/sandboxes/:id", route, async (req) => detail(await live((req.params as { id: string }).id), req));
 
   app.delete("/sandboxes/:id", route, async (req, reply) => {
     const m = await live((req.params as { id: string }).id);
@@ -143,7 +145,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
       throw new KilnError("conflict", `sandbox "${m.id}" is already running`);
     }
     const after = timeout !== undefined ? await machines.update(m.id, { timeout_s: timeout }) : await machines.get(m.id);
-    return { status, body: created(after) };
+    return { status, body: created(after, req) };
   }
   for (const path of ["/sandboxes/:id/connect", "/v2/sandboxes/:id/connect"]) {
     app.post(path, route, async (req, reply) => {

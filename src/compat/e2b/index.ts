@@ -12,6 +12,7 @@ import { e2bError } from "./errors.ts";
 import { sendUnaryError } from "./connect.ts";
 import { createProcessRegistry } from "./processes.ts";
 import { createTokens, loadTokenSecret } from "./token.ts";
+import { installPortProxy } from "./ports.ts";
 
 export const ENVD_PORT = 49983;
 const HOST_RE = /^(\d+)-([A-Za-z0-9_]+)\./;
@@ -30,6 +31,12 @@ export function sandboxIdOf(req: { headers: Record<string, string | string[] | u
   const host = req.headers.host;
   const m = typeof host === "string" ? HOST_RE.exec(host) : null;
   return m && Number(m[1]) === ENVD_PORT ? m[2] : undefined;
+}
+
+/** KILN_PUBLIC_URL's host; none when it names port 0 (a server on an ephemeral port: the Host used is right). */
+function publicDomain(publicUrl: string): string | undefined {
+  const url = new URL(publicUrl);
+  return url.port === "0" ? undefined : url.host;
 }
 
 export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
@@ -83,8 +90,14 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
     return reply.code(status).type("application/json; charset=utf-8").send(body);
   });
 
+  // After ready, so the websocket plugin's upgrade listener is among those it passes everything else to.
+  app.addHook("onReady", (done) => {
+    installPortProxy(app.server, { machines: services.machines, verify: tokens.verify, envdPort: ENVD_PORT });
+    done();
+  });
+
   const readyListeners: ((id: string) => void)[] = [];
-  await controlRoutes(app, { services, tokenOf: tokens.tokenOf, domain: new URL(opts.publicUrl).host, sandboxReady: (id) => readyListeners.forEach((fn) => fn(id)) });
+  await controlRoutes(app, { services, tokenOf: tokens.tokenOf, domain: publicDomain(opts.publicUrl), sandboxReady: (id) => readyListeners.forEach((fn) => fn(id)) });
   await envdRoutes(app, {
     services,
     processes,
