@@ -8,7 +8,7 @@ import { join } from "node:path";
 import { request } from "undici";
 import { Sandbox, CommandExitError, SandboxNotFoundError, AuthenticationError, NotFoundError } from "e2b";
 import type { SandboxOpts } from "e2b";
-import { startTestKiln } from "../support/kiln.ts";
+import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { generateKeyIn } from "../../src/services/keys.ts";
 
@@ -281,4 +281,23 @@ test("getHost(port) reaches a server in the sandbox through Kiln, with the sandb
   assert.equal(closed.statusCode, 502);
   await closed.body.dump();
   await server.kill();
+});
+
+test("a built Kiln template is an E2B templateID, by reference and by the templateId a sandbox reports", async () => {
+  const res = await request(`${k.url}/v1/templates/build`, {
+    method: "POST",
+    headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json" },
+    body: JSON.stringify({ name: "e2b-app", steps: [{ type: "env", envs: { APP_FLAVOUR: "kiln" } }, { type: "write_file", path: "/opt/app.txt", content: "built by kiln" }] }),
+  });
+  const sse = await res.body.text();
+  assert.match(sse, /event: end/, sse.slice(-500));
+  const s = await Sandbox.create("e2b-app", opts);
+  assert.equal(await s.files.read("/opt/app.txt"), "built by kiln");
+  assert.equal((await s.commands.run("echo $APP_FLAVOUR")).stdout, "kiln\n");
+  const templateId = (await s.getInfo()).templateId;
+  assert.match(templateId, /^tpl_/);
+  const again = await Sandbox.create(templateId, opts);
+  assert.equal(await again.files.read("/opt/app.txt"), "built by kiln");
+  await again.kill();
+  await s.kill();
 });

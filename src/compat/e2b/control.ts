@@ -89,7 +89,9 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   async function create(req: FastifyRequest) {
     const body = isObj(req.body) ? req.body : bad("the body must be a JSON object");
     for (const k of Object.keys(body)) if (!CREATE_FIELDS.has(k)) bad(`unknown field ${k}`);
-    const template = typeof body.templateID === "string" && body.templateID ? body.templateID : bad("templateID is required");
+    let template = typeof body.templateID === "string" && body.templateID ? body.templateID : bad("templateID is required");
+    // The templateID a sandbox reports (a tpl_ id) is accepted back, as E2B's are.
+    if (template.startsWith("tpl_")) template = (await deps.services.templateCatalog.get(template)).canonical_ref;
     if (body.autoPause === true) bad("autoPause is not supported by Kiln yet: a sandbox is killed when its timeout ends");
     if (body.volumeMounts !== undefined && !(Array.isArray(body.volumeMounts) && body.volumeMounts.length === 0)) bad("volumeMounts are not supported by Kiln's E2B API yet");
     if (isObj(body.network) && Object.keys(body.network).length > 0) bad("network rules are not supported by Kiln's E2B API yet; use allow_internet_access");
