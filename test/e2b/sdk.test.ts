@@ -301,3 +301,48 @@ test("a built Kiln template is an E2B templateID, by reference and by the templa
   await again.kill();
   await s.kill();
 });
+
+test("getHost(port) carries a WebSocket upgrade to the sandbox's server, both ways", async () => {
+  const token = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
+  // A minimal upgrade server: answers 101 to the handshake, then echoes every byte upper-cased.
+  await sbx.files.write(
+    "/tmp/upgrade.py",
+    [
+      "import socket",
+      "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', 8002)); s.listen(1)",
+      "c, _ = s.accept(); buf = b''",
+      "while b'\\r\\n\\r\\n' not in buf: buf += c.recv(1024)",
+      "c.sendall(b'HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: echo\\r\\nConnection: Upgrade\\r\\n\\r\\n')",
+      "while True:",
+      "    d = c.recv(1024)",
+      "    if not d: break",
+      "    c.sendall(d.upper())",
+    ].join("\n"),
+  );
+  const server = await sbx.commands.run("exec python3 /tmp/upgrade.py", { background: true });
+  const { request: httpRequest } = await import("node:http");
+  const url = new URL(k.url);
+  const echoed = await new Promise<string>((resolve, reject) => {
+    const tryOnce = (left: number) => {
+      const req = httpRequest({ host: url.hostname, port: url.port, path: "/", headers: { host: sbx.getHost(8002), connection: "Upgrade", upgrade: "echo", "e2b-traffic-access-token": token } });
+      req.on("upgrade", (res, socket) => {
+        assert.equal(res.statusCode, 101);
+        socket.once("data", (d: Buffer) => {
+          resolve(d.toString());
+          socket.destroy();
+        });
+        socket.write("hello through kiln");
+      });
+      req.on("response", (res) => {
+        res.resume();
+        if (left > 0) setTimeout(() => tryOnce(left - 1), 100);
+        else reject(new Error(`no upgrade: ${res.statusCode}`));
+      });
+      req.on("error", reject);
+      req.end();
+    };
+    tryOnce(100);
+  });
+  assert.equal(echoed, "HELLO THROUGH KILN");
+  await server.kill();
+});

@@ -9,6 +9,7 @@ import { promisify } from "node:util";
 import { request } from "undici";
 import { envelope, parseEnvelopedRequest, ConnectFailure, connectError } from "../../src/compat/e2b/connect.ts";
 import { sandboxIdOf } from "../../src/compat/e2b/index.ts";
+import { portTargetOf } from "../../src/compat/e2b/ports.ts";
 import { createTokens } from "../../src/compat/e2b/token.ts";
 import { generateKeyIn } from "../../src/services/keys.ts";
 import { KilnError } from "../../src/errors.ts";
@@ -31,11 +32,17 @@ test("Kiln errors become the Connect codes the SDK branches on; internal ones sa
   assert.deepEqual(connectError(new Error("secret detail")), { code: "internal", message: "internal error" });
 });
 
-test("an envd request names its sandbox by header or by a 49983-<id>. host", () => {
+test("an envd request names its sandbox by header or by a 49983-<machine id>. host; other ports are port requests", () => {
+  const id = "mch_01m8278fg8qnyqh9sw8rwsfk2b";
   assert.equal(sandboxIdOf({ headers: { "e2b-sandbox-id": "mch_a" } }), "mch_a");
-  assert.equal(sandboxIdOf({ headers: { host: "49983-mch_b.kiln.example:8080" } }), "mch_b");
-  assert.equal(sandboxIdOf({ headers: { host: "3000-mch_b.kiln.example" } }), undefined);
+  assert.equal(sandboxIdOf({ headers: { host: `49983-${id}.kiln.example:8080` } }), id);
+  assert.equal(sandboxIdOf({ headers: { host: `3000-${id}.kiln.example` } }), undefined);
   assert.equal(sandboxIdOf({ headers: { host: "127.0.0.1:8080" } }), undefined);
+  assert.deepEqual(portTargetOf(`3000-${id}.kiln.example`, 49983), { port: 3000, sandboxId: id });
+  assert.equal(portTargetOf(`49983-${id}.kiln.example`, 49983), undefined);
+  // A Kiln host that merely starts with digits and a dash is still Kiln's.
+  assert.equal(portTargetOf("8080-kiln.example.com", 49983), undefined);
+  assert.equal(portTargetOf("70000-mch_01m8278fg8qnyqh9sw8rwsfk2b.x", 49983), undefined);
 });
 
 test("access tokens are per sandbox and checked in constant time", () => {

@@ -12,10 +12,9 @@ import { e2bError } from "./errors.ts";
 import { sendUnaryError } from "./connect.ts";
 import { createProcessRegistry } from "./processes.ts";
 import { createTokens, loadTokenSecret } from "./token.ts";
-import { installPortProxy } from "./ports.ts";
+import { installPortProxy, SANDBOX_HOST_RE } from "./ports.ts";
 
 export const ENVD_PORT = 49983;
-const HOST_RE = /^(\d+)-([A-Za-z0-9_]+)\./;
 
 export interface E2bOptions {
   services: Services;
@@ -29,7 +28,7 @@ export function sandboxIdOf(req: { headers: Record<string, string | string[] | u
   const header = req.headers["e2b-sandbox-id"];
   if (typeof header === "string" && header) return header;
   const host = req.headers.host;
-  const m = typeof host === "string" ? HOST_RE.exec(host) : null;
+  const m = typeof host === "string" ? SANDBOX_HOST_RE.exec(host) : null;
   return m && Number(m[1]) === ENVD_PORT ? m[2] : undefined;
 }
 

@@ -8,16 +8,17 @@ import type { Duplex } from "node:stream";
 import type { MachineService } from "../../services/machines.ts";
 import { KilnError } from "../../errors.ts";
 
-const HOST_RE = /^(\d{1,5})-([A-Za-z0-9_]+)\./;
-
 /** The machine port a request is for, or undefined (envd's port and Kiln's own names are not port requests). */
 export function portTargetOf(host: string | undefined, envdPort: number): { port: number; sandboxId: string } | undefined {
-  const m = host ? HOST_RE.exec(host) : null;
+  const m = host ? SANDBOX_HOST_RE.exec(host) : null;
   if (!m) return undefined;
   const port = Number(m[1]);
   if (port === envdPort || port < 1 || port > 65535) return undefined;
   return { port, sandboxId: m[2] };
 }
+
+/** Only a Kiln machine id makes a Host a sandbox's, so a Kiln host that happens to start `<digits>-` stays Kiln's. */
+export const SANDBOX_HOST_RE = /^(\d{1,5})-(mch_[0-9a-z]{26})\./;
 
 const HOP_BY_HOP = new Set(["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer", "proxy-authorization"]);
 
