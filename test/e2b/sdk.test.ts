@@ -346,3 +346,16 @@ test("getHost(port) carries a WebSocket upgrade to the sandbox's server, both wa
   assert.equal(echoed, "HELLO THROUGH KILN");
   await server.kill();
 });
+
+test("after a Kiln restart the same sandbox answers the same SDK object: its access token survives", async () => {
+  const before = await sbx.commands.run("echo before", { background: true });
+  await before.wait();
+  await k.stop();
+  k = await startTestKiln({ dataDir: k.dataDir });
+  // Kiln listens on a new port: a new connection config, the same sandbox id and token.
+  const moved = { ...opts, apiUrl: k.url, sandboxUrl: k.url };
+  const again = await Sandbox.connect(sbx.sandboxId, moved);
+  assert.equal((again as unknown as { envdAccessToken: string }).envdAccessToken, (sbx as unknown as { envdAccessToken: string }).envdAccessToken);
+  assert.equal((await again.commands.run("echo after")).stdout, "after\n");
+  assert.deepEqual(await again.commands.list(), []);
+});
