@@ -26,6 +26,8 @@ export interface ProcessConfig {
 
 type Listener = (event: ProcessEvent) => void;
 
+const START_TIMEOUT_MS = 30_000;
+
 interface Proc {
   pid: number;
   config: ProcessConfig;
@@ -147,6 +149,7 @@ export function createProcessRegistry(machines: MachineService) {
   }
 
   function send(t: MachineTable, frame: StreamClientFrame) {
+    if (t.ws.readyState !== t.ws.OPEN) throw new ConnectFailure("unavailable", "the machine's agent stream is closed");
     t.ws.send(JSON.stringify(frame));
   }
 
@@ -159,16 +162,33 @@ export function createProcessRegistry(machines: MachineService) {
     const t = await tableOf(machineId);
     const requestId = randomUUID();
     const started = new Promise<number>((resolve, reject) => {
+      // The agent answers a start at once (started or error); one that never comes is a stuck agent, not a wait.
+      const timer = setTimeout(() => {
+        t.pending.delete(requestId);
+        reject(new ConnectFailure("deadline_exceeded", `the machine's agent did not start the process within ${START_TIMEOUT_MS / 1000} s`));
+      }, START_TIMEOUT_MS);
       const started = (pid: number, sessionId?: string) => {
+        clearTimeout(timer);
         // Registered while the started frame is handled: output frames of this pid read right after it find it.
         t.procs.set(pid, { pid, config: input.config, tag: input.tag, sessionId, listeners: new Set([listener]) });
         resolve(pid);
       };
-      t.pending.set(requestId, { started, reject });
+      t.pending.set(requestId, {
+        started,
+        reject: (err) => {
+          clearTimeout(timer);
+          reject(err);
+        },
+      });
     });
     const common = { request_id: requestId, cmd: input.config.cmd, args: input.config.args, cwd: input.config.cwd, envs: input.config.envs, user: input.user };
-    if (input.pty) send(t, { type: "pty.start", ...common, cols: input.pty.cols, rows: input.pty.rows });
-    else send(t, { type: "exec.start", ...common, stdin: input.stdin });
+    try {
+      if (input.pty) send(t, { type: "pty.start", ...common, cols: input.pty.cols, rows: input.pty.rows });
+      else send(t, { type: "exec.start", ...common, stdin: input.stdin });
+    } catch (err) {
+      t.pending.get(requestId)?.reject(err as Error);
+      t.pending.delete(requestId);
+    }
     return started;
   }
 
