@@ -98,6 +98,26 @@ test("files.write and files.read carry text and bytes, relative paths from the u
   assert.equal(r.stdout, "hello from e2b\nuser\n");
 });
 
+test("writeFiles sends several files in one multipart upload; gzip uploads arrive decompressed", async () => {
+  const written = await sbx.files.write([
+    { path: "/tmp/multi/a.txt", data: "A" },
+    { path: "/tmp/multi/b.txt", data: "B" },
+  ]);
+  assert.deepEqual(written.map((w) => w.path).sort(), ["/tmp/multi/a.txt", "/tmp/multi/b.txt"]);
+  assert.equal((await sbx.commands.run("cat /tmp/multi/a.txt /tmp/multi/b.txt")).stdout, "AB");
+  await sbx.files.write("/tmp/zipped.txt", "compressed on the wire\n", { gzip: true });
+  assert.equal(await sbx.files.read("/tmp/zipped.txt"), "compressed on the wire\n");
+});
+
+test("a command's output streams through onStdout in order, however long", async () => {
+  const chunks: string[] = [];
+  const r = await sbx.commands.run("seq 1 100000", { onStdout: (d) => void chunks.push(d) });
+  const expected = Array.from({ length: 100000 }, (_, i) => `${i + 1}\n`).join("");
+  assert.equal(r.stdout, expected);
+  assert.equal(chunks.join(""), expected);
+  assert.ok(chunks.length > 1);
+});
+
 test("files.list, exists, getInfo, makeDir, rename and remove", async () => {
   assert.equal(await sbx.files.makeDir("/tmp/tree/a"), true);
   assert.equal(await sbx.files.makeDir("/tmp/tree/a"), false);
