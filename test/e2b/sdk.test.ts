@@ -162,6 +162,11 @@ test("Sandbox.list pages through sandboxes filtered by metadata and state", asyn
     assert.equal(paginator.hasNext, true);
     const second = await paginator.nextItems();
     assert.notEqual(second[0]?.sandboxId, first[0].sandboxId);
+    assert.deepEqual(await Sandbox.list({ ...opts, query: { startedAfter: new Date(Date.now() + 60_000) } }).nextItems(), []);
+    const templateId = (await sbx.getInfo()).templateId;
+    const byTemplate = await Sandbox.list({ ...opts, query: { template: templateId, metadata: { suite: "other" } } }).nextItems();
+    assert.deepEqual(byTemplate.map((s) => s.sandboxId), [other.sandboxId]);
+    assert.deepEqual(await Sandbox.list({ ...opts, query: { template: "tpl_none" } }).nextItems(), []);
   } finally {
     await other.kill();
   }

@@ -95,7 +95,8 @@ test("bad control-plane requests get E2B's {code, message} and create nothing", 
     ['{"templateID":"base","bogus":1}', 400],
     ['{"templateID":"base","autoPause":true}', 400],
     ['{"templateID":"no-such-template"}', 404],
-    ['{"templateID":"base","metadata":{"a":1}}', 400],
+    ['{"templateID":"base","metadata":{"a":{"b":1}}}', 400],
+    ['{"templateID":"base","network":{"allowOut":["1.1.1.1"]}}', 400],
   ];
   for (const [body, status] of cases) {
     const res = await post(body);
@@ -107,6 +108,9 @@ test("bad control-plane requests get E2B's {code, message} and create nothing", 
   const unauth = await post('{"templateID":"base"}', "e2b_ffff");
   assert.equal(unauth.statusCode, 401);
   assert.deepEqual(((await unauth.body.json()) as { code: number }).code, 401);
+  const badList = await request(`${k.url}/v2/sandboxes?state=dead`, { headers: { "x-api-key": TEST_KEY } });
+  assert.equal(badList.statusCode, 400);
+  assert.equal(((await badList.body.json()) as { code: number }).code, 400);
   const none = await request(`${k.url}/sandboxes/mch_00000000000000000000000000`, { headers: { "x-api-key": TEST_KEY } });
   assert.equal(none.statusCode, 404);
   assert.equal(((await none.body.json()) as { code: number }).code, 404);

@@ -1,6 +1,8 @@
 // E2B's control plane (the API the SDK reaches at E2B_API_URL) as a translation onto Kiln's machine service:
 // sandboxes are machines, templates are Kiln template refs, pause/connect are hibernate/resume.
 
+import { Type } from "typebox";
+import type { Static } from "typebox";
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import type { Services } from "../../services/index.ts";
 import { MACHINE_LIMITS } from "../../services/machines.ts";
@@ -21,30 +23,56 @@ export interface ControlDeps {
 const E2B_DEFAULT_TIMEOUT_S = 15;
 const STATES = ["running", "paused"] as const;
 
-const isObj = (v: unknown): v is Record<string, unknown> => typeof v === "object" && v !== null && !Array.isArray(v);
-
 function bad(message: string): never {
   throw new KilnError("invalid_request", message);
 }
 
-function stringMap(v: unknown, name: string): Record<string, string> | undefined {
-  if (v === undefined || v === null) return undefined;
-  if (!isObj(v) || !Object.values(v).every((x) => typeof x === "string")) bad(`${name} must map names to strings`);
-  return v as Record<string, string>;
-}
+const StringMap = Type.Record(Type.String(), Type.String());
+const Timeout = Type.Integer({ minimum: 0, maximum: MACHINE_LIMITS.maxTimeoutS });
 
-function timeoutOf(v: unknown): number | undefined {
-  if (v === undefined || v === null) return undefined;
-  if (typeof v !== "number" || !Number.isInteger(v) || v < 0 || v > MACHINE_LIMITS.maxTimeoutS) bad(`timeout must be whole seconds from 0 to ${MACHINE_LIMITS.maxTimeoutS}`);
-  return v;
-}
-
-/** Only these body fields are understood; anything else set to a non-default value is refused, never ignored. */
-const CREATE_FIELDS = new Set(["templateID", "timeout", "metadata", "envVars", "allow_internet_access", "autoPause", "secure", "network", "volumeMounts", "mcp", "iam", "autoPauseMemory", "autoResume"]);
+/**
+ * E2B's NewSandbox body as the SDK sends it. Fields Kiln does not serve are accepted only at their defaults (see
+ * create): refused when set, never silently ignored. Unknown fields are refused.
+ */
+const NewSandbox = Type.Object(
+  {
+    templateID: Type.String({ minLength: 1, maxLength: 256 }),
+    timeout: Type.Optional(Timeout),
+    metadata: Type.Optional(StringMap),
+    envVars: Type.Optional(StringMap),
+    allow_internet_access: Type.Optional(Type.Boolean()),
+    secure: Type.Optional(Type.Boolean()),
+    autoPause: Type.Optional(Type.Boolean()),
+    autoPauseMemory: Type.Optional(Type.Boolean()),
+    autoResume: Type.Optional(Type.Unknown()),
+    network: Type.Optional(Type.Unknown()),
+    volumeMounts: Type.Optional(Type.Array(Type.Unknown())),
+    mcp: Type.Optional(Type.Unknown()),
+    iam: Type.Optional(Type.Unknown()),
+  },
+  { additionalProperties: false },
+);
+const TimeoutBody = Type.Object({ timeout: Timeout }, { additionalProperties: false });
+const ConnectBody = Type.Object({ timeout: Type.Optional(Timeout), memory: Type.Optional(Type.Boolean()) }, { additionalProperties: false });
+const PauseBody = Type.Union([Type.Object({ memory: Type.Optional(Type.Boolean()) }, { additionalProperties: false }), Type.Null()]);
+const ListQuery = Type.Object(
+  {
+    state: Type.Optional(Type.String({ pattern: "^(running|paused)(,(running|paused))*$" })),
+    metadata: Type.Optional(Type.String({ maxLength: 4096 })),
+    limit: Type.Optional(Type.Integer({ minimum: 1, maximum: 100 })),
+    nextToken: Type.Optional(Type.String({ maxLength: 512 })),
+    startedAfter: Type.Optional(Type.String()),
+    template: Type.Optional(Type.String()),
+    order: Type.Optional(Type.String()),
+  },
+  { additionalProperties: false },
+);
+const Params = Type.Object({ id: Type.String({ minLength: 1, maxLength: 64 }) });
 
 export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   const { machines } = deps.services;
-  const route = { config: { e2b: "control" } };
+  const route = { config: { e2b: "control" }, schema: { hide: true, params: Params } };
+  const withBody = (body: unknown) => ({ config: { e2b: "control" }, schema: { hide: true, params: Params, body } });
 
   /** A machine that is gone (destroyed, failed) is, to E2B clients, a sandbox that does not exist. */
   async function live(id: string): Promise<MachineView> {
@@ -87,29 +115,29 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   }
 
   async function create(req: FastifyRequest) {
-    const body = isObj(req.body) ? req.body : bad("the body must be a JSON object");
-    for (const k of Object.keys(body)) if (!CREATE_FIELDS.has(k)) bad(`unknown field ${k}`);
-    let template = typeof body.templateID === "string" && body.templateID ? body.templateID : bad("templateID is required");
+    const body = req.body as Static<typeof NewSandbox>;
+    let template = body.templateID;
     // The templateID a sandbox reports (a tpl_ id) is accepted back, as E2B's are.
     if (template.startsWith("tpl_")) template = (await deps.services.templateCatalog.get(template)).canonical_ref;
-    if (body.autoPause === true) bad("autoPause is not supported by Kiln yet: a sandbox is killed when its timeout ends");
-    if (body.volumeMounts !== undefined && !(Array.isArray(body.volumeMounts) && body.volumeMounts.length === 0)) bad("volumeMounts are not supported by Kiln's E2B API yet");
-    if (isObj(body.network) && Object.keys(body.network).length > 0) bad("network rules are not supported by Kiln's E2B API yet; use allow_internet_access");
+    if (body.autoPause === true || body.autoPauseMemory !== undefined || body.autoResume !== undefined) bad("autoPause/autoResume are not supported by Kiln yet: a sandbox is killed when its timeout ends");
+    if (body.volumeMounts !== undefined && body.volumeMounts.length > 0) bad("volumeMounts are not supported by Kiln's E2B API yet");
+    if (body.network !== undefined && body.network !== null && !(typeof body.network === "object" && Object.keys(body.network).length === 0)) bad("network rules are not supported by Kiln's E2B API yet; use allow_internet_access");
     if (body.mcp !== undefined && body.mcp !== null) bad("mcp is not supported by Kiln");
-    if (body.allow_internet_access !== undefined && typeof body.allow_internet_access !== "boolean") bad("allow_internet_access must be a boolean");
+    if (body.iam !== undefined && body.iam !== null) bad("iam is not supported by Kiln");
     const m = await machines.create({
       template,
-      metadata: stringMap(body.metadata, "metadata"),
-      envs: stringMap(body.envVars, "envVars"),
-      timeout_s: timeoutOf(body.timeout) ?? E2B_DEFAULT_TIMEOUT_S,
-      internet: body.allow_internet_access as boolean | undefined,
+      metadata: body.metadata,
+      envs: body.envVars,
+      timeout_s: body.timeout ?? E2B_DEFAULT_TIMEOUT_S,
+      internet: body.allow_internet_access,
     });
     deps.sandboxReady(m.id);
     return created(m, req);
   }
 
-  app.post("/sandboxes", route, async (req, reply) => reply.code(201).send(await create(req)));
-  app.post("/v2/sandboxes", route, async (req, reply) => reply.code(201).send(await create(req)));
+  const createRoute = { config: { e2b: "control" }, schema: { hide: true, body: NewSandbox } };
+  app.post("/sandboxes", createRoute, async (req, reply) => reply.code(201).send(await create(req)));
+  app.post("/v2/sandboxes", createRoute, async (req, reply) => reply.code(201).send(await create(req)));
 
   app.get("/sandboxes/:id", route, async (req) => detail(await live((req.params as { id: string }).id), req));
 
@@ -119,15 +147,13 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     return reply.code(204).send();
   });
 
-  app.post("/sandboxes/:id/timeout", route, async (req, reply) => {
+  app.post("/sandboxes/:id/timeout", withBody(TimeoutBody), async (req, reply) => {
     const m = await live((req.params as { id: string }).id);
-    const timeout = isObj(req.body) ? timeoutOf(req.body.timeout) : undefined;
-    if (timeout === undefined) bad("timeout is required");
-    await machines.update(m.id, { timeout_s: timeout });
+    await machines.update(m.id, { timeout_s: (req.body as Static<typeof TimeoutBody>).timeout });
     return reply.code(204).send();
   });
 
-  app.post("/sandboxes/:id/pause", route, async (req, reply) => {
+  app.post("/sandboxes/:id/pause", withBody(PauseBody), async (req, reply) => {
     const m = await live((req.params as { id: string }).id);
     if (m.status === "hibernated") throw new KilnError("conflict", `sandbox "${m.id}" is already paused`);
     await machines.hibernate(m.id);
@@ -137,7 +163,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   /** connect: 200 with a running sandbox, 201 after resuming a paused one; the timeout is renewed either way. */
   async function connect(req: FastifyRequest, opts: { mustBePaused: boolean }) {
     const m = await live((req.params as { id: string }).id);
-    const timeout = isObj(req.body) ? timeoutOf(req.body.timeout) : undefined;
+    const timeout = (req.body as Static<typeof ConnectBody> | undefined)?.timeout;
     let status = 200;
     if (m.status === "hibernated") {
       await machines.resume(m.id);
@@ -150,23 +176,24 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     return { status, body: created(after, req) };
   }
   for (const path of ["/sandboxes/:id/connect", "/v2/sandboxes/:id/connect"]) {
-    app.post(path, route, async (req, reply) => {
+    app.post(path, withBody(ConnectBody), async (req, reply) => {
       const { status, body } = await connect(req, { mustBePaused: false });
       return reply.code(status).send(body);
     });
   }
-  app.post("/sandboxes/:id/resume", route, async (req, reply) => {
+  app.post("/sandboxes/:id/resume", withBody(ConnectBody), async (req, reply) => {
     const { status, body } = await connect(req, { mustBePaused: true });
     return reply.code(status).send(body);
   });
 
   /** Sandboxes newest first, filtered by state and metadata; nextToken is the key of the last machine looked at. */
   async function list(q: Record<string, unknown>, defaultStates: readonly string[]) {
-    const states = typeof q.state === "string" && q.state ? q.state.split(",") : Array.isArray(q.state) ? (q.state as string[]) : [...defaultStates];
-    for (const s of states) if (!(STATES as readonly string[]).includes(s)) bad(`state must be running or paused, not ${JSON.stringify(s)}`);
+    const states = typeof q.state === "string" && q.state ? q.state.split(",") : [...defaultStates];
     const metadata = typeof q.metadata === "string" && q.metadata ? Object.fromEntries(new URLSearchParams(q.metadata)) : {};
-    const limit = q.limit === undefined ? 100 : Number(q.limit);
-    if (!Number.isInteger(limit) || limit < 1 || limit > 100) bad("limit must be from 1 to 100");
+    const startedAfter = typeof q.startedAfter === "string" ? Date.parse(q.startedAfter) : undefined;
+    if (startedAfter !== undefined && Number.isNaN(startedAfter)) bad("startedAfter must be an ISO timestamp");
+    if (q.order !== undefined && q.order !== "desc") bad("only order=desc (newest first) is served");
+    const limit = typeof q.limit === "number" ? q.limit : 100;
     let after: [string, string] | undefined;
     if (typeof q.nextToken === "string" && q.nextToken) {
       try {
@@ -181,8 +208,14 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     for (;;) {
       const page = await machines.list({ limit, after });
       for (const m of page.machines) {
+        // Newest first: once one is too old, all the rest are.
+        if (startedAfter !== undefined && Date.parse(m.created_at) <= startedAfter) {
+          page.more = false;
+          break;
+        }
         if (!states.includes(state(m)) || m.status === "creating") continue;
         if (!Object.entries(metadata).every(([k, v]) => m.metadata[k] === v)) continue;
+        if (typeof q.template === "string" && q.template !== m.template_id) continue;
         out.push(listed(m));
         if (out.length === limit) {
           next = Buffer.from(JSON.stringify([m.created_at, m.id])).toString("base64url");
@@ -195,10 +228,11 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     return { items: out, next };
   }
 
-  app.get("/v2/sandboxes", route, async (req, reply) => {
+  const listRoute = { config: { e2b: "control" }, schema: { hide: true, querystring: ListQuery } };
+  app.get("/v2/sandboxes", listRoute, async (req, reply) => {
     const { items, next } = await list(req.query as Record<string, unknown>, STATES);
     if (next) reply.header("x-next-token", next);
     return items;
   });
-  app.get("/sandboxes", route, async (req) => (await list(req.query as Record<string, unknown>, ["running"])).items);
+  app.get("/sandboxes", listRoute, async (req) => (await list(req.query as Record<string, unknown>, ["running"])).items);
 }
