@@ -108,6 +108,14 @@ test("bad control-plane requests get E2B's {code, message} and create nothing", 
   const unauth = await post('{"templateID":"base"}', "e2b_ffff");
   assert.equal(unauth.statusCode, 401);
   assert.deepEqual(((await unauth.body.json()) as { code: number }).code, 401);
+  for (const path of ["/sandboxes/mch_00000000000000000000000000/metrics", "/templates", "/v3/templates", "/volumes/vol_x"]) {
+    const res = await request(`${k.url}${path}`, { headers: { "x-api-key": TEST_KEY } });
+    assert.equal(res.statusCode, 501, path);
+    assert.match(((await res.body.json()) as { message: string }).message, /not supported by Kiln/);
+  }
+  const unservedNoKey = await request(`${k.url}/templates`);
+  assert.equal(unservedNoKey.statusCode, 401);
+  await unservedNoKey.body.dump();
   const badList = await request(`${k.url}/v2/sandboxes?state=dead`, { headers: { "x-api-key": TEST_KEY } });
   assert.equal(badList.statusCode, 400);
   assert.equal(((await badList.body.json()) as { code: number }).code, 400);

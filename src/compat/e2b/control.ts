@@ -9,6 +9,7 @@ import { MACHINE_LIMITS } from "../../services/machines.ts";
 import type { MachineView } from "../../services/machines.ts";
 import { KilnError } from "../../errors.ts";
 import { ENVD_VERSION } from "./envd.ts";
+import { E2bUnserved } from "./errors.ts";
 
 export interface ControlDeps {
   services: Services;
@@ -235,4 +236,21 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     return items;
   });
   app.get("/sandboxes", listRoute, async (req) => (await list(req.query as Record<string, unknown>, ["running"])).items);
+
+  // E2B APIs Kiln does not serve yet answer 501 in E2B's shape (the SDK then raises a clear error), not a 404
+  // that would read as "no such sandbox".
+  const unserved = { config: { e2b: "control" }, schema: { hide: true } };
+  const notYet = (what: string) => async () => {
+    throw new E2bUnserved(`${what} is not supported by Kiln's E2B API yet (see docs/e2b.md)`);
+  };
+  app.get("/sandboxes/:id/metrics", unserved, notYet("sandbox metrics"));
+  app.get("/sandboxes/metrics", unserved, notYet("sandbox metrics"));
+  app.route({ method: ["GET", "POST"], url: "/sandboxes/:id/snapshots", ...unserved, handler: notYet("snapshots") });
+  app.get("/snapshots", unserved, notYet("snapshots"));
+  app.post("/sandboxes/:id/fork", unserved, notYet("fork"));
+  app.route({ method: ["PUT", "POST", "PATCH"], url: "/sandboxes/:id/network", ...unserved, handler: notYet("network updates") });
+  for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/volumes", "/volumecontent", "/secrets"]) {
+    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(`${prefix.replace(/^\/v\d/, "")} (E2B's template, volume and secret APIs)`) });
+    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: `${prefix}/*`, ...unserved, handler: notYet(`${prefix.replace(/^\/v\d/, "")} (E2B's template, volume and secret APIs)`) });
+  }
 }

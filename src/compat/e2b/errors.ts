@@ -3,7 +3,11 @@
 
 import { KilnError } from "../../errors.ts";
 
+/** An E2B API Kiln does not serve: 501, which Kiln's own catalogue has no code for. */
+export class E2bUnserved extends Error {}
+
 export function e2bError(err: unknown): { status: number; body: { code: number; message: string } } {
+  if (err instanceof E2bUnserved) return { status: 501, body: { code: 501, message: err.message } };
   if (err instanceof KilnError) {
     const status = err.status;
     return { status, body: { code: status, message: status >= 500 && err.code === "internal" ? "Internal error" : err.message } };
