@@ -182,10 +182,15 @@ test("pause then connect resumes the sandbox; pausing a paused sandbox answers f
   const s = await Sandbox.create("base", opts);
   await s.files.write("/tmp/kept.txt", "kept");
   assert.equal(await s.pause(), true);
-  assert.equal((await Sandbox.getInfo(s.sandboxId, opts)).state, "paused");
+  const paused = await Sandbox.getInfo(s.sandboxId, opts);
+  assert.equal(paused.state, "paused");
+  // Kept like E2B keeps paused sandboxes: well past the create's timeout.
+  assert.ok(paused.endAt.getTime() > Date.now() + 24 * 3600_000);
   assert.equal(await Sandbox.pause(s.sandboxId, opts), false);
-  const back = await Sandbox.connect(s.sandboxId, opts);
-  assert.equal((await back.getInfo()).state, "running");
+  const back = await Sandbox.connect(s.sandboxId, { ...opts, timeoutMs: 120_000 });
+  const resumed = await back.getInfo();
+  assert.equal(resumed.state, "running");
+  assert.ok(resumed.endAt.getTime() < Date.now() + 130_000);
   assert.equal(await back.files.read("/tmp/kept.txt"), "kept");
   assert.equal((await back.commands.run("echo resumed")).stdout, "resumed\n");
   await back.kill();

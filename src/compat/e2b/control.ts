@@ -29,7 +29,7 @@ function bad(message: string): never {
 }
 
 const StringMap = Type.Record(Type.String(), Type.String());
-const Timeout = Type.Integer({ minimum: 0, maximum: MACHINE_LIMITS.maxTimeoutS });
+const Timeout = Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxTimeoutS });
 
 /**
  * E2B's NewSandbox body as the SDK sends it. Fields Kiln does not serve are accepted only at their defaults (see
@@ -158,6 +158,9 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     const m = await live((req.params as { id: string }).id);
     if (m.status === "hibernated") throw new KilnError("conflict", `sandbox "${m.id}" is already paused`);
     await machines.hibernate(m.id);
+    // E2B keeps a paused sandbox until it is resumed; Kiln's clock runs on through hibernation, so a paused
+    // sandbox gets Kiln's longest timeout (connect sets the caller's again).
+    await machines.update(m.id, { timeout_s: MACHINE_LIMITS.maxTimeoutS });
     return reply.code(204).send();
   });
 
