@@ -52,6 +52,10 @@ const NOTES = `## Reading these numbers
   is a bare Fastify route with no logger. Both share the host's 2 cores with the load generator.
 - **Stream throughput** is base64 in JSON text frames, as the protocol defines, through two WebSocket hops
   (agent → server → client); the baseline sends the same frames over one hop.
+- **Webhooks** run on a second Kiln with \`KILN_WEBHOOK_ALLOW_PRIVATE=1\` and a receiver on loopback in the benchmark's
+  own process. Lag is timed from the event's \`occurred_at\` (ms resolution) to the receiver's answer; throughput
+  drains a backlog written through the outbox — each delivery claimed, signed, sent and recorded durably — beside as
+  many plain fetch loops as the dispatcher allows requests in flight to one webhook (32).
 `;
 await writeReport(join(here, "..", "docs", "BENCHMARKS.md"), results, NOTES);
 process.stderr.write("wrote docs/BENCHMARKS.md\n");

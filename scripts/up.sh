@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql util-linux)
+PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql util-linux openssh-server e2fsprogs inotify-tools)
+# openssh-server: the git tests start their own sshd (own config and port on 127.0.0.1) as an SSH git remote.
 # Any Node with npm will do to bootstrap: npm ci then brings Node 24 itself.
 command -v npm >/dev/null 2>&1 || PACKAGES+=(nodejs npm)
 

@@ -16,6 +16,7 @@ import { prepareGuestRuntime } from "./runtime/guest-runtime.ts";
 import { bundleAgent, AGENT_SOURCES } from "./agent/bundle.ts";
 import { ensureBaseTemplate } from "./builder/base-template.ts";
 import { MACHINE_DEFAULTS } from "./services/machines.ts";
+import { ensureHostId } from "./runtime/host-id.ts";
 
 export interface Kiln {
   app: App;
@@ -36,7 +37,10 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
   const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, runscPlatform: config.runscPlatform, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS });
+  const hostId = await ensureHostId(config.dataDir, config.hostId);
+  const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs };
+  const deployments = { dataDir: config.dataDir, publicUrl: config.publicUrl, maxCrashes: config.serviceMaxCrashes, backoffMs: config.serviceBackoffMs, edgeTokenTtlS: config.edgeTokenTtlS };
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, hostId, webhooks, deployments });
   await services.keys.seed({ apiKey: config.apiKey, dataDir: config.dataDir, log });
 
   const adoption = await services.machines.adopt();
@@ -46,6 +50,10 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const interrupted = await services.builds.recoverInterrupted();
   if (interrupted > 0) log.warn({ builds: interrupted }, "builds interrupted by the last stop were marked error");
   services.builds.startCollector();
+  await services.dispatcher.start();
+  const volumes = await services.volumes.start();
+  if (volumes.mounted + volumes.cleaned > 0) log.info(volumes, "volumes restored after start");
+  await services.deployments.start();
 
   const baseReady = ensureBaseTemplate({ cacheDir: config.cacheDir, mirror: config.debianMirror, log, onProgress: (line) => log.info({ phase: "base-template" }, line) })
     .then(async ({ layerDir, digest }) => {
@@ -59,9 +67,11 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     });
   services.templates.setPending("the base template is being made (first start); try again in a minute");
 
-  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, e2b: { dataDir: config.dataDir, publicUrl: config.publicUrl } });
+  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, volumeWatchQueue: config.volumeWatchQueue, publicUrl: config.publicUrl, e2b: { dataDir: config.dataDir, publicUrl: config.publicUrl } });
   let url = "";
   if (opts.listen !== false) url = await app.listen({ host: config.host, port: config.port });
+  // Port 0 means "any free port": public URLs can name the real one only now.
+  if (url && new URL(config.publicUrl).port === "0") services.deployments.setPublicUrl(url);
 
   let closing: Promise<void> | undefined;
   async function close() {
@@ -69,8 +79,11 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
       // Running builds end first (as `error`: the server stopped), so their log streams close and app.close can finish.
       await services.builds.close();
       await app.close();
+      await services.deployments.close();
       await services.pool.close();
+      await services.volumes.close();
       await services.machines.close();
+      await services.dispatcher.close();
       await driver.close();
       await store.close();
     })();

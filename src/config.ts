@@ -25,7 +25,24 @@ export interface Config {
   warmPool: number;
   /** How long an artifact no tag points at is kept before its layers may be collected. */
   buildRetentionS: number;
+  /** This host's id on a shared store; unset → made once into $KILN_DATA_DIR/host-id. */
+  hostId: string | undefined;
+  /** Delay before each webhook delivery attempt (the first is usually 0); its length is the number of attempts. */
+  webhookRetryScheduleMs: number[];
+  webhookAllowPrivate: boolean;
+  /** How long a rotated-out signing secret keeps signing beside the new one. */
+  webhookRotationGraceMs: number;
+  /** Volume watch frames a socket may hold unsent per watch before it drops them for a resync_required. */
+  volumeWatchQueue: number;
+  /** Supervised deployment services: crashes in a row before `failed`, and the first restart delay. */
+  serviceMaxCrashes: number;
+  serviceBackoffMs: number;
+  /** Lifetime of a signed edge_token in a service's public URL. */
+  edgeTokenTtlS: number;
 }
+
+/** DESIGN.md §4: immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. */
+export const DEFAULT_WEBHOOK_RETRY_SCHEDULE_MS = [0, 5_000, 300_000, 1_800_000, 7_200_000, 18_000_000, 36_000_000, 36_000_000];
 
 export class ConfigError extends Error {}
 
@@ -49,6 +66,14 @@ export const CONFIG_VARS = [
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
   ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
   ["KILN_BUILD_RETENTION_S", "604800", "seconds an untagged template artifact is kept before the collector removes it"],
+  ["KILN_HOST_ID", "(made once into $KILN_DATA_DIR/host-id)", "this host's id when several servers share one store"],
+  ["KILN_WEBHOOK_RETRY_SCHEDULE_MS", "0,5000,300000,1800000,7200000,18000000,36000000,36000000", "delay before each webhook delivery attempt, comma-separated"],
+  ["KILN_WEBHOOK_ALLOW_PRIVATE", "0", "1 lets webhooks reach private and loopback addresses (link-local never)"],
+  ["KILN_WEBHOOK_ROTATION_GRACE_MS", "86400000", "how long a rotated-out webhook signing secret keeps signing"],
+  ["KILN_VOLUME_WATCH_QUEUE", "4096", "volume watch events held per watch for a slow client before resync_required"],
+  ["KILN_SERVICE_MAX_CRASHES", "5", "crashes in a row after which a deployment's service ends failed"],
+  ["KILN_SERVICE_BACKOFF_MS", "500", "first delay before a crashed service starts again (doubles per crash, up to 30 s)"],
+  ["KILN_EDGE_TOKEN_TTL_S", "3600", "lifetime of the edge_token in a service's public URL (renewed whenever it is read)"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -87,6 +112,14 @@ export function loadConfig(env: Env = process.env): Config {
     debianMirror: env.KILN_DEBIAN_MIRROR || undefined,
     warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
     buildRetentionS: intVar(env, "KILN_BUILD_RETENTION_S", 604_800, 0, 10 * 365 * 86_400),
+    hostId: hostIdVar(env),
+    webhookRetryScheduleMs: scheduleVar(env, "KILN_WEBHOOK_RETRY_SCHEDULE_MS", DEFAULT_WEBHOOK_RETRY_SCHEDULE_MS),
+    webhookAllowPrivate: boolVar(env, "KILN_WEBHOOK_ALLOW_PRIVATE"),
+    webhookRotationGraceMs: intVar(env, "KILN_WEBHOOK_ROTATION_GRACE_MS", 86_400_000, 0, 30 * 86_400_000),
+    volumeWatchQueue: intVar(env, "KILN_VOLUME_WATCH_QUEUE", 4096, 1, 1_000_000),
+    serviceMaxCrashes: intVar(env, "KILN_SERVICE_MAX_CRASHES", 5, 1, 1000),
+    serviceBackoffMs: intVar(env, "KILN_SERVICE_BACKOFF_MS", 500, 0, 600_000),
+    edgeTokenTtlS: intVar(env, "KILN_EDGE_TOKEN_TTL_S", 3600, 1, 30 * 24 * 3600),
   };
 }
 
@@ -98,6 +131,25 @@ function intVar(env: Env, name: string, fallback: number, min: number, max: numb
     throw new ConfigError(`${name} must be an integer from ${min} to ${max}, got ${JSON.stringify(raw)}`);
   }
   return n;
+}
+
+function hostIdVar(env: Env): string | undefined {
+  const raw = env.KILN_HOST_ID;
+  if (raw === undefined || raw === "") return undefined;
+  if (!/^[A-Za-z0-9_.-]{1,64}$/.test(raw)) throw new ConfigError(`KILN_HOST_ID must be 1 to 64 letters, digits, '.', '_' or '-', got ${JSON.stringify(raw)}`);
+  return raw;
+}
+
+function scheduleVar(env: Env, name: string, fallback: number[]): number[] {
+  const raw = env[name];
+  if (raw === undefined || raw.trim() === "") return fallback;
+  const parts = raw.split(",").map((p) => p.trim());
+  const delays = parts.map(Number);
+  if (parts.length > 50 || delays.some((d, i) => parts[i] === "" || !Number.isInteger(d) || d < 0 || d > 7 * 86_400_000)) {
+    throw new ConfigError(`${name} must be a comma list of 1 to 50 delays in milliseconds (each 0 to 604800000), got ${JSON.stringify(raw)}`);
+  }
+  if (delays[0] !== 0) throw new ConfigError(`${name} must start with 0: an event's first delivery attempt goes at once, got ${JSON.stringify(raw)}`);
+  return delays;
 }
 
 function boolVar(env: Env, name: string): boolean {

@@ -2,7 +2,7 @@
 // binary beside it: the bundle needs nothing from the project's node_modules at run time.
 
 import { build } from "esbuild";
-import { cp, mkdir, rm } from "node:fs/promises";
+import { copyFile, cp, mkdir, rm } from "node:fs/promises";
 import { createRequire } from "node:module";
 import { dirname, join } from "node:path";
 
@@ -26,6 +26,19 @@ export async function bundleAgent(outDir: string): Promise<void> {
     logLevel: "warning",
     legalComments: "none",
   });
+  // Code-interpreter kernels are processes of their own: the Node kernel is a second bundle, the Python bridge a
+  // script the machine's python3 runs (both found beside agent.mjs, in kernels/).
+  await build({
+    entryPoints: [join(import.meta.dirname, "kernels", "js-kernel.ts")],
+    outfile: join(outDir, "kernels", "js-kernel.mjs"),
+    bundle: true,
+    platform: "node",
+    format: "esm",
+    target: "node24",
+    logLevel: "warning",
+    legalComments: "none",
+  });
+  await copyFile(join(import.meta.dirname, "kernels", "python_bridge.py"), join(outDir, "kernels", "python_bridge.py"));
   for (const pkg of ["@lydell/node-pty", "@lydell/node-pty-linux-x64"]) {
     const from = dirname(require.resolve(`${pkg}/package.json`));
     await cp(from, join(outDir, "node_modules", pkg), { recursive: true, filter: (src) => !/\.(md|d\.ts|map)$/.test(src) });

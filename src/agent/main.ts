@@ -8,13 +8,16 @@ import { chmodSync, unlinkSync, existsSync, mkdirSync } from "node:fs";
 import { randomUUID } from "node:crypto";
 import { dirname, isAbsolute } from "node:path";
 import { AgentFailure } from "./errors.ts";
-import { execOnce, resolveUser, setMachineEnvs } from "./process.ts";
+import { checkSpawnRequest, execOnce, resolveUser, setMachineEnvs } from "./process.ts";
 import { fileInfo, listDir, makeDirs, move, remove, writeFileAtomic } from "./files.ts";
 import { lookupUser } from "./users.ts";
+import { listServices, restartService, serviceLogs, serviceState, startService, stopAllServices, stopService } from "./services.ts";
 import { createReadStream } from "node:fs";
 import { lstat } from "node:fs/promises";
 import { AGENT_SOCKET_DEFAULT } from "./protocol.ts";
 import type { AgentHealth, ExecRequest } from "./protocol.ts";
+import { handleGitRun, sweepScratch } from "./git.ts";
+import { handleCode, stopAllKernels } from "./kernels/index.ts";
 
 const bootId = randomUUID();
 const startedAt = Date.now();
@@ -45,6 +48,7 @@ async function readJson(req: IncomingMessage): Promise<Record<string, any>> {
 
 function absolutePath(p: unknown, what = "path"): string {
   if (typeof p !== "string" || !isAbsolute(p)) throw new AgentFailure("invalid_request", `${what} must be an absolute path`);
+  if (p.includes("\0")) throw new AgentFailure("invalid_request", `${what} must not contain a NUL byte`);
   return p;
 }
 
@@ -71,6 +75,7 @@ async function route(req: IncomingMessage, res: ServerResponse) {
       const body = await readJson(req);
       const envs = body.envs ?? {};
       if (typeof envs !== "object" || Object.values(envs).some((v) => typeof v !== "string")) throw new AgentFailure("invalid_request", "envs must map names to strings");
+      checkSpawnRequest({ envs });
       setMachineEnvs(envs);
       return send(res, 200, { ok: true });
     }
@@ -79,7 +84,12 @@ async function route(req: IncomingMessage, res: ServerResponse) {
     case "POST /exec": {
       const body = (await readJson(req)) as ExecRequest;
       if (typeof body.cmd !== "string" || !body.cmd) throw new AgentFailure("invalid_request", "cmd is required");
-      return send(res, 200, await execOnce(body));
+      // The caller going away (timeout on its side, the machine being destroyed or hibernated) ends the command.
+      const gone = new AbortController();
+      res.once("close", () => {
+        if (!res.writableFinished) gone.abort();
+      });
+      return send(res, 200, await execOnce(body, gone.signal));
     }
     case "GET /files": {
       const path = absolutePath(q.get("path"));
@@ -125,13 +135,38 @@ async function route(req: IncomingMessage, res: ServerResponse) {
       const body = await readJson(req);
       return send(res, 200, await move(absolutePath(body.src, "src"), absolutePath(body.dest, "dest"), ownerOf(body.user)));
     }
+    case "POST /git/run": {
+      const body = await readJson(req);
+      return send(res, 200, await handleGitRun(req, res, body));
+    }
   }
+  if (url.pathname.startsWith("/code/") && (await handleCode(req, res, url.pathname, readJson, send))) return;
+  if (url.pathname === "/services" || url.pathname.startsWith("/services/")) return serviceRoute(req, res, url);
   if (req.method === "GET" && url.pathname.startsWith("/users/")) {
     const user = lookupUser(decodeURIComponent(url.pathname.slice("/users/".length)));
     if (!user) throw new AgentFailure("not_found", "No such user");
     return send(res, 200, user);
   }
   throw new AgentFailure("not_found", `No agent route ${key}`);
+}
+
+async function serviceRoute(req: IncomingMessage, res: ServerResponse, url: URL) {
+  const [, , rawId, sub] = url.pathname.split("/");
+  const id = rawId === undefined ? undefined : decodeURIComponent(rawId);
+  if (id === undefined) {
+    if (req.method === "POST") return send(res, 200, startService(await readJson(req)));
+    if (req.method === "GET") return send(res, 200, { services: listServices() });
+  } else if (sub === undefined) {
+    if (req.method === "GET") return send(res, 200, serviceState(id));
+    if (req.method === "DELETE") return send(res, 200, await stopService(id));
+  } else if (sub === "restart" && req.method === "POST") {
+    return send(res, 200, await restartService(id, await readJson(req)));
+  } else if (sub === "logs" && req.method === "GET") {
+    const tail = Number(url.searchParams.get("tail_bytes") ?? 65536);
+    if (!Number.isInteger(tail) || tail < 0) throw new AgentFailure("invalid_request", "tail_bytes must be a non-negative integer");
+    return send(res, 200, serviceLogs(id, tail));
+  }
+  throw new AgentFailure("not_found", `No agent route ${req.method} ${url.pathname}`);
 }
 
 const server = createServer((req, res) => {
@@ -195,8 +230,13 @@ if (fdArg > 0) {
   server.listen(path, () => chmodSync(path, 0o600));
 }
 
+// Credentials of a git run cut short by an agent crash do not outlive it.
+void sweepScratch();
+
 const stop = () => {
   void streams?.then((s) => s.resetSessions());
+  void stopAllKernels();
+  void stopAllServices();
   server.close(() => process.exit(0));
   setTimeout(() => process.exit(0), 500).unref();
 };

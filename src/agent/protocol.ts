@@ -16,6 +16,12 @@
 //   PUT    /envs          EnvsRequest    → {ok} (the machine's create-time envs, held in the agent's memory)
 //   POST   /sessions/reset               → {ended} (a resumed machine is a new execution: PTY sessions end)
 //   CONNECT 127.0.0.1:<port>             → a raw byte stream to a port listening inside the machine
+//   POST   /services      ServiceStartRequest → ServiceState (starts a supervised process; an existing id answers its state)
+//   GET    /services                     → {services: ServiceState[]}
+//   GET    /services/:id                 → ServiceState
+//   POST   /services/:id/restart  ServiceRestartRequest → ServiceState (envs held in memory for this process only)
+//   DELETE /services/:id                 → ServiceState (stopped: SIGTERM, SIGKILL after the grace period)
+//   GET    /services/:id/logs?tail_bytes= → ServiceLogs (the recent output ring)
 // Every path the agent receives is absolute; the control plane resolves relative ones.
 
 /** Where the agent listens inside the machine unless started with --socket or --listen-fd. */
@@ -48,6 +54,8 @@ export interface ExecResult {
   stderr_base64: string;
   duration_ms: number;
   timed_out: boolean;
+  /** Present when the process died of SIGKILL and the machine's memory cgroup counted an OOM kill meanwhile. */
+  oom_killed?: true;
 }
 
 export interface FileInfo {
@@ -98,6 +106,57 @@ export interface UserInfo {
   gid: number;
   home: string;
   shell: string;
+}
+
+// ── Supervised services (deployments) ─────────────────────────────────────────────────────────────────────────
+
+/** running: the process is up; backoff: it crashed and waits to be started again; failed: too many crashes in a
+ *  row; stopped: stopped on request. */
+export type ServiceProcessStatus = "running" | "backoff" | "failed" | "stopped";
+
+export interface ServiceStartRequest {
+  /** The control plane's service id (svc_…). */
+  id: string;
+  /** Shell line run by /bin/sh -c. */
+  cmd: string;
+  user?: string;
+  cwd?: string;
+  /** The deployment's envs for this process. */
+  envs?: Record<string, string>;
+  /** Crashes in a row after which the service ends failed. */
+  max_crashes: number;
+  /** First delay before a crashed process starts again; doubles per crash in a row up to max_backoff_ms. */
+  backoff_ms: number;
+  max_backoff_ms: number;
+  /** A process that stayed up this long ends a crash streak. */
+  stable_ms: number;
+}
+
+export interface ServiceRestartRequest {
+  /** Request-only envs for the new process and its crash-restarts; held in the agent's memory, never written. */
+  envs?: Record<string, string>;
+}
+
+export interface ServiceState {
+  id: string;
+  status: ServiceProcessStatus;
+  pid: number | null;
+  /** Every start of the process, the first included. */
+  starts: number;
+  crashes: number;
+  consecutive_crashes: number;
+  last_exit: { code: number | null; signal: string | null; at: string } | null;
+  started_at: string | null;
+  failure_reason: string | null;
+}
+
+export interface ServiceLogs {
+  id: string;
+  /** The recent output (stdout and stderr interleaved), base64. */
+  data_base64: string;
+  /** Bytes written since the service started; more than the ring holds means older output is gone. */
+  total_bytes: number;
+  truncated: boolean;
 }
 
 /** Agent error codes, mapped onto Kiln's catalogue by the host-side client. */
@@ -176,6 +235,8 @@ export interface ExecExitFrame {
   exit_code: number | null;
   /** Signal name ("SIGKILL") when the process died of one. */
   signal: string | null;
+  /** Present when the kernel's OOM killer ended the process (as far as the machine's memory cgroup tells). */
+  oom_killed?: true;
 }
 export interface PtyStartedFrame {
   type: "pty.started";
@@ -216,3 +277,81 @@ export interface StreamErrorFrame {
 }
 
 export type StreamServerFrame = ExecStartedFrame | ExecOutputFrame | ExecExitFrame | PtyStartedFrame | PtyOutputFrame | PtyExitFrame | PtyReconnectedFrame | StreamErrorFrame;
+
+// ── Git (src/agent/git.ts) ───────────────────────────────────────────────────────────────────────────────────────
+//   POST   /git/run       GitRunRequest  → GitRunResult (git's outputs scrubbed of every credential)
+// The control plane builds the argv (user refs after --end-of-options); the agent owns the credentials: a 0700
+// scratch dir per run with an askpass helper and key files, removed when the run ends. A closed request cancels.
+
+export interface GitAuth {
+  kind: "https" | "ssh";
+  username?: string;
+  password?: string;
+  private_key?: string;
+  passphrase?: string;
+}
+
+export interface GitRunRequest {
+  /** Arguments after `git` (the agent adds `-c protocol.ext.allow=never` and an empty credential.helper). */
+  args: string[];
+  cwd?: string;
+  user?: string;
+  auth?: GitAuth;
+  envs?: Record<string, string>;
+  stdin?: string;
+  timeout_ms?: number;
+}
+
+export interface GitRunResult {
+  exit_code: number | null;
+  signal: string | null;
+  stdout: string;
+  stderr: string;
+  timed_out: boolean;
+  cancelled: boolean;
+  duration_ms: number;
+}
+
+// ── Code interpreter (src/agent/kernels/*) ──────────────────────────────────────────────────────────────────────
+//   POST   /code/contexts               CodeContextCreate → CodeContext (the kernel is up when this answers)
+//   GET    /code/contexts                                 → {contexts: CodeContext[]}
+//   POST   /code/contexts/:id/restart                     → CodeContext (a fresh kernel, state gone)
+//   DELETE /code/contexts/:id                             → {deleted: true} (kernel process gone) | 404
+//   POST   /code/execute                CodeExecuteRequest → application/x-ndjson of CodeFrame, one per line;
+//          errors found before the first line (unknown context, bad language) answer a JSON error instead.
+// An execute past timeout_ms, or whose request closes, is interrupted; the kernel stays usable.
+
+export type CodeLanguage = "python" | "javascript";
+
+export interface CodeContextCreate {
+  /** Chosen by the control plane (ctx_…). */
+  id: string;
+  language: CodeLanguage;
+  cwd: string;
+  user: string;
+}
+
+export interface CodeContext {
+  id: string;
+  language: CodeLanguage;
+  cwd: string;
+  user: string;
+  /** Pid of the kernel process itself (the Python kernel, or the Node kernel). */
+  kernel_pid: number | null;
+  created_at: string;
+}
+
+export interface CodeExecuteRequest {
+  code: string;
+  context_id?: string;
+  /** Without context_id: the default context of this language, made on first use with these fields. */
+  language?: CodeLanguage;
+  default_context?: CodeContextCreate;
+  timeout_ms?: number;
+}
+
+export type CodeFrame =
+  | { type: "stdout" | "stderr"; text: string }
+  | { type: "result"; data: Record<string, string>; is_main_result: boolean; execution_count?: number | null }
+  | { type: "error"; name: string; value: string; traceback: string }
+  | { type: "end"; context_id: string; execution_count: number | null; duration_ms: number; status: "ok" | "error" | "interrupted" | "timeout" };

@@ -6,7 +6,8 @@ import { randomUUID } from "node:crypto";
 import * as nodePty from "@lydell/node-pty";
 import type { IPty } from "@lydell/node-pty";
 import { constants } from "node:os";
-import { processEnv, resolveUser, argvOf, workingDir } from "./process.ts";
+import { processEnv, resolveUser, argvOf, workingDir, checkSpawnRequest } from "./process.ts";
+import { raiseOomScore } from "./oom.ts";
 import type { StreamServerFrame } from "./protocol.ts";
 
 export const RING_BYTES = 1024 * 1024;
@@ -63,6 +64,7 @@ export class PtySession {
   private onGone: () => void;
 
   constructor(opts: { cmd?: string; args?: string[]; cwd?: string; envs?: Record<string, string>; user?: string; cols: number; rows: number }, onGone: () => void) {
+    checkSpawnRequest(opts);
     const user = resolveUser(opts.user);
     const [file, argv] = opts.cmd ? argvOf(opts.cmd, opts.args) : [user.shell || "/bin/sh", ["-l"]];
     this.pty = nodePty.spawn(file, argv, {
@@ -76,6 +78,7 @@ export class PtySession {
       encoding: null,
     } as nodePty.IPtyForkOptions);
     this.pid = this.pty.pid;
+    raiseOomScore(this.pid);
     this.onGone = onGone;
     this.pty.onData((data: string | Buffer) => this.output(typeof data === "string" ? Buffer.from(data) : data));
     this.pty.onExit(({ exitCode, signal }) => {
@@ -132,6 +135,28 @@ export class PtySession {
 
   input(data: Buffer) {
     if (!this.exit) this.pty.write(data as unknown as string);
+  }
+
+  /** Input bytes written to the terminal but not yet taken by the kernel (node-pty queues them on its socket). */
+  private get inputSocket(): NodeJS.WritableStream & { writableLength?: number } | undefined {
+    return (this.pty as unknown as { _socket?: NodeJS.WritableStream & { writableLength?: number } })._socket;
+  }
+
+  inputBacklog(): number {
+    return this.exit ? 0 : (this.inputSocket?.writableLength ?? 0);
+  }
+
+  /** Calls `cb` once the terminal has taken the queued input (or at once when nothing is queued). */
+  onInputDrained(cb: () => void) {
+    const socket = this.inputSocket;
+    if (!socket || this.inputBacklog() === 0) return cb();
+    const done = () => {
+      socket.off("drain", done);
+      socket.off("close", done);
+      cb();
+    };
+    socket.on("drain", done);
+    socket.on("close", done);
   }
 
   resize(cols: number, rows: number) {

@@ -6,12 +6,18 @@ import type { WebSocket } from "ws";
 import type { ChildProcess } from "node:child_process";
 import { PtySession } from "./pty.ts";
 import type { PtySink } from "./pty.ts";
-import { spawnAs, killGroup, isSignal } from "./process.ts";
+import { spawnAs, isSignal } from "./process.ts";
+import { signalTree } from "./process-tree.ts";
+import { oomKills, wasOomKilled } from "./oom.ts";
 import { AgentFailure } from "./errors.ts";
 import type { AgentErrorCode, StreamServerFrame } from "./protocol.ts";
 
 const HIGH_WATER = 1024 * 1024;
 const LOW_WATER = 256 * 1024;
+/** Input (exec stdin, PTY input) the agent holds for one process before it stops reading the socket. */
+const INPUT_HIGH_WATER = 1024 * 1024;
+/** While reading is paused, a ping this often notices a control plane that went away (the write fails). */
+const PAUSED_PROBE_MS = 1000;
 
 /** Every live PTY session of this boot, by session id. */
 const sessions = new Map<string, PtySession>();
@@ -72,6 +78,37 @@ export function handleStream(ws: WebSocket) {
     for (const s of attached) s.applyBackpressure(HIGH_WATER, LOW_WATER);
   }
 
+  // Client → process backpressure: while any process has more than INPUT_HIGH_WATER of input queued, the
+  // socket is not read, so the control plane's link backs up and it stops reading its client in turn.
+  let held = 0;
+  let probe: NodeJS.Timeout | undefined;
+  function holdInputUntil(whenDrained: (release: () => void) => void) {
+    if (held++ === 0) {
+      ws.pause();
+      probe = setInterval(() => {
+        if (ws.readyState === ws.OPEN) ws.ping();
+      }, PAUSED_PROBE_MS);
+    }
+    let released = false;
+    const release = () => {
+      if (released) return;
+      released = true;
+      if (--held === 0) {
+        clearInterval(probe);
+        ws.resume();
+      }
+    };
+    whenDrained(release);
+  }
+  /** Releases once a child's stdin has drained, closed or failed, whichever comes first. */
+  const stdinDrained = (stdin: NodeJS.WritableStream) => (release: () => void) => {
+    const done = () => {
+      stdin.off("drain", done).off("close", done).off("error", done);
+      release();
+    };
+    stdin.on("drain", done).on("close", done).on("error", done);
+  };
+
   const fail = (code: AgentErrorCode, error: string, requestId?: unknown) => send({ type: "error", code, error, ...(typeof requestId === "string" ? { request_id: requestId } : {}) });
 
   function pipeOut(child: ChildProcess, stream: NodeJS.ReadableStream, type: "exec.stdout" | "exec.stderr") {
@@ -90,6 +127,7 @@ export function handleStream(ws: WebSocket) {
       { stdin: f.stdin === true },
     );
     let started = false;
+    const oomBefore = oomKills();
     child.on("spawn", () => {
       started = true;
       procs.set(child.pid!, child);
@@ -104,7 +142,7 @@ export function handleStream(ws: WebSocket) {
     child.on("close", (code, signal) => {
       if (!started) return;
       procs.delete(child.pid!);
-      send({ type: "exec.exit", pid: child.pid!, exit_code: code, signal });
+      send({ type: "exec.exit", pid: child.pid!, exit_code: code, signal, ...(wasOomKilled(signal, oomBefore) ? { oom_killed: true as const } : {}) });
     });
   }
 
@@ -119,7 +157,10 @@ export function handleStream(ws: WebSocket) {
         if (!child) return fail("not_found", `No process ${f.pid} on this socket`, f.request_id);
         if (!child.stdin) return fail("invalid_request", `Process ${f.pid} was started without stdin (send stdin: true)`, f.request_id);
         const data = bytesOf(f);
-        if (data.length) child.stdin.write(data);
+        if (data.length && child.stdin.writable) {
+          child.stdin.write(data);
+          if (child.stdin.writableLength > INPUT_HIGH_WATER) holdInputUntil(stdinDrained(child.stdin));
+        }
         if (f.eof) child.stdin.end();
         return;
       }
@@ -128,7 +169,7 @@ export function handleStream(ws: WebSocket) {
         if (!child) return fail("not_found", `No process ${f.pid} on this socket`, f.request_id);
         const sig = String(f.signal);
         if (!isSignal(sig)) return fail("invalid_request", `Unknown signal ${sig}`, f.request_id);
-        return killGroup(child, (sig.startsWith("SIG") ? sig : `SIG${sig}`) as NodeJS.Signals);
+        return signalTree(child, (sig.startsWith("SIG") ? sig : `SIG${sig}`) as NodeJS.Signals);
       }
       case "pty.start": {
         if (f.cmd !== undefined && (typeof f.cmd !== "string" || !f.cmd)) return fail("invalid_request", "pty.start cmd must be a non-empty string", f.request_id);
@@ -156,7 +197,11 @@ export function handleStream(ws: WebSocket) {
         if (f.type === "pty.input" && !exactlyOne(f, "data_base64", "data")) return fail("invalid_request", "pty.input takes exactly one of data_base64 or data", f.request_id);
         const session = findSession(f);
         if (!session) return fail("not_found", `No PTY session ${f.session_id ?? `with pid ${f.pid}`} in this machine's current execution`, f.request_id);
-        if (f.type === "pty.input") return session.input(bytesOf(f));
+        if (f.type === "pty.input") {
+          session.input(bytesOf(f));
+          if (session.inputBacklog() > INPUT_HIGH_WATER) holdInputUntil((release) => session.onInputDrained(release));
+          return;
+        }
         if (f.type === "pty.resize") {
           if (![f.cols, f.rows].every((n) => Number.isInteger(n) && (n as number) > 0 && (n as number) <= 1000)) return fail("invalid_request", "pty.resize needs integer cols and rows from 1 to 1000", f.request_id);
           return session.resize(f.cols as number, f.rows as number);
@@ -192,8 +237,11 @@ export function handleStream(ws: WebSocket) {
     }
   });
 
+  ws.on("error", () => undefined); // a broken link ends in "close" below
   ws.on("close", () => {
-    for (const child of procs.values()) killGroup(child);
+    clearInterval(probe);
+    // Processes belong to the socket: when it goes, so does everything they started (setsid children included).
+    for (const child of procs.values()) signalTree(child);
     procs.clear();
     for (const s of attached) s.detach(sink);
     attached.clear();

@@ -4,6 +4,7 @@
 import { Type } from "typebox";
 import type { Static, TSchema } from "typebox";
 import { MACHINE_STATUSES } from "../services/machines.ts";
+import { ENV_NAME, INPUT_LIMITS, NO_NUL } from "../services/input-limits.ts";
 
 export const ErrorEnvelope = Type.Object(
   {
@@ -24,6 +25,23 @@ export function errors(...statuses: number[]): Record<number, TSchema> {
 }
 
 export const StringMap = Type.Record(Type.String(), Type.String());
+
+/** A string that may reach a path, argv, env or cwd: no NUL byte (SPEC-level 400 invalid_request, never a 500). */
+export function NoNul(opts: { minLength?: number; maxLength?: number; description?: string } = {}) {
+  return Type.String({ ...opts, pattern: NO_NUL });
+}
+
+/** Environment variables for a process: POSIX names, NUL-free values, bounded (totals in input-limits.ts). */
+export const Envs = Type.Record(Type.String({ pattern: ENV_NAME, maxLength: INPUT_LIMITS.envNameChars }), NoNul({ maxLength: INPUT_LIMITS.envValueChars }), {
+  additionalProperties: false,
+  maxProperties: INPUT_LIMITS.envKeys,
+});
+
+/** Free-form labels on a machine: bounded in keys and sizes (total in input-limits.ts). */
+export const Metadata = Type.Record(Type.String(), Type.String({ maxLength: INPUT_LIMITS.metadataValueChars }), {
+  maxProperties: INPUT_LIMITS.metadataKeys,
+  propertyNames: { maxLength: INPUT_LIMITS.metadataKeyChars },
+});
 
 export const Id = Type.String({ minLength: 1, maxLength: 64, pattern: "^[A-Za-z0-9_-]+$" });
 
@@ -64,7 +82,7 @@ export const FileMetadata = Type.Object({
   symlink_target: Type.Optional(Type.String()),
 });
 
-export const MachinePath = Type.String({ minLength: 1, maxLength: 4096 });
+export const MachinePath = NoNul({ minLength: 1, maxLength: INPUT_LIMITS.pathChars });
 export const UserName = Type.String({ minLength: 1, maxLength: 64, pattern: "^[A-Za-z0-9_][A-Za-z0-9_.-]*\\$?$" });
 export const OctalMode = Type.String({ pattern: "^[0-7]{3,4}$" });
 

@@ -18,6 +18,14 @@ import { machineRoutes } from "./routes/machines.ts";
 import { fileRoutes } from "./routes/files.ts";
 import { machineWsRoutes } from "./routes/machine-ws.ts";
 import { templateRoutes } from "./routes/templates.ts";
+import { webhookRoutes } from "./routes/webhooks.ts";
+import { gitRoutes } from "./routes/git.ts";
+import { codeRoutes } from "./routes/code.ts";
+import { volumeRoutes } from "./routes/volumes.ts";
+import { volumeWsRoutes } from "./routes/volume-ws.ts";
+import { deploymentRoutes } from "./routes/deployments.ts";
+import { createEdge, edgeRoutes } from "./routes/edge.ts";
+import { createServer } from "node:http";
 import { e2bCompat } from "../compat/e2b/index.ts";
 
 export type { App } from "./app-type.ts";
@@ -27,12 +35,28 @@ export interface ServerOptions {
   services: Services;
   bodyLimitBytes: number;
   wsPingIntervalMs: number;
+  /** Per-watch bound of unsent volume watch frames (KILN_VOLUME_WATCH_QUEUE). */
+  volumeWatchQueue?: number;
+  /** Base of public edge URLs; an https one makes the edge cookie Secure. */
+  publicUrl?: string;
   /** Where the E2B compatibility layer keeps its token secret, and the public URL it reports as `domain`. */
   e2b?: { dataDir: string; publicUrl: string };
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
+  // The public edge's HTTP requests are proxied before Fastify routes them: they are a data path, not API calls.
+  const edge = createEdge({ services: opts.services, log: opts.log, secureCookies: opts.publicUrl?.startsWith("https:") ?? false });
   const app = Fastify({
+    serverFactory: (handler) => {
+      const server = createServer((req, res) => {
+        if (!edge.handleRequest(req, res)) handler(req, res);
+      });
+      // What Fastify sets on a server it makes itself (its defaults).
+      server.keepAliveTimeout = 72_000;
+      server.requestTimeout = 0;
+      server.setTimeout(0);
+      return server;
+    },
     loggerInstance: opts.log,
     genReqId: () => newId("req"),
     requestIdHeader: false,
@@ -92,6 +116,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     const { status, body } = toEnvelope(err, req.id);
     if (status >= 500) req.log.error({ err }, "request failed");
     else req.log.info({ code: body.code, status }, "request refused");
+    if (status === 413) closeAfterReply(req, reply);
     return sendEnvelope(reply, status, body);
   });
 
@@ -112,12 +137,35 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(machineRoutes, { services: opts.services });
   await app.register(fileRoutes, { services: opts.services });
   await app.register(templateRoutes, { services: opts.services });
+  await app.register(webhookRoutes, { services: opts.services });
+  await app.register(gitRoutes, { services: opts.services });
+  await app.register(codeRoutes, { services: opts.services });
+  await app.register(deploymentRoutes, { services: opts.services });
+  // Before @fastify/websocket: the edge splices WebSocket upgrades itself, byte for byte, instead of terminating them.
+  await app.register(edgeRoutes, { edge });
   await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
+  await app.register(volumeRoutes, { services: opts.services });
+  await app.register(volumeWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs, queueSize: opts.volumeWatchQueue ?? 4096 });
   if (opts.e2b) await app.register(e2bCompat, { services: opts.services, ...opts.e2b });
 
   app.get("/v1/openapi.json", { schema: { hide: true } }, async () => app.swagger());
   return app;
+}
+
+/**
+ * A body refused part-way leaves unread bytes on the connection: say `connection: close`, end our side once the
+ * answer is out, drop whatever the client still sends, and destroy the socket soon after, so nothing half-read
+ * outlives the request (a server close would otherwise wait on it).
+ */
+function closeAfterReply(req: FastifyRequest, reply: FastifyReply) {
+  reply.header("connection", "close");
+  const socket = req.raw.socket;
+  reply.raw.once("finish", () => {
+    socket.end();
+    socket.resume();
+    setTimeout(() => socket.destroy(), 1000).unref();
+  });
 }
 
 function sendEnvelope(reply: FastifyReply, status: number, body: unknown) {

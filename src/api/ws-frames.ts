@@ -4,7 +4,9 @@
 import { Type } from "typebox";
 import type { TSchema } from "typebox";
 import { Compile } from "typebox/compile";
-import { StringMap } from "./schemas.ts";
+import { Envs, NoNul, UserName } from "./schemas.ts";
+import { checkEnvs, INPUT_LIMITS } from "../services/input-limits.ts";
+import { KilnError } from "../errors.ts";
 
 const RequestId = Type.Optional(Type.String({ maxLength: 128 }));
 const Pid = Type.Integer({ minimum: 1 });
@@ -12,10 +14,10 @@ const SessionId = Type.String({ minLength: 1, maxLength: 128 });
 const Signal = Type.String({ pattern: "^(SIG)?[A-Z0-9]+$", maxLength: 16 });
 const Cols = Type.Integer({ minimum: 1, maximum: 1000 });
 const Rows = Type.Integer({ minimum: 1, maximum: 1000 });
-const Cmd = Type.String({ minLength: 1, maxLength: 131072 });
-const Args = Type.Array(Type.String({ maxLength: 131072 }), { maxItems: 4096 });
-const Path = Type.String({ minLength: 1, maxLength: 4096 });
-const User = Type.String({ minLength: 1, maxLength: 64 });
+const Cmd = NoNul({ minLength: 1, maxLength: INPUT_LIMITS.cmdChars });
+const Args = Type.Array(NoNul({ maxLength: INPUT_LIMITS.argChars }), { maxItems: INPUT_LIMITS.args });
+const Path = NoNul({ minLength: 1, maxLength: INPUT_LIMITS.pathChars });
+const User = UserName;
 const Base64 = Type.String({ pattern: "^[A-Za-z0-9+/]*={0,2}$" });
 
 function frame<P extends Record<string, TSchema>>(type: string, props: P) {
@@ -23,10 +25,10 @@ function frame<P extends Record<string, TSchema>>(type: string, props: P) {
 }
 
 export const CLIENT_FRAMES = {
-  "exec.start": frame("exec.start", { request_id: RequestId, cmd: Cmd, args: Type.Optional(Args), cwd: Type.Optional(Path), envs: Type.Optional(StringMap), user: Type.Optional(User), stdin: Type.Optional(Type.Boolean()) }),
+  "exec.start": frame("exec.start", { request_id: RequestId, cmd: Cmd, args: Type.Optional(Args), cwd: Type.Optional(Path), envs: Type.Optional(Envs), user: Type.Optional(User), stdin: Type.Optional(Type.Boolean()) }),
   "exec.stdin": frame("exec.stdin", { request_id: RequestId, pid: Pid, data: Type.Optional(Type.String()), data_base64: Type.Optional(Base64), eof: Type.Optional(Type.Boolean()) }),
   "exec.signal": frame("exec.signal", { request_id: RequestId, pid: Pid, signal: Signal }),
-  "pty.start": frame("pty.start", { request_id: RequestId, cmd: Type.Optional(Cmd), args: Type.Optional(Args), cwd: Type.Optional(Path), envs: Type.Optional(StringMap), user: Type.Optional(User), cols: Cols, rows: Rows }),
+  "pty.start": frame("pty.start", { request_id: RequestId, cmd: Type.Optional(Cmd), args: Type.Optional(Args), cwd: Type.Optional(Path), envs: Type.Optional(Envs), user: Type.Optional(User), cols: Cols, rows: Rows }),
   "pty.input": frame("pty.input", { request_id: RequestId, session_id: Type.Optional(SessionId), pid: Type.Optional(Pid), data: Type.Optional(Type.String()), data_base64: Type.Optional(Base64) }),
   "pty.resize": frame("pty.resize", { request_id: RequestId, session_id: Type.Optional(SessionId), pid: Type.Optional(Pid), cols: Cols, rows: Rows }),
   "pty.reconnect": frame("pty.reconnect", { request_id: RequestId, session_id: Type.Optional(SessionId), pid: Type.Optional(Pid), offset: Type.Optional(Type.Integer({ minimum: 0 })) }),
@@ -74,6 +76,12 @@ export function checkClientFrame(text: string): FrameCheck {
     const first = [...validator.Errors(obj)][0] as { instancePath?: string; message?: string } | undefined;
     const where = first?.instancePath ? first.instancePath.replace(/^\//, "").replaceAll("/", ".") : "frame";
     return { ok: false, error: `Invalid ${t}: ${where} ${first?.message ?? "is not valid"}`, request_id: requestId };
+  }
+  try {
+    checkEnvs(obj.envs as Record<string, string> | undefined, `${t} envs`);
+  } catch (err) {
+    if (err instanceof KilnError) return { ok: false, error: err.message, request_id: requestId };
+    throw err;
   }
   return { ok: true, frame: obj as Record<string, unknown> & { type: ClientFrameType } };
 }

@@ -24,7 +24,7 @@ export function fail(message: string, code = 1): never {
 export interface ApiClient {
   baseUrl: string;
   key: string;
-  call<T>(method: string, path: string, body?: unknown): Promise<T>;
+  call<T>(method: string, path: string, body?: unknown, headers?: Record<string, string>): Promise<T>;
 }
 
 export function apiClient(): ApiClient {
@@ -42,12 +42,12 @@ export function apiClient(): ApiClient {
   return {
     baseUrl,
     key,
-    async call<T>(method: string, path: string, body?: unknown): Promise<T> {
+    async call<T>(method: string, path: string, body?: unknown, headers: Record<string, string> = {}): Promise<T> {
       let res;
       try {
         res = await request(baseUrl + path, {
           method: method as "GET",
-          headers: { authorization: `Bearer ${key}`, ...(body === undefined ? {} : { "content-type": "application/json" }) },
+          headers: { ...headers, authorization: `Bearer ${key}`, ...(body === undefined ? {} : { "content-type": "application/json" }) },
           body: body === undefined ? undefined : JSON.stringify(body),
         });
       } catch (err) {

@@ -1,7 +1,7 @@
 // `kiln machines create|ls|get|rm|exec|hibernate|resume`: the machine API for people, over HTTP.
 
 import type { Command } from "commander";
-import { apiClient } from "./client.ts";
+import { apiClient, fail } from "./client.ts";
 import { openShell } from "./shell.ts";
 import type { MachineView } from "../services/machines.ts";
 
@@ -17,6 +17,16 @@ function parseKv(list: string[] | undefined): Record<string, string> | undefined
 
 const collect = (v: string, prev: string[] = []) => [...prev, v];
 
+/** `vol_…:/data` or `vol_…:/data:ro` (room: volumes). */
+function parseVolumes(list: string[] | undefined) {
+  if (!list || list.length === 0) return undefined;
+  return list.map((spec) => {
+    const [volume_id, path, mode, ...rest] = spec.split(":");
+    if (!volume_id || !path || rest.length > 0 || (mode !== undefined && mode !== "ro" && mode !== "rw")) fail(`--volume takes vol_id:/path[:ro], got ${JSON.stringify(spec)}`);
+    return { volume_id, path, ...(mode === "ro" ? { read_only: true } : {}) };
+  });
+}
+
 export function machineCommands(program: Command) {
   const machines = program.command("machines").alias("m").description("Create and use machines (talks to a running server)");
 
@@ -28,14 +38,16 @@ export function machineCommands(program: Command) {
     .option("--timeout <seconds>", "destroy after this many seconds", (v) => Number(v))
     .option("-e, --env <KEY=VALUE>", "environment variable (repeatable)", collect)
     .option("--no-internet", "no outbound network")
+    .option("-v, --volume <vol_id:/path[:ro]>", "mount a volume (repeatable)", collect)
     .option("--json", "print the whole record")
-    .action(async (opts: { template: string; name?: string; timeout?: number; env?: string[]; internet: boolean; json?: boolean }) => {
+    .action(async (opts: { template: string; name?: string; timeout?: number; env?: string[]; internet: boolean; volume?: string[]; json?: boolean }) => {
       const m = await apiClient().call<MachineView>("POST", "/v1/machines", {
         template: opts.template,
         name: opts.name,
         timeout_s: opts.timeout,
         envs: parseKv(opts.env),
         internet: opts.internet,
+        volumes: parseVolumes(opts.volume),
       });
       process.stdout.write(opts.json ? JSON.stringify(m, null, 2) + "\n" : m.id + "\n");
     });

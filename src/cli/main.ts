@@ -8,6 +8,11 @@ import { createLogger } from "../log.ts";
 import { machineCommands } from "./machines.ts";
 import { keyCommands } from "./keys.ts";
 import { templateCommands } from "./templates.ts";
+import { webhookCommands } from "./webhooks.ts";
+import { codeCommands } from "./code.ts";
+import { gitCommands } from "./git.ts";
+import { volumeCommands } from "./volumes.ts";
+import { deploymentCommands } from "./deployments.ts";
 
 const program = new Command("kiln")
   .description("Kiln: isolated Linux machines for AI agents, self-hosted")
@@ -60,5 +65,10 @@ withServerFlags(program.command("serve").description("Run the Kiln server (makes
 keyCommands(program);
 templateCommands(program);
 machineCommands(program);
+webhookCommands(program);
+codeCommands(program);
+gitCommands(program);
+volumeCommands(program);
+deploymentCommands(program);
 
 await program.parseAsync(process.argv);

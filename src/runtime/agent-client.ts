@@ -8,6 +8,8 @@ import { WebSocket } from "ws";
 import { request as httpRequest } from "node:http";
 import type { Socket } from "node:net";
 import type { AgentErrorBody, AgentHealth, ExecRequest, ExecResult, FileInfo, FileList, UserInfo } from "../agent/protocol.ts";
+import type { CodeContext, CodeContextCreate, CodeExecuteRequest, GitRunRequest, GitRunResult } from "../agent/protocol.ts";
+import type { ServiceLogs, ServiceStartRequest, ServiceState } from "../agent/protocol.ts";
 
 export class AgentError extends Error {
   readonly code: AgentErrorBody["code"] | "unavailable";
@@ -49,18 +51,37 @@ export interface AgentClient {
   user(name: string): Promise<UserInfo>;
   /** A byte stream to a TCP port a process listens on inside the machine (HTTP CONNECT through the agent). */
   connectPort(port: number): Promise<Socket>;
+  /** Starts a supervised service process (an id the agent already runs answers its state). */
+  startService(req: ServiceStartRequest): Promise<ServiceState>;
+  serviceState(id: string): Promise<ServiceState>;
+  listServices(): Promise<{ services: ServiceState[] }>;
+  /** Restarts the process; `envs` live only in the agent's memory, for that process and its crash-restarts. */
+  restartService(id: string, envs?: Record<string, string>): Promise<ServiceState>;
+  stopService(id: string): Promise<ServiceState>;
+  serviceLogs(id: string, tailBytes: number): Promise<ServiceLogs>;
   /** The stream socket (StreamClientFrame/StreamServerFrame as JSON text); the caller owns its lifecycle. */
   openStream(): WebSocket;
+  /** `git <args>` with per-run credentials; aborting `signal` cancels the run inside the machine. */
+  gitRun(req: GitRunRequest, signal?: AbortSignal): Promise<GitRunResult>;
+  codeCreate(spec: CodeContextCreate): Promise<CodeContext>;
+  codeList(): Promise<{ contexts: CodeContext[] }>;
+  codeRestart(id: string): Promise<CodeContext>;
+  codeDelete(id: string): Promise<{ deleted: true }>;
+  /** NDJSON frames of one execute; errors come before the first line. Aborting `signal` interrupts it. */
+  codeExecute(req: CodeExecuteRequest, signal?: AbortSignal): Promise<Readable>;
+  /** Waits for requests in flight, then closes. */
   close(): Promise<void>;
+  /** Closes now: requests in flight fail as unavailable (the agent then ends the commands they started). */
+  destroy(): Promise<void>;
 }
 
 export function createAgentClient(socketPath: string): AgentClient {
   const pool = new Pool("http://agent", { socketPath, connections: 16, pipelining: 1, keepAliveTimeout: 30_000, connectTimeout: 2_000 });
 
-  async function raw(method: Dispatcher.HttpMethod, path: string, body?: Body, headers: Record<string, string> = {}): Promise<Dispatcher.ResponseData> {
+  async function raw(method: Dispatcher.HttpMethod, path: string, body?: Body, headers: Record<string, string> = {}, signal?: AbortSignal): Promise<Dispatcher.ResponseData> {
     let res: Dispatcher.ResponseData;
     try {
-      res = await pool.request({ method, path, body, headers, headersTimeout: 0, bodyTimeout: 0 });
+      res = await pool.request({ method, path, body, headers, headersTimeout: 0, bodyTimeout: 0, signal });
     } catch (err) {
       throw unavailable(err);
     }
@@ -77,8 +98,8 @@ export function createAgentClient(socketPath: string): AgentClient {
     return res;
   }
 
-  async function json<T>(method: Dispatcher.HttpMethod, path: string, body?: unknown): Promise<T> {
-    const res = await raw(method, path, body === undefined ? undefined : JSON.stringify(body), body === undefined ? {} : { "content-type": "application/json" });
+  async function json<T>(method: Dispatcher.HttpMethod, path: string, body?: unknown, signal?: AbortSignal): Promise<T> {
+    const res = await raw(method, path, body === undefined ? undefined : JSON.stringify(body), body === undefined ? {} : { "content-type": "application/json" }, signal);
     try {
       return (await res.body.json()) as T;
     } catch (err) {
@@ -139,7 +160,23 @@ export function createAgentClient(socketPath: string): AgentClient {
         req.end();
       });
     },
+    startService: (req: ServiceStartRequest) => json<ServiceState>("POST", "/services", req),
+    serviceState: (id: string) => json<ServiceState>("GET", `/services/${encodeURIComponent(id)}`),
+    listServices: () => json<{ services: ServiceState[] }>("GET", "/services"),
+    restartService: (id: string, envs?: Record<string, string>) => json<ServiceState>("POST", `/services/${encodeURIComponent(id)}/restart`, { envs }),
+    stopService: (id: string) => json<ServiceState>("DELETE", `/services/${encodeURIComponent(id)}`),
+    serviceLogs: (id: string, tailBytes: number) => json<ServiceLogs>("GET", `/services/${encodeURIComponent(id)}/logs?${q({ tail_bytes: tailBytes })}`),
     openStream: () => new WebSocket(`ws+unix://${socketPath}:/ws`, { perMessageDeflate: false }),
+    gitRun: (req: GitRunRequest, signal?: AbortSignal) => json<GitRunResult>("POST", "/git/run", req, signal),
+    codeCreate: (spec: CodeContextCreate) => json<CodeContext>("POST", "/code/contexts", spec),
+    codeList: () => json<{ contexts: CodeContext[] }>("GET", "/code/contexts"),
+    codeRestart: (id: string) => json<CodeContext>("POST", `/code/contexts/${encodeURIComponent(id)}/restart`),
+    codeDelete: (id: string) => json<{ deleted: true }>("DELETE", `/code/contexts/${encodeURIComponent(id)}`),
+    async codeExecute(req: CodeExecuteRequest, signal?: AbortSignal): Promise<Readable> {
+      const res = await raw("POST", "/code/execute", JSON.stringify(req), { "content-type": "application/json" }, signal);
+      return res.body as unknown as Readable;
+    },
     close: () => pool.close(),
+    destroy: () => pool.destroy(),
   };
 }

@@ -11,8 +11,8 @@ export interface MachineSpec {
   memoryMb: number;
   /** Outbound network through NAT; false leaves the machine with loopback only. */
   internet: boolean;
-  /** Host directories bind-mounted read-write into the machine (volumes). */
-  mounts: { hostPath: string; guestPath: string }[];
+  /** Host directories bind-mounted into the machine (volumes); read-write unless `readOnly`. */
+  mounts: { hostPath: string; guestPath: string; readOnly?: boolean }[];
 }
 
 export type LiveState = "running" | "paused";

@@ -5,6 +5,11 @@ import { KilnError } from "../errors.ts";
 import type { MachineService } from "./machines.ts";
 import { viaAgent } from "./agent-errors.ts";
 import { resolveMachinePath, needsUserHome, DEFAULT_WORKDIR } from "./paths.ts";
+import { checkEnvs } from "./input-limits.ts";
+
+/** How exec returns stdout/stderr: UTF-8 text (default) or base64 of the exact bytes. */
+export const EXEC_ENCODINGS = ["utf8", "base64"] as const;
+export type ExecEncoding = (typeof EXEC_ENCODINGS)[number];
 
 export interface ExecInput {
   cmd: string;
@@ -14,12 +19,14 @@ export interface ExecInput {
   user?: string;
   stdin?: string;
   timeout_s?: number;
+  encoding?: ExecEncoding;
 }
 
 export const EXEC_DEFAULT_TIMEOUT_S = 60;
 
 export function createExecService(machines: MachineService) {
   async function exec(id: string, input: ExecInput) {
+    checkEnvs(input.envs);
     const { row, agent } = await machines.agentOf(id);
     const user = input.user ?? row.user;
     // Default cwd: the machine's cwd, else /workspace; a relative cwd resolves by the same rule as file paths.
@@ -38,18 +45,24 @@ export function createExecService(machines: MachineService) {
         stdin_base64: input.stdin === undefined ? undefined : Buffer.from(input.stdin).toString("base64"),
         timeout_ms: (input.timeout_s ?? EXEC_DEFAULT_TIMEOUT_S) * 1000,
       }),
-    );
+    ).catch((err: unknown) => {
+      // Destroy, hibernate and expiry do not wait for a command: they end it, and its caller hears why.
+      if (err instanceof KilnError && err.code === "machine_not_running") throw new KilnError("machine_not_running", `Machine ${id} stopped running while the command ran`, { cause: err });
+      throw err;
+    });
     if (result.timed_out) {
       throw new KilnError("timeout", `The command did not finish within ${input.timeout_s ?? EXEC_DEFAULT_TIMEOUT_S} s and was killed`);
     }
-    const stdout = Buffer.from(result.stdout_base64, "base64");
-    const stderr = Buffer.from(result.stderr_base64, "base64");
+    const base64 = input.encoding === "base64";
+    const text = (b64: string) => (base64 ? b64 : Buffer.from(b64, "base64").toString("utf8"));
     return {
       exit_code: result.exit_code,
       signal: result.signal,
-      stdout: stdout.toString("utf8"),
-      stderr: stderr.toString("utf8"),
+      stdout: text(result.stdout_base64),
+      stderr: text(result.stderr_base64),
       duration_ms: result.duration_ms,
+      ...(base64 ? { encoding: "base64" as const } : {}),
+      ...(result.oom_killed ? { oom_killed: true } : {}),
     };
   }
 

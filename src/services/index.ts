@@ -12,15 +12,43 @@ import { createWarmPool } from "./warm-pool.ts";
 import { createBuildService } from "./builds.ts";
 import type { BuildExtensions } from "./builds.ts";
 import { createTemplateCatalog } from "./template-catalog.ts";
+import { createWebhookService } from "./webhooks.ts";
+import { createDispatcher } from "../webhooks/dispatcher.ts";
+import { createGitService } from "./git.ts";
+import { createCodeService } from "./code.ts";
+import { createVolumeService } from "./volumes.ts";
+import { createDeploymentService } from "./deployments.ts";
+import type { DeploymentOptions } from "./deployments.ts";
 
-export function createServices(deps: { store: Store; driver: MachineDriver; log: Logger; warmPoolSize: number; dataDir: string; buildRetentionS: number; buildExtensions?: BuildExtensions }) {
-  const { store, driver, log } = deps;
+export interface WebhookSettings {
+  retryScheduleMs: number[];
+  allowPrivate: boolean;
+  rotationGraceMs: number;
+}
+
+export function createServices(deps: {
+  store: Store;
+  driver: MachineDriver;
+  log: Logger;
+  warmPoolSize: number;
+  dataDir: string;
+  buildRetentionS: number;
+  buildExtensions?: BuildExtensions;
+  hostId: string;
+  webhooks: WebhookSettings;
+  deployments: DeploymentOptions;
+}) {
+  const { store, driver, log, hostId } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
-  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool });
+  const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log });
+  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes });
   const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, extensions: deps.buildExtensions });
   const templateCatalog = createTemplateCatalog({ db: store.db, templateIdOf: builds.templateIdOf });
+  const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
+  const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });
+  const deployments = createDeploymentService({ db: store.db, machines, templates, log, options: deps.deployments, hostId });
   return {
     store,
     driver,
@@ -32,6 +60,12 @@ export function createServices(deps: { store: Store; driver: MachineDriver; log:
     files: createFileService(machines),
     builds,
     templateCatalog,
+    webhooks,
+    dispatcher,
+    git: createGitService(machines),
+    code: createCodeService(machines),
+    volumes,
+    deployments,
   };
 }
 

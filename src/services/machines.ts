@@ -10,9 +10,12 @@ import { createAgentClient, AgentError } from "../runtime/agent-client.ts";
 import type { AgentClient } from "../runtime/agent-client.ts";
 import type { TemplateService } from "./templates.ts";
 import type { WarmPool } from "./warm-pool.ts";
+import type { VolumeMountRequest, VolumeService } from "./volumes.ts";
 import type { Logger } from "../log.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
 import { runStartCommand } from "../builder/phases/startup.ts";
+import { announceDeliveries, recordEvent } from "../webhooks/outbox.ts";
+import { checkEnvs, checkMetadata } from "./input-limits.ts";
 
 export const MACHINE_STATUSES = ["creating", "running", "hibernated", "destroyed", "failed"] as const;
 export type MachineStatus = (typeof MACHINE_STATUSES)[number];
@@ -20,6 +23,8 @@ export const LIFECYCLE_OPERATIONS = ["create", "update", "hibernate", "resume", 
 export type LifecycleOperation = (typeof LIFECYCLE_OPERATIONS)[number];
 
 export const MACHINE_DEFAULTS = { user: "user", timeoutS: 300, vcpus: 1, memoryMb: 1024, internet: true } as const;
+/** Expired machines destroyed at once by the sweeper. */
+const EXPIRY_CONCURRENCY = 8;
 export const MACHINE_LIMITS = { maxTimeoutS: 7 * 24 * 3600, maxVcpus: 64, minMemoryMb: 64, maxMemoryMb: 262_144 } as const;
 
 export interface CreateMachineInput {
@@ -33,6 +38,8 @@ export interface CreateMachineInput {
   vcpus?: number;
   memory_mb?: number;
   internet?: boolean;
+  /** Volumes mounted at boot (room: volumes). */
+  volumes?: VolumeMountRequest[];
 }
 
 export interface UpdateMachineInput {
@@ -65,11 +72,13 @@ export function machineView(row: MachineRow) {
 }
 export type MachineView = ReturnType<typeof machineView>;
 
-export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool }) {
-  const { db, driver, templates, log } = deps;
+export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool; hostId: string; volumes?: VolumeService }) {
+  const { db, driver, templates, log, hostId } = deps;
   const agents = new Map<string, AgentClient>();
   const locks = new Map<string, Promise<unknown>>();
   let sweeper: NodeJS.Timeout | undefined;
+  /** Machines an expiry sweep is destroying right now. */
+  const expiring = new Set<string>();
   // Tells streams (WebSockets) attached to a machine that its execution changed under them.
   const statusChanges = new EventEmitter<{ status: [id: string, status: MachineStatus] }>();
   statusChanges.setMaxListeners(0);
@@ -95,17 +104,19 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   /** Applies a state change and records its lifecycle event in the same transaction. */
   async function transition(id: string, set: MachineUpdate, operation: LifecycleOperation | null): Promise<MachineRow> {
     const now = new Date().toISOString();
+    let queued = 0;
     return db.transaction().execute(async (tx) => {
       await tx.updateTable("machines").set({ ...set, updated_at: now }).where("id", "=", id).execute();
       const row = await tx.selectFrom("machines").selectAll().where("id", "=", id).executeTakeFirstOrThrow();
       if (operation) {
         const eventId = newId("evt");
         const payload = { id: eventId, operation, occurred_at: now, machine: machineView(row) };
-        await tx.insertInto("events").values({ id: eventId, operation, machine_id: id, payload_json: JSON.stringify(payload), occurred_at: now }).execute();
+        queued = await recordEvent(tx, { id: eventId, operation, occurredAt: now, payload, machineId: id });
       }
       return row;
     }).then((row) => {
       if (set.status) statusChanges.emit("status", id, set.status as MachineStatus);
+      if (queued > 0) announceDeliveries(db);
       return row;
     });
   }
@@ -122,13 +133,16 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     return client;
   }
 
+  /** Drops a machine's agent client without waiting: execs in flight answer 409 and the agent ends their commands. */
   async function detach(id: string) {
     const client = agents.get(id);
     agents.delete(id);
-    await client?.close().catch(() => undefined);
+    await client?.destroy().catch(() => undefined);
   }
 
   async function create(input: CreateMachineInput): Promise<MachineView> {
+    checkEnvs(input.envs);
+    checkMetadata(input.metadata);
     const resolved = await templates.resolve(input.template ?? deps.baseTemplateRef);
     // A built template's image config gives the defaults: its envs, working directory and user.
     const image = artifactConfig(resolved.artifact);
@@ -137,7 +151,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     const vcpus = input.vcpus ?? MACHINE_DEFAULTS.vcpus;
     const memoryMb = input.memory_mb ?? MACHINE_DEFAULTS.memoryMb;
     // A machine already booted with exactly this shape answers at once; its id is the one it was booted with.
-    const warm = deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, internet: input.internet !== false });
+    // A warm machine booted without mounts; one with volumes boots fresh (room: volumes).
+    const warm = input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, internet: input.internet !== false });
     const row = {
       id: warm?.id ?? newId("mch"),
       template_id: resolved.template.id,
@@ -156,7 +171,10 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       updated_at: now.toISOString(),
       destroyed_at: null,
       failure_reason: null,
+      host_id: hostId,
     };
+    // Volumes (room: volumes): checked and recorded before the row, so a racing volume delete already sees this machine.
+    const mounts = input.volumes?.length && deps.volumes ? await deps.volumes.attach(row.id, input.volumes) : [];
     await db.insertInto("machines").values(row).execute();
     return withLock(row.id, async () => {
       try {
@@ -169,7 +187,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
           vcpus: row.vcpus,
           memoryMb: row.memory_mb,
           internet: row.internet === 1,
-          mounts: [],
+          mounts,
         }));
         const agent = attach(live);
         // The user must exist in the machine's own /etc/passwd; envs live in the agent, never in a record.
@@ -213,6 +231,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   }
 
   async function update(id: string, input: UpdateMachineInput): Promise<MachineView> {
+    checkMetadata(input.metadata);
     return withLock(id, async () => {
       const row = await load(id);
       if (row.status === "destroyed" || row.status === "failed") throw new KilnError("conflict", `Machine ${id} is ${row.status}`);
@@ -232,7 +251,15 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       const row = await load(id);
       if (row.status === "hibernated") return machineView(row);
       if (row.status !== "running") throw new KilnError("machine_not_running", `Machine ${id} is ${row.status}`);
-      await driver.hibernate(id);
+      // Execs in flight end here (409 to their callers, their commands killed by the agent), not at resume.
+      const socketPath = agents.get(id)?.socketPath;
+      await detach(id);
+      try {
+        await driver.hibernate(id);
+      } catch (err) {
+        if (socketPath) agents.set(id, createAgentClient(socketPath));
+        throw err;
+      }
       return machineView(await transition(id, { status: "hibernated" }, "hibernate"));
     });
   }
@@ -270,7 +297,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
    * Rows are read before the runtime's list, so a machine that became running in between was already live.
    */
   async function reapDead(): Promise<number> {
-    const rows = await db.selectFrom("machines").select("id").where("status", "in", ["running", "hibernated"]).execute();
+    const rows = await db.selectFrom("machines").select("id").where("host_id", "=", hostId).where("status", "in", ["running", "hibernated"]).execute();
     if (rows.length === 0) return 0;
     const live = new Set((await driver.listLive()).map((m) => m.id));
     let reaped = 0;
@@ -297,13 +324,25 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     return { row, agent };
   }
 
-  /** Destroys machines whose timeout has passed. Runs every second; cheap because of the status index. */
+  /**
+   * Destroys machines whose timeout has passed. Runs every second; cheap because of the status index. Up to
+   * EXPIRY_CONCURRENCY destroys run at once across sweeps, so one slow destroy never delays another's expiry.
+   */
   async function sweepExpired(): Promise<void> {
     const now = new Date().toISOString();
-    const due = await db.selectFrom("machines").select("id").where("status", "in", ["running", "hibernated"]).where("expires_at", "<=", now).execute();
-    for (const { id } of due) {
-      await destroy(id, "timeout").catch((err: unknown) => log.error({ err, machine_id: id }, "destroying an expired machine failed"));
-    }
+    const due = await db.selectFrom("machines").select("id").where("host_id", "=", hostId).where("status", "in", ["running", "hibernated"]).where("expires_at", "<=", now).execute();
+    const queue = due.map((r) => r.id).filter((id) => !expiring.has(id));
+    const expireNext = async (): Promise<void> => {
+      const id = queue.shift();
+      if (id === undefined) return;
+      expiring.add(id);
+      await destroy(id, "timeout")
+        .catch((err: unknown) => log.error({ err, machine_id: id }, "destroying an expired machine failed"))
+        .finally(() => expiring.delete(id));
+      return expireNext();
+    };
+    const slots = Math.max(0, EXPIRY_CONCURRENCY - expiring.size);
+    await Promise.all(Array.from({ length: Math.min(slots, queue.length) }, expireNext));
   }
 
   /**
@@ -312,7 +351,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
    */
   async function adopt(): Promise<{ adopted: number; lost: number; removed: number }> {
     const live = new Map((await driver.listLive()).map((m) => [m.id, m]));
-    const rows = await db.selectFrom("machines").selectAll().where("status", "in", ["creating", "running", "hibernated"]).execute();
+    // Records from before hosts were named belong to the first server that starts on this store again.
+    await db.updateTable("machines").set({ host_id: hostId }).where("host_id", "is", null).execute();
+    const rows = await db.selectFrom("machines").selectAll().where("host_id", "=", hostId).where("status", "in", ["creating", "running", "hibernated"]).execute();
     let adopted = 0;
     let lost = 0;
     for (const row of rows) {

@@ -146,6 +146,147 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.alterTable("templates").addColumn("name_claim_hash", "text").execute();
       },
     },
+    // Lifecycle webhooks: registrations, a durable outbox of deliveries written with each event, and every attempt.
+    // Machines name the host (data dir) that runs them, so several servers on one store reconcile only their own.
+    "0004_webhooks": {
+      async up(db: Kysely<any>) {
+        await db.schema.alterTable("machines").addColumn("host_id", "text").execute();
+        await db.schema.createIndex("machines_host_status").on("machines").columns(["host_id", "status"]).execute();
+        await db.schema
+          .createTable("webhooks")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("url", "text", (c) => c.notNull())
+          .addColumn("operations_json", "text", (c) => c.notNull())
+          .addColumn("enabled", "integer", (c) => c.notNull())
+          .addColumn("signing_secret", "text", (c) => c.notNull())
+          .addColumn("previous_signing_secret", "text")
+          .addColumn("previous_secret_expires_at", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .execute();
+        await db.schema.createIndex("webhooks_created").on("webhooks").columns(["created_at", "id"]).execute();
+        await db.schema
+          .createTable("webhook_deliveries")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("webhook_id", "text", (c) => c.notNull())
+          .addColumn("event_id", "text", (c) => c.notNull())
+          .addColumn("operation", "text", (c) => c.notNull())
+          .addColumn("body", "text", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("attempts", "integer", (c) => c.notNull())
+          .addColumn("schedule_base", "integer", (c) => c.notNull())
+          .addColumn("next_attempt_at", "text", (c) => c.notNull())
+          .addColumn("claimed_by", "text")
+          .addColumn("claimed_at", "text")
+          .addColumn("claim_expires_at", "text")
+          .addColumn("last_status_code", "integer")
+          .addColumn("last_error", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .addColumn("completed_at", "text")
+          .execute();
+        // Covers the dispatcher's claim (due order, and which webhook) without reading the rows' bodies.
+        await db.schema.createIndex("webhook_deliveries_due").on("webhook_deliveries").columns(["status", "next_attempt_at", "id", "webhook_id"]).execute();
+        await db.schema.createIndex("webhook_deliveries_webhook").on("webhook_deliveries").columns(["webhook_id", "created_at", "id"]).execute();
+        await db.schema
+          .createTable("webhook_delivery_attempts")
+          .addColumn("delivery_id", "text", (c) => c.notNull())
+          .addColumn("attempt", "integer", (c) => c.notNull())
+          .addColumn("started_at", "text", (c) => c.notNull())
+          .addColumn("duration_ms", "integer", (c) => c.notNull())
+          .addColumn("status_code", "integer")
+          .addColumn("error", "text")
+          .addColumn("response_excerpt", "text")
+          .addPrimaryKeyConstraint("webhook_delivery_attempts_pk", ["delivery_id", "attempt"])
+          .execute();
+      },
+    },
+    // Volumes, and which machines mount which volume (so a volume a live machine mounts is never deleted).
+    "0006_volumes": {
+      async up(db: Kysely<any>) {
+        await db.schema
+          .createTable("volumes")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("name", "text", (c) => c.notNull())
+          .addColumn("size_mb", "integer", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .execute();
+        await db.schema.createIndex("volumes_created").on("volumes").columns(["created_at", "id"]).execute();
+        await db.schema
+          .createTable("machine_volumes")
+          .addColumn("machine_id", "text", (c) => c.notNull())
+          .addColumn("volume_id", "text", (c) => c.notNull())
+          .addColumn("path", "text", (c) => c.notNull())
+          .addColumn("read_only", "integer", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addPrimaryKeyConstraint("machine_volumes_pk", ["machine_id", "path"])
+          .execute();
+        await db.schema.createIndex("machine_volumes_volume").on("machine_volumes").column("volume_id").execute();
+      },
+    },
+    // Agent deployments: a deployment, its versions, the service instances (replicas) and restart idempotency keys.
+    "0007_deployments": {
+      async up(db: Kysely<any>) {
+        await db.schema
+          .createTable("deployments")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("name", "text", (c) => c.notNull())
+          .addColumn("current_version_id", "text", (c) => c.notNull())
+          .addColumn("replicas", "integer", (c) => c.notNull())
+          .addColumn("public_url", "integer", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("rollout_status", "text", (c) => c.notNull())
+          .addColumn("rollout_error", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .addColumn("deleted_at", "text")
+          .execute();
+        await db.schema.createIndex("deployments_created").on("deployments").columns(["created_at", "id"]).execute();
+        await db.schema
+          .createTable("deployment_versions")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("deployment_id", "text", (c) => c.notNull().references("deployments.id"))
+          .addColumn("number", "integer", (c) => c.notNull())
+          .addColumn("template", "text", (c) => c.notNull())
+          .addColumn("command", "text", (c) => c.notNull())
+          .addColumn("port", "integer", (c) => c.notNull())
+          .addColumn("envs_sealed", "text", (c) => c.notNull())
+          .addColumn("env_names_json", "text", (c) => c.notNull())
+          .addColumn("readiness_json", "text", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addUniqueConstraint("deployment_versions_number", ["deployment_id", "number"])
+          .execute();
+        await db.schema
+          .createTable("services")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("deployment_id", "text", (c) => c.notNull().references("deployments.id"))
+          .addColumn("version_id", "text", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("port", "integer", (c) => c.notNull())
+          .addColumn("machine_id", "text", (c) => c.notNull())
+          .addColumn("process_id", "integer")
+          .addColumn("readiness_json", "text", (c) => c.notNull())
+          .addColumn("failure_reason", "text")
+          .addColumn("started_at", "text")
+          .addColumn("stopped_at", "text")
+          .addColumn("idempotency_key", "text")
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .execute();
+        await db.schema.createIndex("services_deployment").on("services").columns(["deployment_id", "created_at"]).execute();
+        await db.schema.createIndex("services_status").on("services").column("status").execute();
+        await db.schema
+          .createTable("service_restarts")
+          .addColumn("service_id", "text", (c) => c.notNull().references("services.id"))
+          .addColumn("idempotency_key", "text", (c) => c.notNull())
+          .addColumn("result_json", "text", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addPrimaryKeyConstraint("service_restarts_pk", ["service_id", "idempotency_key"])
+          .execute();
+      },
+    },
   };
 }
 

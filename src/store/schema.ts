@@ -73,6 +73,8 @@ export interface MachinesTable {
   updated_at: string;
   destroyed_at: string | null;
   failure_reason: string | null;
+  /** The host (data dir) whose runtime runs the machine; only that server reconciles, expires and adopts it. */
+  host_id: string | null;
 }
 
 export interface EventsTable {
@@ -128,6 +130,130 @@ export interface BuildCacheTable {
   last_used_at: string;
 }
 
+export interface WebhooksTable {
+  id: string; // whk_…
+  url: string;
+  operations_json: string; // JSON array of lifecycle operations
+  enabled: number;
+  /** The one place a signing secret is stored (it signs deliveries); never in a response, log or event. */
+  signing_secret: string;
+  /** The secret before the last rotation, still signing beside the new one until previous_secret_expires_at. */
+  previous_signing_secret: string | null;
+  previous_secret_expires_at: string | null;
+  created_at: string;
+  updated_at: string;
+}
+
+export interface WebhookDeliveriesTable {
+  id: string; // dlv_…
+  webhook_id: string;
+  event_id: string;
+  operation: string;
+  /** The exact request body sent on every attempt (the signature covers it). */
+  body: string;
+  status: string; // queued | in_progress | succeeded | dead_letter
+  /** Attempts made so far, interrupted ones included. */
+  attempts: number;
+  /** attempts at the last manual retry: the schedule restarts from there. */
+  schedule_base: number;
+  next_attempt_at: string;
+  /** Host id of the server sending it now (in_progress), and until when that claim holds. */
+  claimed_by: string | null;
+  claimed_at: string | null;
+  claim_expires_at: string | null;
+  last_status_code: number | null;
+  last_error: string | null;
+  created_at: string;
+  updated_at: string;
+  completed_at: string | null;
+}
+
+export interface WebhookDeliveryAttemptsTable {
+  delivery_id: string;
+  attempt: number;
+  started_at: string;
+  duration_ms: number;
+  status_code: number | null;
+  error: string | null;
+  response_excerpt: string | null;
+}
+
+export interface VolumesTable {
+  id: string; // vol_…
+  name: string;
+  size_mb: number;
+  status: string; // creating | ready | deleting
+  created_at: string;
+  updated_at: string;
+}
+
+/** One row per volume a machine mounts; kept after the machine is gone (its status says whether it is live). */
+export interface MachineVolumesTable {
+  machine_id: string;
+  volume_id: string;
+  path: string;
+  read_only: number;
+  created_at: string;
+}
+
+export interface DeploymentsTable {
+  id: string; // dep_…
+  name: string;
+  current_version_id: string;
+  replicas: number;
+  /** 1 when ready services get an edge URL. */
+  public_url: number;
+  status: string; // active | deleting | deleted
+  /** idle | rolling | failed — the rollout onto current_version_id. */
+  rollout_status: string;
+  rollout_error: string | null;
+  created_at: string;
+  updated_at: string;
+  deleted_at: string | null;
+}
+
+export interface DeploymentVersionsTable {
+  id: string; // ver_…
+  deployment_id: string;
+  number: number;
+  template: string;
+  command: string;
+  port: number;
+  /** The deployment's envs sealed with the data dir's key (src/deployments/sealed-envs.ts); restart envs are never here. */
+  envs_sealed: string;
+  /** Their names, JSON array: what the API shows. */
+  env_names_json: string;
+  /** {path?, interval_s, timeout_s} */
+  readiness_json: string;
+  created_at: string;
+}
+
+export interface ServicesTable {
+  id: string; // svc_…
+  deployment_id: string;
+  version_id: string;
+  status: string; // starting | ready | unhealthy | stopping | stopped | failed
+  port: number;
+  machine_id: string;
+  process_id: number | null;
+  /** Open JSON object: probe detail, crashes, the last restart. */
+  readiness_json: string;
+  failure_reason: string | null;
+  started_at: string | null;
+  stopped_at: string | null;
+  idempotency_key: string | null;
+  created_at: string;
+  updated_at: string;
+}
+
+export interface ServiceRestartsTable {
+  service_id: string;
+  idempotency_key: string;
+  /** The service record the first restart answered (never with public_url or envs). */
+  result_json: string;
+  created_at: string;
+}
+
 export interface Database {
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
@@ -139,6 +265,15 @@ export interface Database {
   builds: BuildsTable;
   build_logs: BuildLogsTable;
   build_cache: BuildCacheTable;
+  webhooks: WebhooksTable;
+  webhook_deliveries: WebhookDeliveriesTable;
+  webhook_delivery_attempts: WebhookDeliveryAttemptsTable;
+  volumes: VolumesTable;
+  machine_volumes: MachineVolumesTable;
+  deployments: DeploymentsTable;
+  deployment_versions: DeploymentVersionsTable;
+  services: ServicesTable;
+  service_restarts: ServiceRestartsTable;
 }
 
 export type Db = Kysely<Database>;
@@ -150,3 +285,11 @@ export type TemplateRow = Selectable<TemplatesTable>;
 export type ArtifactRow = Selectable<ArtifactsTable>;
 export type BuildRow = Selectable<BuildsTable>;
 export type EventRow = Selectable<EventsTable>;
+export type WebhookRow = Selectable<WebhooksTable>;
+export type DeliveryRow = Selectable<WebhookDeliveriesTable>;
+export type DeliveryAttemptRow = Selectable<WebhookDeliveryAttemptsTable>;
+export type VolumeRow = Selectable<VolumesTable>;
+export type DeploymentRow = Selectable<DeploymentsTable>;
+export type DeploymentVersionRow = Selectable<DeploymentVersionsTable>;
+export type ServiceRow = Selectable<ServicesTable>;
+export type ServiceUpdate = Updateable<ServicesTable>;

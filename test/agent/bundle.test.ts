@@ -23,12 +23,12 @@ after(async () => {
   await rm(outDir, { recursive: true, force: true });
 });
 
-test("the bundle is one agent.mjs plus node-pty's runtime files", async () => {
+test("the bundle is one agent.mjs, the kernels' files, and node-pty's runtime files", async () => {
   const files = (await readdir(outDir, { recursive: true, withFileTypes: true })).filter((e) => e.isFile()).map((e) => relative(outDir, join(e.parentPath, e.name)));
   assert.ok(files.includes("agent.mjs"));
   assert.ok(files.includes("node_modules/@lydell/node-pty-linux-x64/pty.node"));
   assert.ok(files.includes("node_modules/@lydell/node-pty/package.json"));
-  assert.deepEqual(files.filter((f) => !f.startsWith("node_modules/@lydell/node-pty")), ["agent.mjs"]);
+  assert.deepEqual(files.filter((f) => !f.startsWith("node_modules/@lydell/node-pty")).sort(), ["agent.mjs", "kernels/js-kernel.mjs", "kernels/python_bridge.py"]);
 });
 
 test("the bundled agent runs commands and PTYs", async () => {
@@ -41,4 +41,19 @@ test("the bundled agent runs commands and PTYs", async () => {
   await c.ptyUntil(s, /7 50/);
   assert.equal((await c.next((f) => f.type === "pty.exit")).exit_code, 0);
   await c.close();
+});
+
+test("the bundled Node kernel runs on its own (acorn inside): top-level await across cells", async () => {
+  const ctx = await agent.client.codeCreate({ id: "ctx_bundle0test", language: "javascript", cwd: "/tmp", user: "root" });
+  assert.ok(ctx.kernel_pid);
+  const run = async (code: string) => {
+    const body = await agent.client.codeExecute({ code, context_id: ctx.id });
+    let text = "";
+    for await (const chunk of body) text += chunk;
+    return text.split("\n").filter(Boolean).map((l) => JSON.parse(l));
+  };
+  await run("const v = await Promise.resolve(21)");
+  const frames = await run("v * 2");
+  assert.equal(frames.find((f) => f.type === "result")?.data["text/plain"], "42");
+  assert.deepEqual(await agent.client.codeDelete(ctx.id), { deleted: true });
 });

@@ -74,6 +74,9 @@ export async function startTestKiln(opts: { dataDir?: string; env?: Record<strin
     if (!stopped) {
       const live = await kiln.services.machines.list({ limit: 100 });
       for (const m of live.machines) await kiln.services.machines.destroy(m.id).catch(() => undefined);
+      // Volumes are mounted loop images: removing the data dir under them would leak the mount and its loop device.
+      const volumes = await kiln.services.volumes.list({ limit: 100 });
+      for (const v of volumes.volumes) await kiln.services.volumes.remove(v.id).catch(() => undefined);
       await stop();
     }
     await rm(dataDir, { recursive: true, force: true });

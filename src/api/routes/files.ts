@@ -56,9 +56,13 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
       if (body === undefined || body === null) throw new KilnError("invalid_request", "Send the file's bytes as the request body (Content-Type: application/octet-stream)");
       const limit = app.initialConfig.bodyLimit ?? 1024 * 1024;
       const declared = Number(req.headers["content-length"] ?? 0);
-      if (declared > limit) throw new KilnError("payload_too_large", `The file is larger than the ${limit}-byte limit`);
-      const data = typeof body === "string" ? Buffer.from(body) : Buffer.isBuffer(body) ? body : limitBytes(body, limit);
-      return files.write(req.params.id, req.query, data);
+      if (declared > limit) throw tooLarge(limit);
+      if (typeof body === "string" || Buffer.isBuffer(body)) return files.write(req.params.id, req.query, typeof body === "string" ? Buffer.from(body) : body);
+      // A chunked upload declares no length: count as it streams, and answer 413 (not the agent's failure) past the limit.
+      const limited = limitBytes(body, limit);
+      return files.write(req.params.id, req.query, limited.stream).catch((err: unknown) => {
+        throw limited.exceeded() ? tooLarge(limit) : err;
+      });
     },
   );
 
@@ -122,16 +126,18 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
   );
 }
 
-/** Passes a byte stream through, failing it with payload_too_large once it exceeds `limit` (chunked uploads). */
-function limitBytes(source: Readable, limit: number): Readable {
+const tooLarge = (limit: number) => new KilnError("payload_too_large", `The file is larger than the ${limit}-byte limit`);
+
+/** Passes a byte stream through, failing it once it exceeds `limit` (chunked uploads); says whether it did. */
+export function limitBytes(source: Readable, limit: number): { stream: Readable; exceeded: () => boolean } {
   let seen = 0;
   const counter = new Transform({
     transform(chunk: Buffer, _enc, cb) {
       seen += chunk.length;
-      if (seen > limit) cb(new KilnError("payload_too_large", `The file is larger than the ${limit}-byte limit`));
+      if (seen > limit) cb(tooLarge(limit));
       else cb(null, chunk);
     },
   });
   source.on("error", (err) => counter.destroy(err));
-  return source.pipe(counter);
+  return { stream: source.pipe(counter), exceeded: () => seen > limit };
 }

@@ -9,11 +9,14 @@ import type { Services } from "../../services/index.ts";
 import { errors, Id } from "../schemas.ts";
 import { checkClientFrame } from "../ws-frames.ts";
 import { DEFAULT_WORKDIR, resolveMachinePath } from "../../services/paths.ts";
+import { KilnError } from "../../errors.ts";
 
 /** Stop reading the machine's output while the client has this much unsent; read again below the low mark. */
 const HIGH_WATER = 4 * 1024 * 1024;
 const LOW_WATER = 512 * 1024;
 const MISSED_PONGS_BEFORE_CLOSE = 2;
+/** While the client is not read (backpressure), a ping this often notices that it went away. */
+const PAUSED_PROBE_MS = 500;
 
 export async function machineWsRoutes(app: App, opts: { services: Services; pingIntervalMs: number }) {
   const { machines } = opts.services;
@@ -57,13 +60,42 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
         if (closed) return;
         closed = true;
         clearInterval(pinger);
+        clearInterval(probe);
         offStatus();
         if (agentWs.readyState === agentWs.OPEN || agentWs.readyState === agentWs.CONNECTING) agentWs.terminate();
         if (client.readyState === client.OPEN) client.close(code, reason);
       };
 
+      // Client → machine backpressure: while the agent link has too much unsent (a process not reading its
+      // stdin), this socket is not read, so the client's own sends back up instead of our memory.
+      let inputPaused = false;
+      let pendingBytes = 0;
+      // A paused socket is not read, so a client that goes away meanwhile is only noticed by writing to it.
+      let probe: NodeJS.Timeout | undefined;
+      const relieveInput = () => {
+        if (inputPaused && agentWs.bufferedAmount < LOW_WATER && pendingBytes < LOW_WATER) {
+          inputPaused = false;
+          clearInterval(probe);
+          client.resume();
+        }
+      };
+      const relay = (text: string) => {
+        if (agentWs.readyState === agentWs.OPEN) agentWs.send(text, relieveInput);
+        else {
+          pending.push(text);
+          pendingBytes += text.length;
+        }
+        if (!inputPaused && (agentWs.bufferedAmount > HIGH_WATER || pendingBytes > HIGH_WATER)) {
+          inputPaused = true;
+          client.pause();
+          probe = setInterval(() => {
+            if (client.readyState === client.OPEN) client.ping();
+          }, PAUSED_PROBE_MS);
+        }
+      };
+
       // Client → machine: only frames that pass the schema and the exactly-one rules are relayed.
-      client.on("message", (data: RawData, isBinary: boolean) => {
+      const onClientFrame = (data: RawData, isBinary: boolean) => {
         if (isBinary) return sendError("Frames are JSON text");
         const check = checkClientFrame(data.toString());
         if (!check.ok) return sendError(check.error, check.request_id);
@@ -73,9 +105,17 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
           f.user ??= defaults.user;
           f.cwd = typeof f.cwd === "string" ? resolveMachinePath(f.cwd, { machineCwd: defaults.machineCwd }) : defaults.cwd;
         }
-        const text = JSON.stringify(f);
-        if (agentWs.readyState === agentWs.OPEN) agentWs.send(text);
-        else pending.push(text);
+        relay(JSON.stringify(f));
+      };
+      // The frame handler's error boundary: whatever a frame does, the socket and the server live on.
+      client.on("message", (data: RawData, isBinary: boolean) => {
+        try {
+          onClientFrame(data, isBinary);
+        } catch (err) {
+          if (err instanceof KilnError && err.status < 500) return sendError(err.message, undefined, err.code);
+          log.error({ err }, "a machine socket frame failed");
+          sendError("The frame could not be handled", undefined, "internal");
+        }
       });
 
       // Machine → client, with backpressure: a slow reader pauses the agent link, which pauses the PTY/pipes.
@@ -95,7 +135,8 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
         }
       });
       agentWs.on("open", () => {
-        for (const text of pending.splice(0)) agentWs.send(text);
+        pendingBytes = 0;
+        for (const text of pending.splice(0)) agentWs.send(text, relieveInput);
       });
       agentWs.on("close", () => shutdown(1011, "the machine's agent went away"));
       agentWs.on("error", (err) => {
@@ -111,6 +152,8 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
         missed = 0;
       });
       const pinger = setInterval(() => {
+        // Pongs of a client held back by backpressure are not read yet: they cannot count as missed.
+        if (inputPaused) missed = 0;
         if (missed >= MISSED_PONGS_BEFORE_CLOSE) {
           log.info("closing a machine socket after missed pongs");
           client.terminate();

@@ -4,43 +4,58 @@ import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES } from "../../services/machines.ts";
-import { errors, Cursor, Id, Limit, Machine, MachinePath, StringMap, UserName } from "../schemas.ts";
+import { errors, Cursor, Envs, Id, Limit, Machine, MachinePath, Metadata, NoNul, UserName } from "../schemas.ts";
+import { INPUT_LIMITS } from "../../services/input-limits.ts";
 import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
 import { KilnError } from "../../errors.ts";
+import { EXEC_ENCODINGS } from "../../services/exec.ts";
+import { VOLUME_LIMITS } from "../../services/volumes.ts";
+
+const VolumeMountRequest = Type.Object(
+  {
+    volume_id: Id,
+    path: Type.String({ minLength: 2, maxLength: 4096, pattern: "^/", description: "Absolute mount point in the machine" }),
+    read_only: Type.Optional(Type.Boolean({ default: false })),
+  },
+  { additionalProperties: false },
+);
 
 const TimeoutS = Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxTimeoutS });
 const Params = Type.Object({ id: Id });
 
 const CreateMachine = Type.Object(
   {
-    template: Type.Optional(Type.String({ minLength: 1, maxLength: 256, description: "Template ref (`local/base`, `base`, `base:tag`) or artifact id; default `local/base`" })),
-    name: Type.Optional(Type.String({ minLength: 1, maxLength: 128 })),
-    cwd: Type.Optional(Type.String({ minLength: 1, maxLength: 4096, pattern: "^/" })),
+    template: Type.Optional(NoNul({ minLength: 1, maxLength: 256, description: "Template ref (`local/base`, `base`, `base:tag`) or artifact id; default `local/base`" })),
+    name: Type.Optional(NoNul({ minLength: 1, maxLength: INPUT_LIMITS.nameChars })),
+    cwd: Type.Optional(Type.String({ minLength: 1, maxLength: INPUT_LIMITS.pathChars, pattern: "^/[^\\u0000]*$" })),
     user: Type.Optional(UserName),
-    envs: Type.Optional(StringMap),
-    metadata: Type.Optional(StringMap),
+    envs: Type.Optional(Envs),
+    metadata: Type.Optional(Metadata),
     timeout_s: Type.Optional({ ...TimeoutS, default: MACHINE_DEFAULTS.timeoutS }),
     vcpus: Type.Optional(Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxVcpus })),
     memory_mb: Type.Optional(Type.Integer({ minimum: MACHINE_LIMITS.minMemoryMb, maximum: MACHINE_LIMITS.maxMemoryMb })),
     internet: Type.Optional(Type.Boolean({ default: true })),
+    // Volumes mounted at boot (room: volumes).
+    volumes: Type.Optional(Type.Array(VolumeMountRequest, { maxItems: VOLUME_LIMITS.maxPerMachine })),
   },
   { additionalProperties: false },
 );
 
 const UpdateMachine = Type.Object(
-  { name: Type.Optional(Type.String({ minLength: 1, maxLength: 128 })), timeout_s: Type.Optional(TimeoutS), metadata: Type.Optional(StringMap) },
+  { name: Type.Optional(NoNul({ minLength: 1, maxLength: INPUT_LIMITS.nameChars })), timeout_s: Type.Optional(TimeoutS), metadata: Type.Optional(Metadata) },
   { additionalProperties: false, minProperties: 1 },
 );
 
 const ExecRequest = Type.Object(
   {
-    cmd: Type.String({ minLength: 1, maxLength: 131072, description: "Shell line for /bin/sh -c, or the program when args is given" }),
-    args: Type.Optional(Type.Array(Type.String({ maxLength: 131072 }), { maxItems: 4096 })),
+    cmd: NoNul({ minLength: 1, maxLength: INPUT_LIMITS.cmdChars, description: "Shell line for /bin/sh -c, or the program when args is given" }),
+    args: Type.Optional(Type.Array(NoNul({ maxLength: INPUT_LIMITS.argChars }), { maxItems: INPUT_LIMITS.args })),
     cwd: Type.Optional(MachinePath),
-    envs: Type.Optional(StringMap),
+    envs: Type.Optional(Envs),
     user: Type.Optional(UserName),
     stdin: Type.Optional(Type.String({ maxLength: 16 * 1024 * 1024 })),
     timeout_s: Type.Optional(Type.Integer({ minimum: 1, maximum: 3600 })),
+    encoding: Type.Optional(Type.Enum(EXEC_ENCODINGS, { description: "`utf8` (default): stdout/stderr as text; `base64`: base64 of the exact bytes" })),
   },
   { additionalProperties: false },
 );
@@ -51,6 +66,8 @@ const ExecResult = Type.Object({
   stdout: Type.String(),
   stderr: Type.String(),
   duration_ms: Type.Number(),
+  encoding: Type.Optional(Type.Enum(EXEC_ENCODINGS)),
+  oom_killed: Type.Optional(Type.Boolean({ description: "Present (true) when the kernel's OOM killer ended the command" })),
 });
 
 export async function machineRoutes(app: App, opts: { services: Services }) {

@@ -10,6 +10,14 @@ export const GUEST_RUNTIME_PATH = "/opt/kiln";
 export const GUEST_RUN_DIR = "/run/kiln";
 export const AGENT_SOCKET_NAME = "agent.sock";
 
+/**
+ * The machine's init and guest agent start at this OOM score; everything the agent starts raises itself to 1000.
+ * Low enough that under memory pressure inside the machine the kernel picks user processes, never the agent (an
+ * unprivileged agent cannot go lower than this later); above the control plane's 0, so on the host a machine
+ * still goes before the server that serves all of them.
+ */
+const OOM_SCORE_ADJ = 100;
+
 const CAPS = [
   "CAP_CHOWN",
   "CAP_DAC_OVERRIDE",
@@ -54,7 +62,7 @@ export interface SpecInput {
    */
   listenFd: boolean;
   etc: { hosts: string; hostname: string; resolv: string };
-  mounts: { hostPath: string; guestPath: string }[];
+  mounts: { hostPath: string; guestPath: string; readOnly?: boolean }[];
   vcpus: number;
   memoryMb: number;
   pidsLimit: number;
@@ -95,8 +103,7 @@ export function machineSpec(input: SpecInput) {
       // Without a limit here the machine inherits the control plane's, which may be anything.
       rlimits: [{ type: "RLIMIT_NOFILE", hard: input.nofile, soft: Math.min(input.nofile, 65_536) }],
       noNewPrivileges: true,
-      // Under memory pressure on the host, a machine goes before the control plane that serves all of them.
-      oomScoreAdj: 500,
+      oomScoreAdj: OOM_SCORE_ADJ,
     },
     root: { path: input.rootfs, readonly: false },
     hostname: input.hostname,
@@ -113,7 +120,7 @@ export function machineSpec(input: SpecInput) {
       bind(input.etc.hosts, "/etc/hosts", true),
       bind(input.etc.hostname, "/etc/hostname", true),
       bind(input.etc.resolv, "/etc/resolv.conf", true),
-      ...input.mounts.map((m) => bind(m.hostPath, m.guestPath, false)),
+      ...input.mounts.map((m) => bind(m.hostPath, m.guestPath, m.readOnly === true)),
     ],
     linux: {
       uidMappings: idMap,

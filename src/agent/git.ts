@@ -1,0 +1,204 @@
+// Git inside the machine with per-operation credentials: a 0700 scratch directory owned by the running user holds
+// an askpass helper and the secret files (HTTPS password, SSH key, passphrase) and is removed however the run ends.
+
+import { spawn } from "node:child_process";
+import type { ChildProcess } from "node:child_process";
+import { chmod, chown, lchown, mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { AgentFailure } from "./errors.ts";
+import { processEnv, resolveUser, workingDir } from "./process.ts";
+import { killGroup } from "./process-tree.ts";
+import type { GitAuth, GitRunRequest, GitRunResult } from "./protocol.ts";
+
+const SCRATCH_PREFIX = "kiln-git-";
+const OUTPUT_CAP = 4 * 1024 * 1024;
+
+/**
+ * One helper for every prompt: git asks "Username for …"/"Password for …" (HTTPS), ssh asks "Enter passphrase
+ * for key …". It prints a file of its own directory, so no secret is ever in an argv, a URL or an environment.
+ */
+const ASKPASS = `#!/bin/sh
+d=$(dirname "$0")
+case "$1" in
+  Username*) exec cat "$d/username" ;;
+  Password*) exec cat "$d/password" ;;
+  *assphrase*) [ -f "$d/passphrase" ] && exec cat "$d/passphrase" ;;
+esac
+exit 1
+`;
+
+/** Scratch directories left by an agent that died mid-operation (the machine kept running): removed at start. */
+export async function sweepScratch(): Promise<void> {
+  const dir = tmpdir();
+  for (const name of await readdir(dir).catch(() => [] as string[])) {
+    if (name.startsWith(SCRATCH_PREFIX)) await rm(join(dir, name), { recursive: true, force: true }).catch(() => undefined);
+  }
+}
+
+/** Every credential string (and each line of a key) that must not appear in anything returned or logged. */
+export function secretsOf(auth: GitAuth | undefined): string[] {
+  if (!auth) return [];
+  const out: string[] = [];
+  for (const v of [auth.password, auth.passphrase, auth.username]) if (v && v.length >= 3) out.push(v);
+  if (auth.private_key) {
+    out.push(auth.private_key.trim());
+    for (const line of auth.private_key.split(/\r?\n/)) if (line.trim().length >= 8) out.push(line.trim());
+  }
+  return out.sort((a, b) => b.length - a.length);
+}
+
+/** Removes credentials from git's output: the given secrets, and any userinfo of a URL (https://user:pass@host). */
+export function scrub(text: string, secrets: string[]): string {
+  let out = text;
+  for (const s of secrets) out = out.split(s).join("[redacted]");
+  return out.replace(/([a-z][a-z0-9+.-]*:\/\/)[^/@\s]+@/gi, "$1[redacted]@");
+}
+
+export function checkAuth(auth: unknown): GitAuth | undefined {
+  if (auth === undefined || auth === null) return undefined;
+  const a = auth as Record<string, unknown>;
+  const str = (k: string) => a[k] === undefined || typeof a[k] === "string";
+  if (typeof a !== "object" || !["kind", "username", "password", "private_key", "passphrase"].every(str)) throw new AgentFailure("invalid_request", "auth fields must be strings");
+  if (a.kind === "https" && a.username && a.password) return a as unknown as GitAuth;
+  if (a.kind === "ssh" && a.private_key) return a as unknown as GitAuth;
+  throw new AgentFailure("invalid_request", "auth must be {kind:'https', username, password} or {kind:'ssh', private_key, passphrase?}");
+}
+
+/** Writes the scratch directory for one operation and returns the environment that makes git and ssh use it. */
+async function prepareScratch(auth: GitAuth, uid: number, gid: number): Promise<{ dir: string; env: Record<string, string> }> {
+  // Filled while it is still root's (0700), handed to the user only when complete: the user can never swap a file
+  // for a symlink between its write and its chown (lchown, too, never follows one).
+  const dir = await mkdtemp(join(tmpdir(), SCRATCH_PREFIX));
+  const files: string[] = [];
+  try {
+    await chmod(dir, 0o700);
+    const put = async (name: string, text: string, mode: number) => {
+      // Created with its final mode: there is no moment at which it is readable by others.
+      await writeFile(join(dir, name), text, { mode, flag: "wx" });
+      files.push(join(dir, name));
+    };
+    await put("askpass", ASKPASS, 0o700);
+    const askpass = join(dir, "askpass");
+    const env: Record<string, string> = { GIT_ASKPASS: askpass, SSH_ASKPASS: askpass, SSH_ASKPASS_REQUIRE: "force" };
+    if (auth.kind === "https") {
+      await put("username", auth.username!, 0o600);
+      await put("password", auth.password!, 0o600);
+    } else {
+      const key = auth.private_key!.endsWith("\n") ? auth.private_key! : `${auth.private_key}\n`;
+      await put("id", key, 0o600);
+      if (auth.passphrase !== undefined) await put("passphrase", auth.passphrase, 0o600);
+      await put("known_hosts", "", 0o600);
+      // Known hosts: the user's own ~/.ssh/known_hosts pins what it lists (a mismatch fails); a host it does not
+      // list is accepted into this directory's file, which goes with the operation (see docs/git-and-kernels.md).
+      env.GIT_SSH_COMMAND = [
+        "ssh",
+        `-i ${dir}/id`,
+        "-o IdentitiesOnly=yes",
+        "-o IdentityAgent=none",
+        "-o PasswordAuthentication=no",
+        "-o KbdInteractiveAuthentication=no",
+        "-o StrictHostKeyChecking=accept-new",
+        `-o 'UserKnownHostsFile=${dir}/known_hosts ~/.ssh/known_hosts'`,
+        "-o ConnectTimeout=20",
+        "-o LogLevel=ERROR", // no "Permanently added … to the list of known hosts" in every summary
+      ].join(" ");
+    }
+    for (const f of files) await lchown(f, uid, gid);
+    await chown(dir, uid, gid);
+    return { dir, env };
+  } catch (err) {
+    await rm(dir, { recursive: true, force: true });
+    throw err;
+  }
+}
+
+/**
+ * Runs `git <args>` as `user` in `cwd` with the credentials of `auth`. `signal` (the caller went away) and
+ * `timeout_ms` both end the whole process group; the scratch directory is removed in every case.
+ */
+export async function runGit(req: GitRunRequest, signal: AbortSignal): Promise<GitRunResult> {
+  if (!Array.isArray(req.args) || !req.args.every((a) => typeof a === "string" && !a.includes("\0"))) throw new AgentFailure("invalid_request", "args must be strings");
+  const auth = checkAuth(req.auth);
+  const user = resolveUser(req.user);
+  const cwd = workingDir(req.cwd, user);
+  const secrets = secretsOf(auth);
+  const started = performance.now();
+  const scratch = auth ? await prepareScratch(auth, user.uid, user.gid) : undefined;
+  try {
+    const env = processEnv(user, {
+      GIT_TERMINAL_PROMPT: "0",
+      // No askpass at all without credentials: a prompt must fail, not hang or reach a desktop helper.
+      ...(scratch ? scratch.env : { GIT_ASKPASS: "/bin/false", SSH_ASKPASS: "/bin/false", SSH_ASKPASS_REQUIRE: "never", GIT_SSH_COMMAND: "ssh -o BatchMode=yes -o StrictHostKeyChecking=accept-new" }),
+      ...req.envs,
+    });
+    // protocol.ext runs arbitrary commands; an empty credential.helper resets the helper list from every config
+    // file, so no store or cache ever sees the credentials. GIT_ASKPASS wins over any core.askPass.
+    const argv = ["-c", "protocol.ext.allow=never", "-c", "credential.helper=", ...req.args];
+    const result = await new Promise<GitRunResult>((resolve, reject) => {
+      let child: ChildProcess;
+      try {
+        child = spawn("git", argv, { cwd, env, uid: user.uid, gid: user.gid, detached: true, stdio: [req.stdin === undefined ? "ignore" : "pipe", "pipe", "pipe"] });
+      } catch (err) {
+        return reject(err);
+      }
+      const out: Buffer[] = [];
+      const errs: Buffer[] = [];
+      let outLen = 0;
+      let errLen = 0;
+      child.stdout!.on("data", (b: Buffer) => {
+        if (outLen < OUTPUT_CAP) out.push(b);
+        outLen += b.length;
+      });
+      child.stderr!.on("data", (b: Buffer) => {
+        if (errLen < OUTPUT_CAP) errs.push(b);
+        errLen += b.length;
+      });
+      if (req.stdin !== undefined) {
+        child.stdin!.on("error", () => undefined);
+        child.stdin!.end(req.stdin);
+      }
+      let ended: "timeout" | "cancelled" | undefined;
+      const stop = (why: "timeout" | "cancelled") => {
+        ended ??= why;
+        killGroup(child);
+      };
+      const timer = setTimeout(() => stop("timeout"), req.timeout_ms ?? 120_000);
+      const onAbort = () => stop("cancelled");
+      signal.addEventListener("abort", onAbort);
+      child.on("error", (e: NodeJS.ErrnoException) => {
+        clearTimeout(timer);
+        signal.removeEventListener("abort", onAbort);
+        reject(e.code === "ENOENT" ? new AgentFailure("invalid_request", "git is not installed in this machine") : new AgentFailure("internal", `spawn git failed: ${e.code ?? e.message}`));
+      });
+      child.on("close", (code, sig) => {
+        clearTimeout(timer);
+        signal.removeEventListener("abort", onAbort);
+        // Anything git left running in its group (an ssh, a remote helper) goes too.
+        killGroup(child);
+        resolve({
+          exit_code: code,
+          signal: sig ?? null,
+          stdout: scrub(Buffer.concat(out).toString("utf8"), secrets),
+          stderr: scrub(Buffer.concat(errs).toString("utf8"), secrets),
+          timed_out: ended === "timeout",
+          cancelled: ended === "cancelled",
+          duration_ms: Math.round((performance.now() - started) * 100) / 100,
+        });
+      });
+    });
+    return result;
+  } finally {
+    if (scratch) await rm(scratch.dir, { recursive: true, force: true });
+  }
+}
+
+/** POST /git/run (see protocol.ts); a request that closes before the answer cancels the run. */
+export async function handleGitRun(req: import("node:http").IncomingMessage, res: import("node:http").ServerResponse, body: Record<string, any>): Promise<GitRunResult> {
+  const abort = new AbortController();
+  res.on("close", () => {
+    if (!res.writableFinished) abort.abort();
+  });
+  req.on("aborted", () => abort.abort());
+  return runGit(body as GitRunRequest, abort.signal);
+}

@@ -1,0 +1,103 @@
+// The JavaScript kernel: one Node process per context, run with Kiln's own Node as the machine's user. Code runs in
+// this process's global scope (state persists), with top-level await, console captured, and SIGINT as interrupt.
+// It speaks the same JSON lines as python_bridge.py: commands on stdin, frames on fd 3 (fd 1/2 stay the user's).
+
+import { writeSync } from "node:fs";
+import { createInterface } from "node:readline";
+import { Console } from "node:console";
+import { Writable } from "node:stream";
+import { createRequire } from "node:module";
+import { inspect } from "node:util";
+import { Script } from "node:vm";
+import { compileCell } from "./js-cell.ts";
+
+const PROTOCOL_FD = 3;
+
+function emit(frame: Record<string, unknown>) {
+  writeSync(PROTOCOL_FD, JSON.stringify(frame) + "\n");
+}
+
+function sink(type: "stdout" | "stderr") {
+  return new Writable({
+    write(chunk, _enc, cb) {
+      emit({ type, text: String(chunk) });
+      cb();
+    },
+  });
+}
+
+const g = globalThis as Record<string, unknown>;
+g.console = new Console({ stdout: sink("stdout"), stderr: sink("stderr"), colorMode: false });
+g.require = createRequire(`${process.cwd()}/`);
+
+let executionCount = 0;
+let interruptPending: ((err: Error) => void) | undefined;
+
+class Interrupted extends Error {
+  constructor() {
+    super("Execution interrupted");
+    this.name = "KeyboardInterrupt";
+  }
+}
+
+// SIGINT is the interrupt: synchronous code stops through breakOnSigint, a pending await is abandoned here.
+process.on("SIGINT", () => interruptPending?.(new Interrupted()));
+
+function display(value: unknown): Record<string, string> {
+  return { "text/plain": inspect(value, { colors: false, depth: 4 }) };
+}
+
+/** A stack without the kernel's own frames: the user sees their cell, not how it was run. */
+function userFrames(stack: string): string {
+  return stack
+    .split("\n")
+    .filter((l) => !/^\s+at .*(node:vm|node:internal|js-kernel|process\.emit|process\.<anonymous>|sigintHandlersWrap)/.test(l))
+    .join("\n");
+}
+
+async function execute(code: string) {
+  const count = ++executionCount;
+  let status = "ok";
+  try {
+    const cell = compileCell(code);
+    let value = new Script(cell.source, { filename: `<cell ${count}>` }).runInThisContext({ breakOnSigint: true, displayErrors: false });
+    if (value instanceof Promise) {
+      const interrupted = new Promise<never>((_, reject) => (interruptPending = reject));
+      value = await Promise.race([value, interrupted]);
+    }
+    if (value !== undefined) emit({ type: "result", data: display(value), is_main_result: true, execution_count: count });
+  } catch (err) {
+    status = "error";
+    const e = err as { name?: string; message?: string; stack?: string };
+    const isError = err instanceof Error || (typeof err === "object" && err !== null && "stack" in err);
+    const interrupted = isError && /Script execution was interrupted/.test(String(e.message));
+    emit({
+      type: "error",
+      name: interrupted ? "KeyboardInterrupt" : isError ? (e.name ?? "Error") : "Error",
+      value: interrupted ? "Execution interrupted" : isError ? (e.message ?? "") : inspect(err),
+      traceback: isError ? userFrames(e.stack ?? String(err)) : `Uncaught ${inspect(err)}`,
+    });
+  } finally {
+    interruptPending = undefined;
+  }
+  emit({ type: "done", execution_count: count, status });
+}
+
+// A rejection or throw nobody awaited (a timer callback, a forgotten promise) is reported, not fatal.
+process.on("uncaughtException", (err) => emit({ type: "stderr", text: `Uncaught ${err?.stack ?? String(err)}\n` }));
+process.on("unhandledRejection", (err) => emit({ type: "stderr", text: `Unhandled rejection: ${(err as Error)?.stack ?? inspect(err)}\n` }));
+
+let queue = Promise.resolve();
+const lines = createInterface({ input: process.stdin });
+lines.on("line", (line) => {
+  let cmd: { op?: string; code?: string };
+  try {
+    cmd = JSON.parse(line);
+  } catch {
+    return;
+  }
+  if (cmd.op === "execute") queue = queue.then(() => execute(String(cmd.code ?? "")));
+  else if (cmd.op === "shutdown") process.exit(0);
+});
+lines.on("close", () => process.exit(0));
+emit({ type: "ready", kernel_pid: process.pid });

@@ -1,0 +1,252 @@
+// Agent Deployments: create, update (rolling), list, get, delete deployments; their service instances, the
+// services' recent output, and the restart of SPEC.md (request-only envs, Idempotency-Key).
+
+import { Type } from "typebox";
+import type { FastifyReply, FastifyRequest } from "fastify";
+import type { App } from "../app-type.ts";
+import type { Services } from "../../services/index.ts";
+import { SERVICE_STATUSES, DEPLOYMENT_STATUSES, ROLLOUT_STATUSES } from "../../services/deployments.ts";
+import { errors, Cursor, Id, Limit } from "../schemas.ts";
+import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
+import { KilnError } from "../../errors.ts";
+
+const Port = Type.Integer({ minimum: 1, maximum: 65535 });
+const Nullable = <T extends Parameters<typeof Type.Union>[0][number]>(t: T) => Type.Union([t, Type.Null()]);
+const EnvName = "^[A-Za-z_][A-Za-z0-9_]*$";
+const Envs = Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 131072 }), { maxProperties: 256 });
+
+const Readiness = Type.Object(
+  {
+    path: Type.Optional(Type.String({ minLength: 1, maxLength: 2048, pattern: "^/[^\\s]*$", description: "HTTP path to GET; without it the probe is TCP" })),
+    interval_s: Type.Optional(Type.Number({ minimum: 0.1, maximum: 3600 })),
+    timeout_s: Type.Optional(Type.Number({ minimum: 0.1, maximum: 600 })),
+  },
+  { additionalProperties: false },
+);
+
+const Name = Type.String({ minLength: 1, maxLength: 128 });
+const Template = Type.String({ minLength: 1, maxLength: 256 });
+const Command = Type.String({ minLength: 1, maxLength: 131072, description: "Shell line run by /bin/sh -c as the machine's user, in /workspace" });
+const Replicas = Type.Integer({ minimum: 1, maximum: 32 });
+
+const CreateDeployment = Type.Object(
+  {
+    name: Name,
+    template: Template,
+    command: Command,
+    port: Port,
+    envs: Type.Optional(Envs),
+    replicas: Type.Optional(Replicas),
+    public_url: Type.Optional(Type.Boolean({ description: "Whether ready services get a public edge URL (default true)" })),
+    readiness: Type.Optional(Readiness),
+  },
+  { additionalProperties: false },
+);
+
+const UpdateDeployment = Type.Object(
+  {
+    name: Type.Optional(Name),
+    template: Type.Optional(Template),
+    command: Type.Optional(Command),
+    port: Type.Optional(Port),
+    envs: Type.Optional(Envs),
+    replicas: Type.Optional(Replicas),
+    public_url: Type.Optional(Type.Boolean()),
+    readiness: Type.Optional(Readiness),
+  },
+  { additionalProperties: false, minProperties: 1 },
+);
+
+const ReadinessOut = Type.Object({ path: Type.Optional(Type.String()), interval_s: Type.Number(), timeout_s: Type.Number() });
+
+const Version = Type.Object({
+  id: Type.String(),
+  number: Type.Integer(),
+  template: Type.String(),
+  command: Type.String(),
+  port: Type.Integer(),
+  env_names: Type.Array(Type.String(), { description: "Names of the version's envs; their values are sealed at rest and never shown" }),
+  readiness: ReadinessOut,
+  created_at: Type.String({ format: "date-time" }),
+});
+
+const Deployment = Type.Object({
+  id: Type.String(),
+  name: Type.String(),
+  status: Type.Enum(DEPLOYMENT_STATUSES),
+  current_version_id: Type.String(),
+  version: Type.Integer(),
+  template: Type.String(),
+  command: Type.String(),
+  port: Type.Integer(),
+  env_names: Type.Array(Type.String()),
+  readiness: ReadinessOut,
+  replicas: Type.Integer(),
+  public_url: Type.Boolean(),
+  rollout_status: Type.Enum(ROLLOUT_STATUSES),
+  rollout_error: Nullable(Type.String()),
+  created_at: Type.String({ format: "date-time" }),
+  updated_at: Type.String({ format: "date-time" }),
+  deleted_at: Nullable(Type.String({ format: "date-time" })),
+  versions: Type.Optional(Type.Array(Version)),
+});
+
+/** The agent service instance of SPEC.md. */
+const ServiceInstance = Type.Object({
+  id: Type.String(),
+  deployment_id: Type.String(),
+  version_id: Type.String(),
+  status: Type.Enum(SERVICE_STATUSES),
+  port: Type.Integer({ minimum: 1, maximum: 65535 }),
+  created_at: Type.String({ format: "date-time" }),
+  updated_at: Type.String({ format: "date-time" }),
+  machine_id: Type.String(),
+  process_id: Nullable(Type.Integer()),
+  public_url: Nullable(Type.String({ description: "Signed edge URL of a ready service; carries an edge_token: never log or store it" })),
+  readiness_status: Type.Object({}, { additionalProperties: true }),
+  failure_reason: Nullable(Type.String()),
+  started_at: Nullable(Type.String({ format: "date-time" })),
+  stopped_at: Nullable(Type.String({ format: "date-time" })),
+  idempotency_key: Nullable(Type.String()),
+});
+
+const RestartRequest = Type.Object(
+  {
+    reason: Type.Optional(Type.String({ maxLength: 1024 })),
+    envs: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 131072 }), { maxProperties: 256, description: "Request-only runtime envs (string values only); never stored" })),
+  },
+  { additionalProperties: false },
+);
+
+const ServiceLogs = Type.Object({ service_id: Type.String(), process_id: Nullable(Type.Integer()), output: Type.String(), total_bytes: Type.Integer(), truncated: Type.Boolean() });
+
+/**
+ * Ajv coerces scalars to strings (the server's setting); envs accept only string values (SPEC.md for restart, the
+ * same rule for deployment envs), so they are checked before validation runs. A bare body counts as `{}`.
+ */
+function stringEnvsOnly(req: FastifyRequest, _reply: FastifyReply, done: (err?: Error) => void) {
+  if (req.body === undefined) req.body = {};
+  const envs = (req.body as { envs?: unknown }).envs;
+  if (envs !== undefined && (typeof envs !== "object" || envs === null || Array.isArray(envs) || Object.values(envs).some((v) => typeof v !== "string"))) {
+    return done(new KilnError("invalid_request", "envs must be an object of string values", { detail: { code: "invalid_request", details: { field: "envs" } } }));
+  }
+  done();
+}
+
+const DepParams = Type.Object({ deployment_id: Id });
+const SvcParams = Type.Object({ deployment_id: Id, service_id: Id });
+
+export async function deploymentRoutes(app: App, opts: { services: Services }) {
+  const { deployments } = opts.services;
+  const tags = ["Agent Deployments"];
+
+  app.post(
+    "/v1/agent-deployments",
+    { schema: { tags, summary: "Create a deployment: its first version and its replicas (starting)", body: CreateDeployment, response: { 201: Deployment, ...errors(400, 404, 503) } }, preValidation: stringEnvsOnly },
+    async (req, reply) => reply.code(201).send(await deployments.create(req.body)),
+  );
+
+  app.get(
+    "/v1/agent-deployments",
+    {
+      schema: {
+        tags,
+        summary: "List deployments, newest first (deleted ones are left out)",
+        querystring: Type.Object({ limit: Type.Optional(Limit), cursor: Type.Optional(Cursor) }, { additionalProperties: false }),
+        response: { 200: Type.Object({ deployments: Type.Array(Deployment), next_cursor: Nullable(Type.String()) }), ...errors(400) },
+      },
+    },
+    async (req) => {
+      let after: [string, string] | undefined;
+      if (req.query.cursor) {
+        try {
+          after = decodeCursor(req.query.cursor, 2) as [string, string];
+        } catch {
+          throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
+        }
+      }
+      const page = await deployments.list({ limit: req.query.limit ?? 50, after });
+      return { deployments: page.deployments, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
+    },
+  );
+
+  app.get(
+    "/v1/agent-deployments/:deployment_id",
+    { schema: { tags, summary: "Get a deployment with its versions, newest first", params: DepParams, response: { 200: Deployment, ...errors(404) } } },
+    async (req) => deployments.get(req.params.deployment_id),
+  );
+
+  app.patch(
+    "/v1/agent-deployments/:deployment_id",
+    {
+      schema: {
+        tags,
+        summary: "Update a deployment: a new version, rolled onto the replicas one at a time (an old replica stops once its successor is ready)",
+        params: DepParams,
+        body: UpdateDeployment,
+        response: { 200: Deployment, ...errors(400, 404, 409) },
+      },
+      preValidation: stringEnvsOnly,
+    },
+    async (req) => deployments.update(req.params.deployment_id, req.body),
+  );
+
+  app.delete(
+    "/v1/agent-deployments/:deployment_id",
+    { schema: { tags, summary: "Delete a deployment: every service stops and its machine is destroyed", params: DepParams, response: { 200: Deployment, ...errors(404) } } },
+    async (req) => deployments.remove(req.params.deployment_id),
+  );
+
+  app.get(
+    "/v1/agent-deployments/:deployment_id/services",
+    {
+      schema: {
+        tags,
+        summary: "List a deployment's service instances, newest first",
+        params: DepParams,
+        querystring: Type.Object({ status: Type.Optional(Type.Enum(SERVICE_STATUSES)) }, { additionalProperties: false }),
+        response: { 200: Type.Object({ services: Type.Array(ServiceInstance) }), ...errors(400, 404) },
+      },
+    },
+    async (req) => ({ services: await deployments.listServices(req.params.deployment_id, { status: req.query.status }) }),
+  );
+
+  app.get(
+    "/v1/agent-deployments/:deployment_id/services/:service_id",
+    { schema: { tags, summary: "Get a service instance", params: SvcParams, response: { 200: ServiceInstance, ...errors(404) } } },
+    async (req) => deployments.getService(req.params.deployment_id, req.params.service_id),
+  );
+
+  app.get(
+    "/v1/agent-deployments/:deployment_id/services/:service_id/logs",
+    {
+      schema: {
+        tags,
+        summary: "The service's recent output (stdout and stderr, up to 256 KiB kept)",
+        params: SvcParams,
+        querystring: Type.Object({ tail_bytes: Type.Optional(Type.Integer({ minimum: 0, maximum: 262144, default: 65536 })) }, { additionalProperties: false }),
+        response: { 200: ServiceLogs, ...errors(400, 404, 409) },
+      },
+    },
+    async (req) => deployments.serviceLogs(req.params.deployment_id, req.params.service_id, req.query.tail_bytes ?? 65536),
+  );
+
+  app.post(
+    "/v1/agent-deployments/:deployment_id/services/:service_id/restart",
+    {
+      schema: {
+        tags,
+        summary: "Restart an agent service instance",
+        description:
+          "`envs` are request-only: they reach the restarted process (and its crash-restarts) and are stored nowhere. " +
+          "An `Idempotency-Key` header makes a repeated restart answer the first result without restarting again.",
+        params: SvcParams,
+        headers: Type.Object({ "idempotency-key": Type.Optional(Type.String({ minLength: 1, maxLength: 255 })) }),
+        body: RestartRequest,
+        response: { 200: ServiceInstance, ...errors(400, 404, 409) },
+      },
+      preValidation: stringEnvsOnly,
+    },
+    async (req) => deployments.restart(req.params.deployment_id, req.params.service_id, req.body ?? {}, req.headers["idempotency-key"]),
+  );
+}

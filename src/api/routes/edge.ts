@@ -1,0 +1,169 @@
+// The public edge: /edge/<service_id>/… proxies HTTP and WebSocket to a ready service, authorised by the signed
+// edge_token of its public URL (then by an HttpOnly cookie scoped to the service's path), never by an API key.
+// Plain HTTP requests are served before Fastify routes them (see server.ts: they are the data path, and Fastify's
+// request machinery cost more than the proxying); WebSocket upgrades come through the Fastify route below.
+
+import type { IncomingMessage, ServerResponse } from "node:http";
+import type { FastifyReply, FastifyRequest } from "fastify";
+import type { App } from "../app-type.ts";
+import type { Services } from "../../services/index.ts";
+import { KilnError, toEnvelope } from "../../errors.ts";
+import { newId } from "../../store/ids.ts";
+import { scrubUrl } from "../../log.ts";
+import type { Logger } from "../../log.ts";
+import { createEdgeProxy, forwardedHeaders } from "../../deployments/proxy.ts";
+
+/** The cookie that carries the edge token after the first request, so a browser's relative requests work too. */
+export const EDGE_COOKIE = "kiln_edge";
+const METHODS = new Set(["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]);
+const PREFIX = "/edge/";
+
+function cookieValue(header: string | undefined, name: string): string | undefined {
+  if (!header) return undefined;
+  for (const part of header.split(";")) {
+    const [k, ...v] = part.trim().split("=");
+    if (k === name) return v.join("=");
+  }
+  return undefined;
+}
+
+/** [A-Za-z0-9_-]{1,64}, checked by hand: this runs on every proxied request. */
+function isId(s: string): boolean {
+  if (s.length === 0 || s.length > 64) return false;
+  for (let i = 0; i < s.length; i++) {
+    const c = s.charCodeAt(i);
+    if (!((c >= 48 && c <= 57) || (c >= 65 && c <= 90) || (c >= 97 && c <= 122) || c === 95 || c === 45)) return false;
+  }
+  return true;
+}
+
+/** Where an /edge request goes: the service, the target as the service sees it, and the token it carried. */
+export type EdgeTarget = { redirect: string } | { serviceId: string; path: string; queryToken: string | undefined };
+
+/**
+ * Splits a raw request target. The target is forwarded as the client wrote it (no re-encoding, no dot-segment
+ * folding): only the /edge/<id> prefix and the edge_token parameter come off. Tokens are URL-safe as issued, so the
+ * parameter is taken as written (nothing to decode, nothing to throw on).
+ */
+export function edgeTarget(url: string): EdgeTarget | undefined {
+  const q = url.indexOf("?");
+  const rawPath = q < 0 ? url : url.slice(0, q);
+  if (!rawPath.startsWith(PREFIX)) return undefined;
+  const slash = rawPath.indexOf("/", PREFIX.length);
+  const serviceId = rawPath.slice(PREFIX.length, slash < 0 ? undefined : slash);
+  if (!isId(serviceId)) return undefined;
+  // Relative links resolve against the directory: /edge/<id> goes to /edge/<id>/ (the query, token too, stays).
+  if (slash < 0) return { redirect: `${rawPath}/${q < 0 ? "" : url.slice(q)}` };
+  const params = q < 0 ? [] : url.slice(q + 1).split("&");
+  const tokenParam = params.find((p) => p.startsWith("edge_token="));
+  const kept = params.filter((p) => !p.startsWith("edge_token="));
+  return {
+    serviceId,
+    path: rawPath.slice(slash) + (kept.length ? `?${kept.join("&")}` : ""),
+    queryToken: tokenParam === undefined ? undefined : tokenParam.slice("edge_token=".length),
+  };
+}
+
+export function createEdge(opts: { services: Services; log: Logger; secureCookies: boolean }) {
+  const { deployments } = opts.services;
+  const proxy = createEdgeProxy((id) => deployments.openServicePort(id));
+  deployments.setProxy(proxy);
+
+  /** Authorises the request; answers the token's expiry. Throws 401/503 as KilnErrors. */
+  function authorize(serviceId: string, queryToken: string | undefined, cookie: string | undefined): number {
+    const expiresAtMs = deployments.authorizeEdge(serviceId, queryToken ?? cookieValue(cookie, EDGE_COOKIE));
+    if (!deployments.isRoutable(serviceId)) throw new KilnError("unavailable", `Service ${serviceId} is not running`, { detail: { retryable: true } });
+    return expiresAtMs;
+  }
+
+  function sendError(res: ServerResponse, requestId: string, err: unknown): number {
+    const { status, body } = toEnvelope(err, requestId);
+    if (!res.headersSent) res.writeHead(status, { "content-type": "application/json; charset=utf-8", "x-request-id": requestId }).end(JSON.stringify(body));
+    else res.destroy();
+    return status;
+  }
+
+  async function serve(req: IncomingMessage, res: ServerResponse, requestId: string, target: Exclude<EdgeTarget, { redirect: string }>): Promise<number> {
+    if (!METHODS.has(req.method ?? "")) throw new KilnError("method_not_allowed", `${req.method} is not allowed on the edge`);
+    const expiresAtMs = authorize(target.serviceId, target.queryToken, req.headers.cookie);
+    const headers = forwardedHeaders(req.headers, { stripCookie: EDGE_COOKIE, clientIp: req.socket.remoteAddress, proto: opts.secureCookies ? "https" : "http", keepUpgrade: false });
+    // Later relative requests from a browser carry the token as a cookie scoped to this service's path.
+    const cookie = target.queryToken
+      ? [`${EDGE_COOKIE}=${target.queryToken}; Path=${PREFIX}${target.serviceId}/; Max-Age=${Math.max(0, Math.floor((expiresAtMs - Date.now()) / 1000))}; HttpOnly; SameSite=Lax${opts.secureCookies ? "; Secure" : ""}`]
+      : undefined;
+    try {
+      return await proxy.forward(
+        target.serviceId,
+        { method: req.method!, path: target.path, headers, body: req.method === "GET" || req.method === "HEAD" ? undefined : req },
+        res,
+        () => ({ "x-request-id": [requestId], ...(cookie ? { "set-cookie": cookie } : {}) }),
+      );
+    } catch (err) {
+      throw err instanceof KilnError ? err : new KilnError("unavailable", `Service ${target.serviceId} did not answer`, { detail: { retryable: true } });
+    }
+  }
+
+  /**
+   * The HTTP data path, called by the server for every request before Fastify sees it: answers true when the
+   * request was an /edge one (and is being served), false to let Fastify route it. Writes its own access line,
+   * with the token scrubbed from the URL like every other line.
+   */
+  function handleRequest(req: IncomingMessage, res: ServerResponse): boolean {
+    const target = edgeTarget(req.url ?? "");
+    if (!target) return false;
+    const requestId = newId("req");
+    const started = performance.now();
+    const done = (status: number) =>
+      opts.log.info({ reqId: requestId, method: req.method, url: scrubUrl(req.url ?? ""), status, ms: Math.round((performance.now() - started) * 100) / 100 }, "request");
+    if ("redirect" in target) {
+      res.writeHead(308, { location: target.redirect, "x-request-id": requestId, "content-length": "0" }).end();
+      done(308);
+      return true;
+    }
+    serve(req, res, requestId, target).then(done, (err: unknown) => {
+      req.resume(); // an unread body must not hold the connection
+      done(sendError(res, requestId, err));
+    });
+    return true;
+  }
+
+  /** WebSocket upgrades (through Fastify and @fastify/websocket's upgrade hand-off): spliced byte for byte. */
+  async function handleUpgrade(req: FastifyRequest, reply: FastifyReply) {
+    const target = edgeTarget(req.url);
+    if (!target || "redirect" in target) throw new KilnError("not_found", "WebSocket upgrades need /edge/<service_id>/…");
+    authorize(target.serviceId, target.queryToken, req.headers.cookie);
+    const headers = forwardedHeaders(req.headers, { stripCookie: EDGE_COOKIE, clientIp: req.ip, proto: opts.secureCookies ? "https" : "http", keepUpgrade: true });
+    reply.hijack();
+    const socket = req.raw.socket;
+    try {
+      await proxy.upgrade(target.serviceId, { method: req.method, path: target.path, headers: headers as Record<string, string> }, socket, upgradeHead(req));
+      req.log.info({ method: req.method, url: scrubUrl(req.url), status: 101 }, "request");
+    } catch (err) {
+      req.log.info({ err, url: scrubUrl(req.url) }, "edge upgrade failed");
+      socket.end("HTTP/1.1 502 Bad Gateway\r\nconnection: close\r\ncontent-length: 0\r\n\r\n");
+    }
+  }
+
+  return { handleRequest, handleUpgrade, close: () => proxy.close() };
+}
+
+export type Edge = ReturnType<typeof createEdge>;
+
+/** The head buffer @fastify/websocket kept for an upgrade request (empty for every normal client). */
+function upgradeHead(req: FastifyRequest): Buffer {
+  const raw = req.raw as unknown as Record<symbol, unknown>;
+  const sym = Object.getOwnPropertySymbols(raw).find((s) => s.description === "ws-head");
+  const head = sym ? raw[sym] : undefined;
+  return Buffer.isBuffer(head) ? head : Buffer.alloc(0);
+}
+
+/** The Fastify side of the edge: WebSocket upgrades (plain requests never get here, see handleRequest). */
+export async function edgeRoutes(app: App, opts: { edge: Edge }) {
+  app.addHook("onClose", (_app, done) => {
+    opts.edge.close();
+    done();
+  });
+  const route = { schema: { hide: true }, handler: (req: FastifyRequest, reply: FastifyReply) => opts.edge.handleUpgrade(req, reply) };
+  app.route({ method: "GET", url: "/edge/:service_id", ...route });
+  app.route({ method: "GET", url: "/edge/:service_id/*", ...route });
+}

@@ -1,0 +1,191 @@
+// Volumes: create, list, get, delete, and their files under /v1/volumes/{id}/files… with paths rooted at the
+// volume's own `/` (no `user`, no relative paths: a volume has no users and no working directory).
+
+import { Type } from "typebox";
+import type { Readable } from "node:stream";
+import type { App } from "../app-type.ts";
+import type { Services } from "../../services/index.ts";
+import { VOLUME_LIMITS, VOLUME_STATUSES } from "../../services/volumes.ts";
+import { errors, Cursor, FileMetadata, Id, Limit, OctalMode } from "../schemas.ts";
+import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
+import { KilnError } from "../../errors.ts";
+import { limitBytes } from "./files.ts";
+
+const Params = Type.Object({ id: Id });
+const VolumePath = Type.String({ minLength: 1, maxLength: 4096, pattern: "^/", description: "Volume path, rooted at the volume's /" });
+
+export const Volume = Type.Object({
+  id: Type.String(),
+  name: Type.String(),
+  size_mb: Type.Integer(),
+  status: Type.Enum(VOLUME_STATUSES),
+  created_at: Type.String({ format: "date-time" }),
+  updated_at: Type.String({ format: "date-time" }),
+});
+
+const CreateVolume = Type.Object(
+  {
+    name: Type.String({ minLength: 1, maxLength: 128, pattern: "^[A-Za-z0-9][A-Za-z0-9._-]*$" }),
+    size_mb: Type.Optional(Type.Integer({ minimum: VOLUME_LIMITS.minSizeMb, maximum: VOLUME_LIMITS.maxSizeMb, description: `Size limit in MiB (default ${VOLUME_LIMITS.defaultSizeMb})` })),
+  },
+  { additionalProperties: false },
+);
+
+export async function volumeRoutes(app: App, opts: { services: Services }) {
+  const { volumes } = opts.services;
+  const tags = ["Volumes"];
+  const fileErrors = errors(400, 403, 404, 409);
+  const files = async (id: string) => (await volumes.resolveDataPlane(id)).files;
+
+  app.post(
+    "/v1/volumes",
+    { schema: { tags, summary: "Create a volume (an ext4 filesystem of size_mb, mounted into machines at create)", body: CreateVolume, response: { 201: Volume, ...errors(400) } } },
+    async (req, reply) => reply.code(201).send(await volumes.create(req.body)),
+  );
+
+  app.get(
+    "/v1/volumes",
+    {
+      schema: {
+        tags,
+        summary: "List volumes, newest first",
+        querystring: Type.Object({ limit: Type.Optional(Limit), cursor: Type.Optional(Cursor) }, { additionalProperties: false }),
+        response: { 200: Type.Object({ volumes: Type.Array(Volume), next_cursor: Type.Union([Type.String(), Type.Null()]) }), ...errors(400) },
+      },
+    },
+    async (req) => {
+      let after: [string, string] | undefined;
+      if (req.query.cursor) {
+        try {
+          after = decodeCursor(req.query.cursor, 2) as [string, string];
+        } catch {
+          throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
+        }
+      }
+      const page = await volumes.list({ limit: req.query.limit ?? 50, after });
+      return { volumes: page.volumes, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
+    },
+  );
+
+  app.get("/v1/volumes/:id", { schema: { tags, summary: "Get a volume", params: Params, response: { 200: Volume, ...errors(404) } } }, async (req) => volumes.get(req.params.id));
+
+  app.delete(
+    "/v1/volumes/:id",
+    { schema: { tags, summary: "Delete a volume and its data (409 while a live machine mounts it)", params: Params, response: { 204: Type.Null(), ...errors(404, 409) } } },
+    async (req, reply) => {
+      await volumes.remove(req.params.id);
+      return reply.code(204).send(null);
+    },
+  );
+
+  app.post(
+    "/v1/volumes/:id/files/info",
+    {
+      schema: {
+        tags,
+        summary: "File metadata (lstat) of a volume path",
+        params: Params,
+        body: Type.Object({ path: VolumePath }, { additionalProperties: false }),
+        response: { 200: FileMetadata, ...fileErrors },
+      },
+    },
+    async (req) => (await files(req.params.id)).info(req.body.path),
+  );
+
+  app.get(
+    "/v1/volumes/:id/files",
+    { schema: { tags, summary: "Read a file's bytes", params: Params, querystring: Type.Object({ path: VolumePath }, { additionalProperties: false }), response: { ...fileErrors } } },
+    async (req, reply) => {
+      const stream = await (await files(req.params.id)).read(req.query.path);
+      return reply.type("application/octet-stream").send(stream);
+    },
+  );
+
+  app.put(
+    "/v1/volumes/:id/files",
+    {
+      schema: {
+        tags,
+        summary: "Write a file from the request body (application/octet-stream); parents are created",
+        params: Params,
+        querystring: Type.Object({ path: VolumePath, mode: Type.Optional(OctalMode) }, { additionalProperties: false }),
+        response: { 200: FileMetadata, ...errors(400, 403, 404, 409, 413, 415) },
+      },
+    },
+    async (req, reply) => {
+      const body = req.body as Readable | Buffer | string | undefined;
+      if (body === undefined || body === null) throw new KilnError("invalid_request", "Send the file's bytes as the request body (Content-Type: application/octet-stream)");
+      const limit = app.initialConfig.bodyLimit ?? 1024 * 1024;
+      const declared = Number(req.headers["content-length"] ?? 0);
+      if (declared > limit) throw new KilnError("payload_too_large", `The file is larger than the ${limit}-byte limit`);
+      const data = typeof body === "string" ? Buffer.from(body) : Buffer.isBuffer(body) ? body : limitBytes(body, limit).stream;
+      const f = await files(req.params.id);
+      try {
+        return await f.write(req.query.path, data, { mode: req.query.mode ? parseInt(req.query.mode, 8) : undefined });
+      } catch (err) {
+        // A refused upload (the volume filled up) leaves body bytes unread: the connection cannot carry another request.
+        if (!req.raw.readableEnded) reply.header("connection", "close");
+        throw err;
+      }
+    },
+  );
+
+  app.get(
+    "/v1/volumes/:id/files/list",
+    {
+      schema: {
+        tags,
+        summary: "List a directory",
+        params: Params,
+        querystring: Type.Object({ path: VolumePath, depth: Type.Optional(Type.Integer({ minimum: 1, maximum: 10, default: 1 })) }, { additionalProperties: false }),
+        response: { 200: Type.Object({ entries: Type.Array(FileMetadata) }), ...fileErrors },
+      },
+    },
+    async (req) => ({ entries: await (await files(req.params.id)).list(req.query.path, req.query.depth ?? 1) }),
+  );
+
+  app.delete(
+    "/v1/volumes/:id/files",
+    {
+      schema: {
+        tags,
+        summary: "Remove a file or directory (a symlink itself, never what it points at)",
+        params: Params,
+        querystring: Type.Object({ path: VolumePath, recursive: Type.Optional(Type.Boolean({ default: false })) }, { additionalProperties: false }),
+        response: { 204: Type.Null(), ...fileErrors },
+      },
+    },
+    async (req, reply) => {
+      await (await files(req.params.id)).remove(req.query.path, req.query.recursive ?? false);
+      return reply.code(204).send(null);
+    },
+  );
+
+  app.post(
+    "/v1/volumes/:id/files/mkdir",
+    {
+      schema: {
+        tags,
+        summary: "Make a directory and its parents",
+        params: Params,
+        body: Type.Object({ path: VolumePath, mode: Type.Optional(OctalMode) }, { additionalProperties: false }),
+        response: { 200: FileMetadata, ...fileErrors },
+      },
+    },
+    async (req) => (await files(req.params.id)).mkdir(req.body.path, req.body.mode ? parseInt(req.body.mode, 8) : undefined),
+  );
+
+  app.post(
+    "/v1/volumes/:id/files/move",
+    {
+      schema: {
+        tags,
+        summary: "Move or rename a file or directory inside the volume",
+        params: Params,
+        body: Type.Object({ src: VolumePath, dest: VolumePath }, { additionalProperties: false }),
+        response: { 200: FileMetadata, ...fileErrors },
+      },
+    },
+    async (req) => (await files(req.params.id)).move(req.body.src, req.body.dest),
+  );
+}

@@ -1,0 +1,37 @@
+// Signed, expiring edge tokens for services' public URLs: HMAC-SHA256 over {service id, expiry} with a server
+// secret made once in the data dir. The token is checked by recomputing it, so no token is ever stored.
+
+import { createHmac, createSecretKey, timingSafeEqual } from "node:crypto";
+import type { KeyObject } from "node:crypto";
+import { loadKeyFile } from "./key-files.ts";
+
+export const EDGE_SECRET_FILE = "edge-secret";
+
+/** The edge secret of this data dir (made on first start; deleting it invalidates every URL). A KeyObject, because
+ *  turning raw bytes into a key on every HMAC costs more than the HMAC itself. */
+export async function loadEdgeSecret(dataDir: string): Promise<KeyObject> {
+  return createSecretKey(await loadKeyFile(dataDir, EDGE_SECRET_FILE));
+}
+
+function mac(secret: KeyObject, serviceId: string, expiresAtS: number): string {
+  return createHmac("sha256", secret).update(`kiln-edge-v1\n${serviceId}\n${expiresAtS}`).digest("base64url");
+}
+
+/** `<expiry in unix seconds, base 36>.<signature>`: URL-safe, bound to one service. */
+export function signEdgeToken(secret: KeyObject, serviceId: string, expiresAtMs: number): string {
+  const exp = Math.floor(expiresAtMs / 1000);
+  return `${exp.toString(36)}.${mac(secret, serviceId, exp)}`;
+}
+
+export type EdgeTokenCheck = { ok: true; expiresAtMs: number } | { ok: false; reason: "malformed" | "bad_signature" | "expired" };
+
+export function verifyEdgeToken(secret: KeyObject, serviceId: string, token: string, nowMs = Date.now()): EdgeTokenCheck {
+  const m = /^([0-9a-z]{1,12})\.([A-Za-z0-9_-]{43})$/.exec(token);
+  if (!m) return { ok: false, reason: "malformed" };
+  const exp = parseInt(m[1], 36);
+  const want = Buffer.from(mac(secret, serviceId, exp));
+  const got = Buffer.from(m[2]);
+  if (want.length !== got.length || !timingSafeEqual(want, got)) return { ok: false, reason: "bad_signature" };
+  if (exp * 1000 <= nowMs) return { ok: false, reason: "expired" };
+  return { ok: true, expiresAtMs: exp * 1000 };
+}

@@ -1,0 +1,46 @@
+// Agent deployments over PostgreSQL: the same lifecycle (ready, restart with request-only envs, an idempotent
+// repeat, delete), and no table of the database ever holds the restart envs or an edge token.
+
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { request } from "undici";
+import { sql } from "kysely";
+import { startTestKiln } from "../support/kiln.ts";
+import { startPostgres } from "../support/postgres.ts";
+import { appCommand, createDeployment, services, waitService } from "./support.ts";
+
+test("deployments on PostgreSQL: ready, restart envs reach the process and no table holds them, idempotent repeat, delete", async () => {
+  const pg = await startPostgres();
+  const k = await startTestKiln({ env: { KILN_DATABASE_URL: pg.url } });
+  try {
+    const dep = await createDeployment(k, { name: "pg", command: appCommand(8085), port: 8085, readiness: { interval_s: 0.2, timeout_s: 1, path: "/health" } });
+    const [svc] = await services(k, dep.id);
+    await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+    const marker = `pg-marker-${Date.now()}`;
+    const path = `/v1/agent-deployments/${dep.id}/services/${svc.id}/restart`;
+    const first = await k.call("POST", path, { body: { reason: "pg", envs: { PG_MARKER: marker } }, headers: { "idempotency-key": "pg-1" } });
+    assert.equal(first.status, 200, first.text);
+    const ready = await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
+    const base = ready.public_url.split("?")[0];
+    const token = new URL(ready.public_url).searchParams.get("edge_token")!;
+    assert.equal(await (await request(`${base}env/PG_MARKER?edge_token=${token}`)).body.text(), marker);
+    const again = await k.call("POST", path, { body: { reason: "pg" }, headers: { "idempotency-key": "pg-1" } });
+    assert.equal(again.body.process_id, first.body.process_id);
+
+    const db = k.kiln.services.store.db;
+    for (const table of ["deployments", "deployment_versions", "services", "service_restarts", "events", "machines"]) {
+      const rows = await sql<Record<string, unknown>>`select * from ${sql.table(table)}`.execute(db);
+      const text = JSON.stringify(rows.rows);
+      assert.ok(!text.includes(marker), `${table} holds the restart envs`);
+      assert.ok(!text.includes(token), `${table} holds an edge token`);
+    }
+    assert.ok(!k.logs.join("").includes(marker));
+
+    const del = await k.call("DELETE", `/v1/agent-deployments/${dep.id}`);
+    assert.equal(del.body.status, "deleted");
+    assert.equal((await services(k, dep.id))[0].status, "stopped");
+  } finally {
+    await k.close();
+    await pg.stop();
+  }
+});
