@@ -32,6 +32,9 @@ export const SECRET_FIELDS = [
   "name_claim_token",
   "base_image_auth",
   "registry_credentials",
+  "x-access-token",
+  "envdAccessToken",
+  "envVars",
 ] as const;
 
 const SECRET_SET = new Set<string>(SECRET_FIELDS);

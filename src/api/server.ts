@@ -26,6 +26,7 @@ import { volumeWsRoutes } from "./routes/volume-ws.ts";
 import { deploymentRoutes } from "./routes/deployments.ts";
 import { createEdge, edgeRoutes } from "./routes/edge.ts";
 import { createServer } from "node:http";
+import { e2bCompat } from "../compat/e2b/index.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -38,6 +39,8 @@ export interface ServerOptions {
   volumeWatchQueue?: number;
   /** Base of public edge URLs; an https one makes the edge cookie Secure. */
   publicUrl?: string;
+  /** Where the E2B compatibility layer keeps its token secret, and the public URL it reports as `domain`. */
+  e2b?: { dataDir: string; publicUrl: string };
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
@@ -144,6 +147,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
   await app.register(volumeRoutes, { services: opts.services });
   await app.register(volumeWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs, queueSize: opts.volumeWatchQueue ?? 4096 });
+  if (opts.e2b) await app.register(e2bCompat, { services: opts.services, ...opts.e2b });
 
   app.get("/v1/openapi.json", { schema: { hide: true } }, async () => app.swagger());
   return app;

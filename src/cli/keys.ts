@@ -1,7 +1,9 @@
 // `kiln keys create|list|revoke`: manage API keys in the local store (works whether or not the server runs).
 
+import { Option } from "commander";
 import type { Command } from "commander";
-import { createKeyService } from "../services/keys.ts";
+import { createKeyService, generateKeyIn, KEY_FORMATS } from "../services/keys.ts";
+import type { KeyFormat } from "../services/keys.ts";
 import { openStoreFor } from "../app.ts";
 import { loadConfigOrExit } from "./client.ts";
 
@@ -21,9 +23,10 @@ export function keyCommands(program: Command) {
     .command("create")
     .description("Create a key and print it once")
     .option("--name <name>", "a name to tell keys apart", "cli")
-    .action((opts: { name: string }) =>
+    .addOption(new Option("--format <format>", "key shape; e2b makes e2b_<hex>, which the E2B SDK's key check accepts").choices(KEY_FORMATS).default("kiln"))
+    .action((opts: { name: string; format: string }) =>
       withKeys(async (k) => {
-        const made = await k.create(opts.name);
+        const made = await k.create(opts.name, generateKeyIn(opts.format as KeyFormat));
         process.stderr.write(`created ${made.id} (${made.name}); this is the only time the key is shown:\n`);
         process.stdout.write(made.key + "\n");
       }),

@@ -1,4 +1,5 @@
-// API keys: made as `kiln_<random>`, stored only as SHA-256 hashes, checked in constant time.
+// API keys: made as `kiln_<random>` (or `e2b_<hex>` for the E2B SDK's key check), stored only as SHA-256 hashes,
+// checked in constant time.
 // Also seeds the first key on a fresh data dir (written to $KILN_DATA_DIR/api-key, never logged).
 
 import { createHash, randomBytes, timingSafeEqual } from "node:crypto";
@@ -20,6 +21,14 @@ export function generateKey(): string {
     }
   }
   return `kiln_${out}`;
+}
+
+/** The key formats Kiln issues; `e2b` matches the E2B SDK's `^e2b_[0-9a-f]+$` check (160 random bits as hex). */
+export const KEY_FORMATS = ["kiln", "e2b"] as const;
+export type KeyFormat = (typeof KEY_FORMATS)[number];
+
+export function generateKeyIn(format: KeyFormat): string {
+  return format === "e2b" ? `e2b_${randomBytes(20).toString("hex")}` : generateKey();
 }
 
 export function hashKey(key: string): string {

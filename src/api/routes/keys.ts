@@ -3,6 +3,7 @@
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
+import { KEY_FORMATS, generateKeyIn } from "../../services/keys.ts";
 import { errors, Id } from "../schemas.ts";
 
 const KeySummary = Type.Object({
@@ -23,11 +24,14 @@ export async function keyRoutes(app: App, opts: { services: Services }) {
       schema: {
         tags: ["API Keys"],
         summary: "Create an API key; the key is in this response only",
-        body: Type.Object({ name: Type.String({ minLength: 1, maxLength: 100 }) }, { additionalProperties: false }),
+        body: Type.Object(
+          { name: Type.String({ minLength: 1, maxLength: 100 }), format: Type.Optional(Type.Union(KEY_FORMATS.map((f) => Type.Literal(f)), { description: "kiln (default) or e2b: e2b_<hex>, the shape the E2B SDK accepts" })) },
+          { additionalProperties: false },
+        ),
         response: { 201: Type.Intersect([KeySummary, Type.Object({ key: Type.String() })]), ...errors(400) },
       },
     },
-    async (req, reply) => reply.code(201).send(await keys.create(req.body.name)),
+    async (req, reply) => reply.code(201).send(await keys.create(req.body.name, generateKeyIn(req.body.format ?? "kiln"))),
   );
 
   app.get(

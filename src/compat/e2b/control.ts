@@ -1,0 +1,259 @@
+// E2B's control plane (the API the SDK reaches at E2B_API_URL) as a translation onto Kiln's machine service:
+// sandboxes are machines, templates are Kiln template refs, pause/connect are hibernate/resume.
+
+import { Type } from "typebox";
+import type { Static } from "typebox";
+import type { FastifyInstance, FastifyRequest } from "fastify";
+import type { Services } from "../../services/index.ts";
+import { MACHINE_LIMITS } from "../../services/machines.ts";
+import type { MachineView } from "../../services/machines.ts";
+import { KilnError } from "../../errors.ts";
+import { ENVD_VERSION } from "./envd.ts";
+import { E2bUnserved } from "./errors.ts";
+
+export interface ControlDeps {
+  services: Services;
+  tokenOf: (sandboxId: string) => string;
+  /** The domain sandboxes are reached under (the host of KILN_PUBLIC_URL); undefined: the Host the client used. */
+  domain: string | undefined;
+  /** Told about every sandbox this API made or resumed (envd warms its per-machine state). */
+  sandboxReady: (id: string) => void;
+}
+
+/** E2B's default sandbox timeout when a create names none (seconds). */
+const E2B_DEFAULT_TIMEOUT_S = 15;
+const STATES = ["running", "paused"] as const;
+
+function bad(message: string): never {
+  throw new KilnError("invalid_request", message);
+}
+
+const StringMap = Type.Record(Type.String(), Type.String());
+const Timeout = Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxTimeoutS });
+
+/**
+ * E2B's NewSandbox body as the SDK sends it. Fields Kiln does not serve are accepted only at their defaults (see
+ * create): refused when set, never silently ignored. Unknown fields are refused.
+ */
+const NewSandbox = Type.Object(
+  {
+    templateID: Type.String({ minLength: 1, maxLength: 256 }),
+    timeout: Type.Optional(Timeout),
+    metadata: Type.Optional(StringMap),
+    envVars: Type.Optional(StringMap),
+    allow_internet_access: Type.Optional(Type.Boolean()),
+    secure: Type.Optional(Type.Boolean()),
+    autoPause: Type.Optional(Type.Boolean()),
+    autoPauseMemory: Type.Optional(Type.Boolean()),
+    autoResume: Type.Optional(Type.Unknown()),
+    network: Type.Optional(Type.Unknown()),
+    volumeMounts: Type.Optional(Type.Array(Type.Unknown())),
+    mcp: Type.Optional(Type.Unknown()),
+    iam: Type.Optional(Type.Unknown()),
+  },
+  { additionalProperties: false },
+);
+const TimeoutBody = Type.Object({ timeout: Timeout }, { additionalProperties: false });
+const ConnectBody = Type.Object({ timeout: Type.Optional(Timeout), memory: Type.Optional(Type.Boolean()) }, { additionalProperties: false });
+const PauseBody = Type.Union([Type.Object({ memory: Type.Optional(Type.Boolean()) }, { additionalProperties: false }), Type.Null()]);
+const ListQuery = Type.Object(
+  {
+    state: Type.Optional(Type.String({ pattern: "^(running|paused)(,(running|paused))*$" })),
+    metadata: Type.Optional(Type.String({ maxLength: 4096 })),
+    limit: Type.Optional(Type.Integer({ minimum: 1, maximum: 100 })),
+    nextToken: Type.Optional(Type.String({ maxLength: 512 })),
+    startedAfter: Type.Optional(Type.String()),
+    template: Type.Optional(Type.String()),
+    order: Type.Optional(Type.String()),
+  },
+  { additionalProperties: false },
+);
+const Params = Type.Object({ id: Type.String({ minLength: 1, maxLength: 64 }) });
+
+export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
+  const { machines } = deps.services;
+  const route = { config: { e2b: "control" }, schema: { hide: true, params: Params } };
+  const withBody = (body: unknown) => ({ config: { e2b: "control" }, schema: { hide: true, params: Params, body } });
+
+  /** A machine that is gone (destroyed, failed) is, to E2B clients, a sandbox that does not exist. */
+  async function live(id: string): Promise<MachineView> {
+    const m = await machines.get(id).catch((err: unknown) => {
+      if (err instanceof KilnError && err.code === "not_found") throw new KilnError("not_found", `sandbox "${id}" not found`);
+      throw err;
+    });
+    if (m.status !== "running" && m.status !== "hibernated" && m.status !== "creating") throw new KilnError("not_found", `sandbox "${id}" not found`);
+    return m;
+  }
+
+  const state = (m: MachineView) => (m.status === "hibernated" ? "paused" : "running");
+
+  const domainFor = (req: FastifyRequest) => deps.domain ?? req.headers.host ?? "localhost";
+
+  function created(m: MachineView, req: FastifyRequest) {
+    return { sandboxID: m.id, templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, envdAccessToken: deps.tokenOf(m.id), domain: domainFor(req) };
+  }
+
+  function listed(m: MachineView) {
+    return {
+      sandboxID: m.id,
+      templateID: m.template_id,
+      ...(m.name ? { alias: m.name } : {}),
+      clientID: "kiln",
+      startedAt: m.created_at,
+      endAt: m.expires_at ?? m.created_at,
+      cpuCount: m.vcpus,
+      memoryMB: m.memory_mb,
+      diskSizeMB: 0,
+      metadata: m.metadata,
+      state: state(m),
+      envdVersion: ENVD_VERSION,
+      volumeMounts: [],
+    };
+  }
+
+  function detail(m: MachineView, req: FastifyRequest) {
+    return { ...listed(m), allowInternetAccess: m.internet, envdAccessToken: deps.tokenOf(m.id), domain: domainFor(req) };
+  }
+
+  async function create(req: FastifyRequest) {
+    const body = req.body as Static<typeof NewSandbox>;
+    let template = body.templateID;
+    // The templateID a sandbox reports (a tpl_ id) is accepted back, as E2B's are.
+    if (template.startsWith("tpl_")) template = (await deps.services.templateCatalog.get(template)).canonical_ref;
+    if (body.autoPause === true || body.autoPauseMemory !== undefined || body.autoResume !== undefined) bad("autoPause/autoResume are not supported by Kiln yet: a sandbox is killed when its timeout ends");
+    if (body.volumeMounts !== undefined && body.volumeMounts.length > 0) bad("volumeMounts are not supported by Kiln's E2B API yet");
+    if (body.network !== undefined && body.network !== null && !(typeof body.network === "object" && Object.keys(body.network).length === 0)) bad("network rules are not supported by Kiln's E2B API yet; use allow_internet_access");
+    if (body.mcp !== undefined && body.mcp !== null) bad("mcp is not supported by Kiln");
+    if (body.iam !== undefined && body.iam !== null) bad("iam is not supported by Kiln");
+    const m = await machines.create({
+      template,
+      metadata: body.metadata,
+      envs: body.envVars,
+      timeout_s: body.timeout ?? E2B_DEFAULT_TIMEOUT_S,
+      internet: body.allow_internet_access,
+    });
+    deps.sandboxReady(m.id);
+    return created(m, req);
+  }
+
+  const createRoute = { config: { e2b: "control" }, schema: { hide: true, body: NewSandbox } };
+  app.post("/sandboxes", createRoute, async (req, reply) => reply.code(201).send(await create(req)));
+  app.post("/v2/sandboxes", createRoute, async (req, reply) => reply.code(201).send(await create(req)));
+
+  app.get("/sandboxes/:id", route, async (req) => detail(await live((req.params as { id: string }).id), req));
+
+  app.delete("/sandboxes/:id", route, async (req, reply) => {
+    const m = await live((req.params as { id: string }).id);
+    await machines.destroy(m.id);
+    return reply.code(204).send();
+  });
+
+  app.post("/sandboxes/:id/timeout", withBody(TimeoutBody), async (req, reply) => {
+    const m = await live((req.params as { id: string }).id);
+    await machines.update(m.id, { timeout_s: (req.body as Static<typeof TimeoutBody>).timeout });
+    return reply.code(204).send();
+  });
+
+  app.post("/sandboxes/:id/pause", withBody(PauseBody), async (req, reply) => {
+    const m = await live((req.params as { id: string }).id);
+    if (m.status === "hibernated") throw new KilnError("conflict", `sandbox "${m.id}" is already paused`);
+    await machines.hibernate(m.id);
+    // E2B keeps a paused sandbox until it is resumed; Kiln's clock runs on through hibernation, so a paused
+    // sandbox gets Kiln's longest timeout (connect sets the caller's again).
+    await machines.update(m.id, { timeout_s: MACHINE_LIMITS.maxTimeoutS });
+    return reply.code(204).send();
+  });
+
+  /** connect: 200 with a running sandbox, 201 after resuming a paused one; the timeout is renewed either way. */
+  async function connect(req: FastifyRequest, opts: { mustBePaused: boolean }) {
+    const m = await live((req.params as { id: string }).id);
+    const timeout = (req.body as Static<typeof ConnectBody> | undefined)?.timeout;
+    let status = 200;
+    if (m.status === "hibernated") {
+      await machines.resume(m.id);
+      deps.sandboxReady(m.id);
+      status = 201;
+    } else if (opts.mustBePaused) {
+      throw new KilnError("conflict", `sandbox "${m.id}" is already running`);
+    }
+    const after = timeout !== undefined ? await machines.update(m.id, { timeout_s: timeout }) : await machines.get(m.id);
+    return { status, body: created(after, req) };
+  }
+  for (const path of ["/sandboxes/:id/connect", "/v2/sandboxes/:id/connect"]) {
+    app.post(path, withBody(ConnectBody), async (req, reply) => {
+      const { status, body } = await connect(req, { mustBePaused: false });
+      return reply.code(status).send(body);
+    });
+  }
+  app.post("/sandboxes/:id/resume", withBody(ConnectBody), async (req, reply) => {
+    const { status, body } = await connect(req, { mustBePaused: true });
+    return reply.code(status).send(body);
+  });
+
+  /** Sandboxes newest first, filtered by state and metadata; nextToken is the key of the last machine looked at. */
+  async function list(q: Record<string, unknown>, defaultStates: readonly string[]) {
+    const states = typeof q.state === "string" && q.state ? q.state.split(",") : [...defaultStates];
+    const metadata = typeof q.metadata === "string" && q.metadata ? Object.fromEntries(new URLSearchParams(q.metadata)) : {};
+    const startedAfter = typeof q.startedAfter === "string" ? Date.parse(q.startedAfter) : undefined;
+    if (startedAfter !== undefined && Number.isNaN(startedAfter)) bad("startedAfter must be an ISO timestamp");
+    if (q.order !== undefined && q.order !== "desc") bad("only order=desc (newest first) is served");
+    const limit = typeof q.limit === "number" ? q.limit : 100;
+    let after: [string, string] | undefined;
+    if (typeof q.nextToken === "string" && q.nextToken) {
+      try {
+        after = JSON.parse(Buffer.from(q.nextToken, "base64url").toString()) as [string, string];
+        if (!Array.isArray(after) || after.length !== 2 || !after.every((x) => typeof x === "string")) throw new Error();
+      } catch {
+        bad("nextToken is not one this server gave");
+      }
+    }
+    const out: ReturnType<typeof listed>[] = [];
+    let next: string | undefined;
+    for (;;) {
+      const page = await machines.list({ limit, after });
+      for (const m of page.machines) {
+        // Newest first: once one is too old, all the rest are.
+        if (startedAfter !== undefined && Date.parse(m.created_at) <= startedAfter) {
+          page.more = false;
+          break;
+        }
+        if (!states.includes(state(m)) || m.status === "creating") continue;
+        if (!Object.entries(metadata).every(([k, v]) => m.metadata[k] === v)) continue;
+        if (typeof q.template === "string" && q.template !== m.template_id) continue;
+        out.push(listed(m));
+        if (out.length === limit) {
+          next = Buffer.from(JSON.stringify([m.created_at, m.id])).toString("base64url");
+          break;
+        }
+      }
+      if (out.length === limit || !page.more || !page.last) break;
+      after = page.last;
+    }
+    return { items: out, next };
+  }
+
+  const listRoute = { config: { e2b: "control" }, schema: { hide: true, querystring: ListQuery } };
+  app.get("/v2/sandboxes", listRoute, async (req, reply) => {
+    const { items, next } = await list(req.query as Record<string, unknown>, STATES);
+    if (next) reply.header("x-next-token", next);
+    return items;
+  });
+  app.get("/sandboxes", listRoute, async (req) => (await list(req.query as Record<string, unknown>, ["running"])).items);
+
+  // E2B APIs Kiln does not serve yet answer 501 in E2B's shape (the SDK then raises a clear error), not a 404
+  // that would read as "no such sandbox".
+  const unserved = { config: { e2b: "control" }, schema: { hide: true } };
+  const notYet = (what: string) => async () => {
+    throw new E2bUnserved(`${what} is not supported by Kiln's E2B API yet (see docs/e2b.md)`);
+  };
+  app.get("/sandboxes/:id/metrics", unserved, notYet("sandbox metrics"));
+  app.get("/sandboxes/metrics", unserved, notYet("sandbox metrics"));
+  app.route({ method: ["GET", "POST"], url: "/sandboxes/:id/snapshots", ...unserved, handler: notYet("snapshots") });
+  app.get("/snapshots", unserved, notYet("snapshots"));
+  app.post("/sandboxes/:id/fork", unserved, notYet("fork"));
+  app.route({ method: ["PUT", "POST", "PATCH"], url: "/sandboxes/:id/network", ...unserved, handler: notYet("network updates") });
+  for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/volumes", "/volumecontent", "/secrets"]) {
+    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(`${prefix.replace(/^\/v\d/, "")} (E2B's template, volume and secret APIs)`) });
+    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: `${prefix}/*`, ...unserved, handler: notYet(`${prefix.replace(/^\/v\d/, "")} (E2B's template, volume and secret APIs)`) });
+  }
+}

@@ -1,0 +1,107 @@
+// Drop-in E2B compatibility at the root of Kiln's address: E2B's control plane (/sandboxes, /v2/sandboxes …)
+// and, for requests naming a sandbox (E2b-Sandbox-Id, or a `49983-<id>.` Host), that sandbox's envd.
+// It authenticates its own routes (Kiln's hook only guards /v1): X-API-Key for the control plane,
+// the sandbox's X-Access-Token for envd.
+
+import type { FastifyInstance, FastifyRequest } from "fastify";
+import type { Services } from "../../services/index.ts";
+import { KilnError } from "../../errors.ts";
+import { controlRoutes } from "./control.ts";
+import { envdRoutes } from "./envd.ts";
+import { e2bError } from "./errors.ts";
+import { sendUnaryError } from "./connect.ts";
+import { createProcessRegistry } from "./processes.ts";
+import { createTokens, loadTokenSecret } from "./token.ts";
+import { installPortProxy, SANDBOX_HOST_RE } from "./ports.ts";
+
+export const ENVD_PORT = 49983;
+
+export interface E2bOptions {
+  services: Services;
+  dataDir: string;
+  /** KILN_PUBLIC_URL: its host is the `domain` sandboxes report. */
+  publicUrl: string;
+}
+
+/** The sandbox an envd request is for, or undefined when the request is not an envd request. */
+export function sandboxIdOf(req: { headers: Record<string, string | string[] | undefined> }): string | undefined {
+  const header = req.headers["e2b-sandbox-id"];
+  if (typeof header === "string" && header) return header;
+  const host = req.headers.host;
+  const m = typeof host === "string" ? SANDBOX_HOST_RE.exec(host) : null;
+  return m && Number(m[1]) === ENVD_PORT ? m[2] : undefined;
+}
+
+/** KILN_PUBLIC_URL's host; none when it names port 0 (a server on an ephemeral port: the Host used is right). */
+function publicDomain(publicUrl: string): string | undefined {
+  const url = new URL(publicUrl);
+  return url.port === "0" ? undefined : url.host;
+}
+
+export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
+  const { services } = opts;
+  const tokens = createTokens(await loadTokenSecret(opts.dataDir));
+  const processes = createProcessRegistry(services.machines);
+  app.addHook("onClose", (_app, done) => {
+    processes.close();
+    done();
+  });
+
+  // envd's routes answer only requests that name a sandbox, so envd's /health never shadows Kiln's /health.
+  app.addConstraintStrategy({
+    name: "e2bEnvd",
+    storage() {
+      const handlers = new Map<string, unknown>();
+      return { get: (k: string) => (handlers.get(k) ?? null) as never, set: (k: string, v: unknown) => void handlers.set(k, v) };
+    },
+    deriveConstraint: (req: FastifyRequest["raw"]) => (sandboxIdOf(req as never) ? "envd" : undefined) as never,
+    mustMatchWhenDerived: false,
+  });
+
+  app.addContentTypeParser("application/connect+json", { parseAs: "buffer" }, (_req, body, done) => done(null, body));
+  app.addContentTypeParser("multipart/form-data", { parseAs: "buffer" }, (_req, body, done) => done(null, body));
+
+  app.addHook("onRequest", (req, _reply, done) => {
+    const kind = (req.routeOptions.config as { e2b?: string } | undefined)?.e2b;
+    if (kind === "envd") {
+      const id = sandboxIdOf(req)!;
+      if (!tokens.verify(id, req.headers["x-access-token"])) return done(new KilnError("unauthorized", "invalid or missing X-Access-Token for this sandbox"));
+      return done();
+    }
+    if (kind !== "control") return done();
+    const header = req.headers["x-api-key"];
+    const bearer = /^Bearer\s+(\S+)\s*$/i.exec(String(req.headers.authorization ?? ""))?.[1];
+    const key = typeof header === "string" && header ? header : bearer;
+    if (!key) return done(new KilnError("unauthorized", "missing API key: send X-API-Key"));
+    services.keys.verify(key).then((keyId) => {
+      if (!keyId) return done(new KilnError("unauthorized", "invalid API key"));
+      req.apiKeyId = keyId;
+      done();
+    }, done);
+  });
+
+  app.setErrorHandler((err, req, reply) => {
+    const isRpc = (req.routeOptions.config as { e2b?: string } | undefined)?.e2b === "envd" && /^\/[a-z]+\.[A-Za-z]+\//.test(req.url);
+    if (isRpc) return sendUnaryError(reply, err);
+    const { status, body } = e2bError(err);
+    if (status >= 500) req.log.error({ err }, "request failed");
+    else req.log.info({ code: status }, "request refused");
+    return reply.code(status).type("application/json; charset=utf-8").send(body);
+  });
+
+  // After ready, so the websocket plugin's upgrade listener is among those it passes everything else to.
+  app.addHook("onReady", (done) => {
+    installPortProxy(app.server, { machines: services.machines, verify: tokens.verify, envdPort: ENVD_PORT });
+    done();
+  });
+
+  const readyListeners: ((id: string) => void)[] = [];
+  await controlRoutes(app, { services, tokenOf: tokens.tokenOf, domain: publicDomain(opts.publicUrl), sandboxReady: (id) => readyListeners.forEach((fn) => fn(id)) });
+  await envdRoutes(app, {
+    services,
+    processes,
+    sandboxIdOf: (req) => sandboxIdOf(req)!,
+    bodyLimit: app.initialConfig.bodyLimit ?? 1024 * 1024,
+    onSandboxReady: (fn) => readyListeners.push(fn),
+  });
+}
