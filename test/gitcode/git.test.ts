@@ -333,6 +333,8 @@ test("a client that hangs up cancels its git run: the process and the scratch di
   const hang = await hangingServer();
   try {
     const password = freshPassword();
+    // This test's own hanging server (an earlier test may have pointed `hang` at one that is closed now).
+    await sh(`cd /workspace/app && (git remote remove hang 2>/dev/null; git remote add hang http://host.kiln.internal:${hang.port}/x.git)`, "user");
     const controller = new AbortController();
     const pending = request(`${k.url}/v1/machines/${m.id}/git/push`, {
       method: "POST",
