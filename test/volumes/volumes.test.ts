@@ -45,7 +45,7 @@ function get(volumeId: string, path: string) {
 function hostHolds(dataDir: string): { loops: string[]; mounts: string[] } {
   const loops = execFileSync("losetup", ["-a"], { encoding: "utf8" })
     .split("\n")
-    .filter((l) => l.includes(dataDir));
+    .filter((l) => l.includes(join(dataDir, "volumes"))); // machines' own disks are loop devices too
   const mounts = readFileSync("/proc/self/mountinfo", "utf8")
     .split("\n")
     .filter((l) => l.includes(join(dataDir, "volumes")));
