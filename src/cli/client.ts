@@ -27,6 +27,18 @@ export interface ApiClient {
   call<T>(method: string, path: string, body?: unknown, headers?: Record<string, string>): Promise<T>;
 }
 
+/** Every item of a paginated list (`{<items>: [...], next_cursor}`), page by page; `query` adds filters. */
+export async function* listAll<T>(client: ApiClient, path: string, items: string, query: Record<string, string> = {}): AsyncGenerator<T> {
+  let cursor: string | null = null;
+  do {
+    const q = new URLSearchParams({ ...query, limit: "100" });
+    if (cursor) q.set("cursor", cursor);
+    const page = await client.call<Record<string, unknown> & { next_cursor: string | null }>("GET", `${path}?${q}`);
+    yield* page[items] as T[];
+    cursor = page.next_cursor;
+  } while (cursor);
+}
+
 export function apiClient(): ApiClient {
   const config = loadConfigOrExit();
   const baseUrl = (process.env.KILN_URL || `http://${config.host}:${config.port}`).replace(/\/+$/, "");

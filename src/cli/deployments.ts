@@ -2,7 +2,7 @@
 // for people, over HTTP. Public URLs carry an edge token: they are printed only when asked for (--urls).
 
 import type { Command } from "commander";
-import { apiClient } from "./client.ts";
+import { apiClient, listAll } from "./client.ts";
 
 const collect = (v: string, prev: string[] = []) => [...prev, v];
 
@@ -91,15 +91,10 @@ export function deploymentCommands(program: Command) {
     .description("List deployments")
     .action(async () => {
       const client = apiClient();
-      let cursor: string | null = null;
-      do {
-        const q = new URLSearchParams({ limit: "100" });
-        if (cursor) q.set("cursor", cursor);
-        const page: { deployments: { id: string; name: string; status: string; version: number; replicas: number; rollout_status: string }[]; next_cursor: string | null } =
-          await client.call("GET", `/v1/agent-deployments?${q}`);
-        for (const d of page.deployments) process.stdout.write(`${d.id}\t${d.name}\tv${d.version}\t${d.replicas} replica(s)\t${d.status}\trollout ${d.rollout_status}\n`);
-        cursor = page.next_cursor;
-      } while (cursor);
+      type DeploymentLine = { id: string; name: string; status: string; version: number; replicas: number; rollout_status: string };
+      for await (const d of listAll<DeploymentLine>(client, "/v1/agent-deployments", "deployments")) {
+        process.stdout.write(`${d.id}\t${d.name}\tv${d.version}\t${d.replicas} replica(s)\t${d.status}\trollout ${d.rollout_status}\n`);
+      }
     });
 
   deployments

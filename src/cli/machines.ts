@@ -1,7 +1,7 @@
 // `kiln machines create|ls|get|rm|exec|hibernate|resume`: the machine API for people, over HTTP.
 
 import type { Command } from "commander";
-import { apiClient, fail } from "./client.ts";
+import { apiClient, fail, listAll } from "./client.ts";
 import { openShell } from "./shell.ts";
 import type { MachineView } from "../services/machines.ts";
 
@@ -61,15 +61,9 @@ export function machineCommands(program: Command) {
       const client = apiClient();
       const statuses = opts.all ? [undefined, "destroyed", "failed"] : [undefined];
       for (const status of statuses) {
-        let cursor: string | null = null;
-        do {
-          const q = new URLSearchParams({ limit: "100" });
-          if (status) q.set("status", status);
-          if (cursor) q.set("cursor", cursor);
-          const page: { machines: MachineView[]; next_cursor: string | null } = await client.call("GET", `/v1/machines?${q}`);
-          for (const m of page.machines) process.stdout.write(`${m.id}\t${m.status}\t${m.name ?? "-"}\t${m.created_at}\texpires ${m.expires_at}\n`);
-          cursor = page.next_cursor;
-        } while (cursor);
+        for await (const m of listAll<MachineView>(client, "/v1/machines", "machines", status ? { status } : {})) {
+          process.stdout.write(`${m.id}\t${m.status}\t${m.name ?? "-"}\t${m.created_at}\texpires ${m.expires_at}\n`);
+        }
       }
     });
 

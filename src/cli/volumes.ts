@@ -3,7 +3,7 @@
 
 import type { Command } from "commander";
 import { WebSocket } from "ws";
-import { apiClient, fail } from "./client.ts";
+import { apiClient, fail, listAll } from "./client.ts";
 import type { VolumeView } from "../services/volumes.ts";
 
 export function volumeCommands(program: Command) {
@@ -25,14 +25,7 @@ export function volumeCommands(program: Command) {
     .description("List volumes")
     .action(async () => {
       const client = apiClient();
-      let cursor: string | null = null;
-      do {
-        const q = new URLSearchParams({ limit: "100" });
-        if (cursor) q.set("cursor", cursor);
-        const page: { volumes: VolumeView[]; next_cursor: string | null } = await client.call("GET", `/v1/volumes?${q}`);
-        for (const v of page.volumes) process.stdout.write(`${v.id}\t${v.name}\t${v.size_mb} MiB\t${v.created_at}\n`);
-        cursor = page.next_cursor;
-      } while (cursor);
+      for await (const v of listAll<VolumeView>(client, "/v1/volumes", "volumes")) process.stdout.write(`${v.id}\t${v.name}\t${v.size_mb} MiB\t${v.created_at}\n`);
     });
 
   volumes

@@ -1,7 +1,7 @@
 // `kiln webhooks create|ls|get|rm|deliveries|retry`: lifecycle webhooks for people, over HTTP.
 
 import type { Command } from "commander";
-import { apiClient } from "./client.ts";
+import { apiClient, listAll } from "./client.ts";
 import type { DeliveryView, WebhookView } from "../services/webhooks.ts";
 
 const collect = (v: string, prev: string[] = []) => [...prev, ...v.split(",").filter(Boolean)];
@@ -43,14 +43,9 @@ export function webhookCommands(program: Command) {
     .description("List webhooks")
     .action(async () => {
       const client = apiClient();
-      let cursor: string | null = null;
-      do {
-        const q = new URLSearchParams({ limit: "100" });
-        if (cursor) q.set("cursor", cursor);
-        const page: { webhooks: WebhookView[]; next_cursor: string | null } = await client.call("GET", `/v1/lifecycle/webhooks?${q}`);
-        for (const h of page.webhooks) process.stdout.write(`${h.id}\t${h.enabled ? "enabled" : "disabled"}\t${h.operations.join(",")}\t${h.url}\n`);
-        cursor = page.next_cursor;
-      } while (cursor);
+      for await (const h of listAll<WebhookView>(client, "/v1/lifecycle/webhooks", "webhooks")) {
+        process.stdout.write(`${h.id}\t${h.enabled ? "enabled" : "disabled"}\t${h.operations.join(",")}\t${h.url}\n`);
+      }
     });
 
   hooks

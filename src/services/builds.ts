@@ -33,7 +33,7 @@ import { artifactConfig } from "../builder/artifact-config.ts";
 import { selectContext } from "../builder/context.ts";
 import { verifyStartCommand } from "../builder/phases/startup.ts";
 import { BuildCancelled, BuildFailure } from "../builder/failure.ts";
-import { decodeCursor, encodeCursor } from "../store/cursor.ts";
+import { encodeCursor, pageAfter } from "../store/cursor.ts";
 import { createBuildRetention } from "./build-retention.ts";
 
 export const BUILD_DEFAULTS = { tags: ["default"], vcpus: 1, memoryMb: 1024, internet: true, maxAttempts: 3 } as const;
@@ -516,13 +516,8 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
     if (q.status) query = query.where("status", "=", q.status);
     if (q.build_backend) query = query.where("build_backend", "=", q.build_backend);
     if (q.source_type) query = query.where("source_type", "=", q.source_type);
-    if (q.cursor) {
-      let after: [string, string];
-      try {
-        after = decodeCursor(q.cursor, 2) as [string, string];
-      } catch {
-        throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
-      }
+    const after = pageAfter(q.cursor);
+    if (after) {
       query = query.where((eb) => eb.or([eb("created_at", "<", after[0]), eb.and([eb("created_at", "=", after[0]), eb("id", "<", after[1])])]));
     }
     const rows = await query.execute();

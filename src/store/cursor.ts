@@ -1,6 +1,8 @@
 // Opaque pagination cursors: the sort key of the last row a page returned (for machines: created_at and id),
 // wrapped so clients treat it as opaque. Keyset pages stay stable while rows are inserted between requests.
 
+import { KilnError } from "../errors.ts";
+
 export class InvalidCursorError extends Error {}
 
 export function encodeCursor(key: string[]): string {
@@ -17,4 +19,17 @@ export function decodeCursor(cursor: string, parts: number): string[] {
     // fall through
   }
   throw new InvalidCursorError("cursor is not a cursor this server issued");
+}
+
+/**
+ * Where a newest-first page keyed on (created_at, id) starts: undefined for the first page; a cursor this server did
+ * not issue is the caller's mistake (400).
+ */
+export function pageAfter(cursor: string | undefined): [string, string] | undefined {
+  if (!cursor) return undefined;
+  try {
+    return decodeCursor(cursor, 2) as [string, string];
+  } catch {
+    throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
+  }
 }

@@ -7,7 +7,7 @@ import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { SERVICE_STATUSES, DEPLOYMENT_STATUSES, ROLLOUT_STATUSES } from "../../services/deployments.ts";
 import { errors, Cursor, Id, Limit } from "../schemas.ts";
-import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
+import { encodeCursor, pageAfter } from "../../store/cursor.ts";
 import { KilnError } from "../../errors.ts";
 
 const Port = Type.Integer({ minimum: 1, maximum: 65535 });
@@ -157,14 +157,7 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
       },
     },
     async (req) => {
-      let after: [string, string] | undefined;
-      if (req.query.cursor) {
-        try {
-          after = decodeCursor(req.query.cursor, 2) as [string, string];
-        } catch {
-          throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
-        }
-      }
+      const after = pageAfter(req.query.cursor);
       const page = await deployments.list({ limit: req.query.limit ?? 50, after });
       return { deployments: page.deployments, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
     },

@@ -6,8 +6,7 @@ import type { Services } from "../../services/index.ts";
 import { MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES } from "../../services/machines.ts";
 import { errors, Cursor, Envs, Id, Limit, Machine, MachinePath, Metadata, NoNul, UserName } from "../schemas.ts";
 import { INPUT_LIMITS } from "../../services/input-limits.ts";
-import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
-import { KilnError } from "../../errors.ts";
+import { encodeCursor, pageAfter } from "../../store/cursor.ts";
 import { EXEC_ENCODINGS } from "../../services/exec.ts";
 import { VOLUME_LIMITS } from "../../services/volumes.ts";
 
@@ -105,14 +104,7 @@ export async function machineRoutes(app: App, opts: { services: Services }) {
       },
     },
     async (req) => {
-      let after: [string, string] | undefined;
-      if (req.query.cursor) {
-        try {
-          after = decodeCursor(req.query.cursor, 2) as [string, string];
-        } catch {
-          throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
-        }
-      }
+      const after = pageAfter(req.query.cursor);
       const page = await machines.list({ limit: req.query.limit ?? 50, after, status: req.query.status });
       return { machines: page.machines, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
     },

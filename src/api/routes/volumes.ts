@@ -7,7 +7,7 @@ import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { VOLUME_LIMITS, VOLUME_STATUSES } from "../../services/volumes.ts";
 import { errors, Cursor, FileMetadata, Id, Limit, OctalMode } from "../schemas.ts";
-import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
+import { encodeCursor, pageAfter } from "../../store/cursor.ts";
 import { KilnError } from "../../errors.ts";
 import { limitBytes } from "./files.ts";
 
@@ -54,14 +54,7 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
       },
     },
     async (req) => {
-      let after: [string, string] | undefined;
-      if (req.query.cursor) {
-        try {
-          after = decodeCursor(req.query.cursor, 2) as [string, string];
-        } catch {
-          throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
-        }
-      }
+      const after = pageAfter(req.query.cursor);
       const page = await volumes.list({ limit: req.query.limit ?? 50, after });
       return { volumes: page.volumes, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
     },

@@ -6,8 +6,7 @@ import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { DELIVERY_STATUSES, WEBHOOK_OPERATIONS } from "../../services/webhooks.ts";
 import { errors, Cursor, Id, Limit } from "../schemas.ts";
-import { decodeCursor, encodeCursor } from "../../store/cursor.ts";
-import { KilnError } from "../../errors.ts";
+import { encodeCursor, pageAfter } from "../../store/cursor.ts";
 
 const tags = ["Machines"];
 const Url = Type.String({ minLength: 1, maxLength: 2048, description: "Receiver URL, http or https, without credentials" });
@@ -55,15 +54,6 @@ const Delivery = Type.Object({
 const HookParams = Type.Object({ webhook_id: Id });
 const DeliveryParams = Type.Object({ webhook_id: Id, delivery_id: Id });
 
-function after(cursor: string | undefined): [string, string] | undefined {
-  if (!cursor) return undefined;
-  try {
-    return decodeCursor(cursor, 2) as [string, string];
-  } catch {
-    throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
-  }
-}
-
 export async function webhookRoutes(app: App, opts: { services: Services }) {
   const { webhooks } = opts.services;
 
@@ -91,7 +81,7 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
       },
     },
     async (req) => {
-      const page = await webhooks.list({ limit: req.query.limit ?? 50, after: after(req.query.cursor) });
+      const page = await webhooks.list({ limit: req.query.limit ?? 50, after: pageAfter(req.query.cursor) });
       return { webhooks: page.items, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
     },
   );
@@ -147,7 +137,7 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
       },
     },
     async (req) => {
-      const page = await webhooks.listDeliveries(req.params.webhook_id, { limit: req.query.limit ?? 50, after: after(req.query.cursor), status: req.query.status });
+      const page = await webhooks.listDeliveries(req.params.webhook_id, { limit: req.query.limit ?? 50, after: pageAfter(req.query.cursor), status: req.query.status });
       return { deliveries: page.items, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
     },
   );

@@ -7,7 +7,7 @@
 
 import { spawn } from "node:child_process";
 import { existsSync, lstatSync, readFileSync, realpathSync } from "node:fs";
-import { chmod, copyFile, lchown, lstat, mkdir, mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
+import { chmod, copyFile, mkdir, mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
 import { isAbsolute, join, relative, resolve } from "node:path";
 import { HOST_ID_BASE, ID_RANGE } from "../../runtime/oci/idmap.ts";
 import { KilnError } from "../../errors.ts";

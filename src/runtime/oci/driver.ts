@@ -5,7 +5,7 @@ import { execFile, spawn } from "node:child_process";
 import { connect, createServer } from "node:net";
 import { get as httpGet } from "node:http";
 import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync } from "node:fs";
-import { chmod, chown, link, mkdir, readFile, rename, rm, writeFile } from "node:fs/promises";
+import { chmod, chown, link, mkdir, readFile, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import { DEFAULT_DISK_MB } from "../driver.ts";
