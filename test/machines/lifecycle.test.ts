@@ -44,6 +44,9 @@ test("create answers a running machine from local/base, and exec runs in it", as
   assert.equal(r.exit_code, 0);
   assert.equal(r.stdout, "hello\nuser\n/workspace\n");
   assert.deepEqual(await events(m.id), ["create"]);
+  // What agents (and E2B's `base` users) expect to find in the base template.
+  const tools = await sh(m.id, "for t in python python3 pip bash git curl; do command -v $t >/dev/null && echo $t; done; python -c 'print(6*7)'");
+  assert.equal(tools.stdout, "python\npython3\npip\nbash\ngit\ncurl\n42\n");
 });
 
 test("the warm pool hands out booted machines that still honour envs, cwd and user, and refills", async () => {
