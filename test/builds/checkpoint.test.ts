@@ -65,3 +65,14 @@ test("the checkpoint image is kept with the artifact's layers", { skip: TEST_RUN
   assert.ok(existsSync(join(k.dataDir, "layers", `checkpoint-${built.buildId}`, "image")));
   assert.ok(existsSync(join(k.dataDir, "layers", `checkpoint-${built.buildId}`, "upper", "srv", "starts")));
 });
+
+test("retention removes a checkpoint with the artifact that names it", { skip: TEST_RUNTIME !== "runsc" }, async () => {
+  const body = (n: string) => ({ name: "short-lived", steps: [{ type: "write_file", path: "/srv/n", content: n }], start_cmd: "sleep infinity" });
+  const first = await buildOk(k, body("1"));
+  const second = await buildOk(k, body("2"));
+  const dir = (b: { buildId: string }) => join(k.dataDir, "layers", `checkpoint-${b.buildId}`);
+  assert.ok(existsSync(dir(first)) && existsSync(dir(second)));
+  await k.kiln.services.builds.collect(new Date(Date.now() + 30 * 86_400_000));
+  assert.equal(existsSync(dir(first)), false, "the expired artifact's checkpoint is gone");
+  assert.ok(existsSync(dir(second)), "the tagged artifact's checkpoint stays");
+});
