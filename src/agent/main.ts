@@ -224,10 +224,45 @@ const fdArg = process.argv.indexOf("--listen-fd");
 if (fdArg > 0) {
   server.listen({ fd: Number(process.argv[fdArg + 1]) });
 } else {
+  listenOnPath();
+  process.on("SIGUSR2", letGoForCheckpoint);
+}
+
+function listenOnPath() {
   const path = socketPath();
   mkdirSync(dirname(path), { recursive: true });
   if (existsSync(path)) unlinkSync(path); // stale from an earlier boot
   server.listen(path, () => chmodSync(path, 0o600));
+}
+
+// runsc cannot checkpoint a sandbox holding a socket bound to a host path (host-uds). On SIGUSR2 the agent lets go of
+// its listener and every connection; a restored copy cannot be told through a socket it no longer has, so it polls
+// for a file the host writes into the bound run dir, for a bounded time, and listens again when it appears.
+const RELISTEN_FILE = "relisten";
+const RELISTEN_WAIT_MS = 10 * 60_000;
+const connections = new Set<import("node:net").Socket>();
+server.on("connection", (socket) => {
+  connections.add(socket);
+  socket.once("close", () => connections.delete(socket));
+});
+
+function letGoForCheckpoint() {
+  if (!server.listening) return;
+  const trigger = `${dirname(socketPath())}/${RELISTEN_FILE}`;
+  server.close();
+  for (const socket of connections) socket.destroy();
+  const until = Date.now() + RELISTEN_WAIT_MS;
+  const poll = setInterval(() => {
+    if (!existsSync(trigger) && Date.now() < until) return;
+    clearInterval(poll);
+    // No way to report a failure from here: the host sees no socket, gives up on this machine and says why.
+    server.once("error", () => undefined);
+    try {
+      listenOnPath();
+    } catch {
+      /* as above */
+    }
+  }, 20);
 }
 
 // Credentials of a git run cut short by an agent crash do not outlive it.

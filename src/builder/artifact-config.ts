@@ -2,6 +2,7 @@
 // digests, and the start/ready commands a machine runs at create. Stored as JSON on the artifact row.
 
 import type { ArtifactRow } from "../store/schema.ts";
+import type { MachineCheckpoint } from "../runtime/driver.ts";
 import type { ImageConfig } from "./sources/source.ts";
 
 export interface ArtifactConfig {
@@ -13,6 +14,8 @@ export interface ArtifactConfig {
   runtimeDefaults?: { envs?: Record<string, string>; cwd?: string; user?: string };
   startCmd?: string;
   readyCmd?: string;
+  /** gVisor: the build machine saved once start_cmd was ready; machines continue it instead of starting it. */
+  checkpoint?: MachineCheckpoint;
 }
 
 export function artifactConfig(row: Pick<ArtifactRow, "config_json">): ArtifactConfig {

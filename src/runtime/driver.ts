@@ -26,6 +26,19 @@ export interface MachineSpec {
   network?: EgressRules;
   /** Host directories bind-mounted into the machine (volumes); read-write unless `readOnly`. */
   mounts: { hostPath: string; guestPath: string; readOnly?: boolean }[];
+  /** Continue a checkpointed machine instead of booting one (drivers with `checkpoint` only). */
+  restore?: MachineCheckpoint;
+}
+
+/** A running machine saved by `checkpoint`: its memory image and its writable layer at that moment. */
+export interface MachineCheckpoint {
+  imageDir: string;
+  /** Laid over the machine's layers as the highest read-only layer, so the restored processes find their files. */
+  upperDir: string;
+  /** Whether the machine had a network: a restore keeps the saved network stack, so only a like machine can take it. */
+  internet: boolean;
+  /** The guest runtime (agent, node) the saved processes run: a restore reopens its files, so they must not change. */
+  guestRuntime: string;
 }
 
 export type LiveState = "running" | "paused";
@@ -65,6 +78,13 @@ export interface MachineDriver {
    * overlayfs form and the machines' uid range), then removes the machine like destroy.
    */
   captureLayer(id: string, destDir: string): Promise<void>;
+  /**
+   * Saves the running machine (every process, its memory, its writable layer) under `destDir` and stops it, for
+   * `create({ restore })` to continue. Absent where the runtime cannot (runc: CRIU fails on this host's kernel).
+   */
+  checkpoint?(id: string, destDir: string): Promise<MachineCheckpoint>;
+  /** Whether `create({ restore })` can continue this checkpoint here (runtime, guest runtime and image as saved). */
+  canRestore?(saved: MachineCheckpoint): boolean;
   /**
    * Why a machine whose processes are gone died, as far as the host can tell: "out_of_memory" when the kernel's OOM
    * killer killed in its memory cgroup. Must be asked before destroy (which removes the cgroup).

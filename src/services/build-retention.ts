@@ -2,8 +2,9 @@
 // once no machine uses them; then layer directories no artifact or cache entry needs go, so rebuilds stay bounded.
 
 import { readdir, rm, stat } from "node:fs/promises";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 import type { Db } from "../store/schema.ts";
+import { artifactConfig } from "../builder/artifact-config.ts";
 
 export function createBuildRetention(deps: { db: Db; layersDir: string; retentionS: number; buildsRunning: () => boolean }) {
   const { db, layersDir } = deps;
@@ -27,7 +28,11 @@ export function createBuildRetention(deps: { db: Db; layersDir: string; retentio
     const staleBefore = new Date(now.getTime() - deps.retentionS * 1000).toISOString();
     await db.deleteFrom("build_cache").where("last_used_at", "<", staleBefore).execute();
     const keep = new Set<string>();
-    for (const a of await db.selectFrom("artifacts").select("layers_json").execute()) for (const d of JSON.parse(a.layers_json) as string[]) keep.add(d);
+    for (const a of await db.selectFrom("artifacts").select(["layers_json", "config_json"]).execute()) {
+      for (const d of JSON.parse(a.layers_json) as string[]) keep.add(d);
+      const saved = artifactConfig(a).checkpoint;
+      if (saved) keep.add(dirname(saved.imageDir));
+    }
     for (const c of await db.selectFrom("build_cache").select("layer_dir").execute()) if (c.layer_dir) keep.add(c.layer_dir);
     let layers = 0;
     const entries = await readdir(layersDir).catch(() => [] as string[]);

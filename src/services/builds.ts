@@ -336,9 +336,10 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
         if (req.runtime_defaults?.user) image.user = req.runtime_defaults.user;
         const config: ArtifactConfig = { image, layerDigests: layers.map((l) => l.digest), runtimeDefaults: req.runtime_defaults, startCmd: req.start_cmd, readyCmd: req.ready_cmd };
         if (config.startCmd) {
-          await verifyStartCommand({ driver: deps.driver, layers: layers.map((l) => l.dir), config, vm: buildVm(req), log: emit });
+          // Kept beside the layers and removed by retention with the artifact that names it.
+          const checkpointDir = join(layersDir, `checkpoint-${p.buildId}`);
+          config.checkpoint = await verifyStartCommand({ driver: deps.driver, layers: layers.map((l) => l.dir), config, vm: buildVm(req), log: emit, checkpointDir });
           if (signal.aborted) throw new BuildCancelled();
-          emit({ kind: "message", phase: "snapshot", message: "start_cmd got ready; no checkpoint is taken (CRIU cannot checkpoint on this host): machines made from this template start start_cmd at create and wait for its readiness" });
         }
         artifactId = await recordArtifact(p, layers.map((l) => l.dir), config, srcDigest);
         count("final_artifact_stores");

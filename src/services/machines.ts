@@ -184,7 +184,12 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     await deps.admission?.admit({ vcpus, memoryMb, diskMb });
     // A machine already booted with exactly this shape answers at once; its id is the one it was booted with.
     // One with volumes boots fresh: warm machines have no mounts (room: volumes).
-    const warm = input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules });
+    // gVisor: continue the build machine saved once start_cmd was ready, where this machine can take it (same
+    // network setting, same guest runtime, image still on disk); otherwise start_cmd starts here and create waits for
+    // its readiness.
+    const saved = image.checkpoint;
+    const restore = saved && saved.internet === (input.internet !== false) && driver.canRestore?.(saved) ? saved : undefined;
+    const warm = restore || input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules });
     const row = {
       id: warm?.id ?? newId("mch"),
       template_id: resolved.template.id,
@@ -224,6 +229,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
           internet: row.internet === 1,
           network: hasRules ? network : undefined,
           mounts,
+          restore,
         }));
         const agent = attach(live);
         // The user must exist in the machine's own /etc/passwd; envs live in the agent, never in a record.
@@ -232,7 +238,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
         });
         // The start command sees the template's envs only; create-time envs apply to what runs after it.
         if (Object.keys(image.image.env).length > 0) await agent.setEnvs(image.image.env);
-        await runStartCommand(agent, image, row.user);
+        if (!restore) await runStartCommand(agent, image, row.user);
         if (input.envs && Object.keys(input.envs).length > 0) await agent.setEnvs({ ...image.image.env, ...input.envs });
         // The machine's cwd is where its commands start: make sure it exists, owned by the machine's user.
         if (row.cwd) await agent.mkdir(row.cwd, { user: row.user });

@@ -1,10 +1,10 @@
 // A template's start command: launched in its own session with only the template's envs and held to its readiness
-// check — at every machine create (CRIU cannot checkpoint a running process on this host), and once during the build
-// so a start command that never gets ready fails the build instead of every create.
+// check once during the build. Under gVisor the ready build machine is checkpointed and machines continue it; under
+// runc (CRIU cannot checkpoint on this host) every machine create starts it again and waits for readiness.
 
 import type { AgentClient } from "../../runtime/agent-client.ts";
 import { createAgentClient } from "../../runtime/agent-client.ts";
-import type { MachineDriver } from "../../runtime/driver.ts";
+import type { MachineCheckpoint, MachineDriver } from "../../runtime/driver.ts";
 import { newId } from "../../store/ids.ts";
 import type { ArtifactConfig } from "../artifact-config.ts";
 import { shellQuote } from "../dockerfile.ts";
@@ -46,14 +46,18 @@ export async function runStartCommand(agent: AgentClient, config: ArtifactConfig
   }
 }
 
-/** Boots a machine on the artifact's layers, starts start_cmd and waits for readiness, then removes the machine. */
+/**
+ * Boots a machine on the artifact's layers, starts start_cmd and waits for readiness, then checkpoints it into
+ * `checkpointDir` where the driver can (a failed checkpoint only means machines start it at create), and removes it.
+ */
 export async function verifyStartCommand(opts: {
   driver: MachineDriver;
   layers: string[];
   config: ArtifactConfig;
   vm: { vcpus: number; memoryMb: number; internet: boolean };
   log: (e: LogInput) => void;
-}): Promise<void> {
+  checkpointDir: string;
+}): Promise<MachineCheckpoint | undefined> {
   const id = newId("mch");
   const user = opts.config.image.user ?? "user";
   opts.log({ kind: "message", phase: "startup", message: `starting start_cmd as ${user} in a machine made from the new layers` });
@@ -65,10 +69,24 @@ export async function verifyStartCommand(opts: {
     opts.log({ kind: "message", phase: "readiness", message: opts.config.readyCmd ? "waiting for ready_cmd to succeed" : `waiting for start_cmd to stay alive for ${ALIVE_FOR_MS} ms` });
     await runStartCommand(agent, opts.config, user);
   } catch (err) {
+    await agent?.close().catch(() => undefined);
+    await opts.driver.destroy(id).catch(() => undefined);
     const message = err instanceof KilnError ? err.message : `the start command could not be tried: ${(err as Error).message}`;
     throw new BuildFailure(message, { phase: "readiness", suggestedAction: "fix start_cmd or ready_cmd and build again" });
+  }
+  try {
+    await agent.close().catch(() => undefined);
+    if (!opts.driver.checkpoint) {
+      opts.log({ kind: "message", phase: "snapshot", message: "start_cmd got ready; no checkpoint is taken (CRIU cannot checkpoint on this host): machines will start it at create and wait for its readiness" });
+      return undefined;
+    }
+    const saved = await opts.driver.checkpoint(id, opts.checkpointDir);
+    opts.log({ kind: "message", phase: "snapshot", message: "start_cmd got ready and was checkpointed under gVisor: machines made from this template continue it instead of starting it again" });
+    return saved;
+  } catch (err) {
+    opts.log({ kind: "message", phase: "snapshot", level: "warn", message: `start_cmd got ready but the checkpoint failed (${(err as Error).message.slice(0, 300)}): machines will start it at create and wait for its readiness` });
+    return undefined;
   } finally {
-    await agent?.close().catch(() => undefined);
     await opts.driver.destroy(id).catch(() => undefined);
   }
 }

@@ -9,7 +9,7 @@ import { chmod, chown, link, mkdir, readFile, rm, writeFile } from "node:fs/prom
 import { join } from "node:path";
 import { promisify } from "node:util";
 import { DEFAULT_DISK_MB } from "../driver.ts";
-import type { DriverReadiness, LiveMachine, MachineDriver, MachineSpec } from "../driver.ts";
+import type { DriverReadiness, LiveMachine, MachineCheckpoint, MachineDriver, MachineSpec } from "../driver.ts";
 import type { Logger } from "../../log.ts";
 import { guestRuntimeComplete } from "../guest-runtime.ts";
 import { HOST_ID_BASE } from "./idmap.ts";
@@ -27,6 +27,10 @@ export { containerName } from "./runtime-cli.ts";
 const exec = promisify(execFile);
 
 const AGENT_WAIT_MS = 15_000;
+/** runsc: how long the agent may take to let go of its socket before a checkpoint (see agent/main.ts). */
+const LET_GO_WAIT_MS = 5_000;
+/** The file whose appearance in the bound run dir tells a restored agent to listen again (agent/main.ts). */
+const RELISTEN_FILE = "relisten";
 const PIDS_LIMIT = 4096;
 /** Disks of the default size kept formatted and mounted, so a create waits for neither mkfs nor mount. */
 const SPARE_DISKS = 3;
@@ -253,6 +257,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     await Promise.all([writeFile(join(p.dir, "config.json"), JSON.stringify(config)), rm(p.socket, { force: true }), rm(p.pidFile, { force: true }), mountRoot(spec, p)]);
     // runsc: the agent (machine root) makes its socket in the bound run dir, which is locked again once it has.
     if (!passFd) await chown(p.run, HOST_ID_BASE, HOST_ID_BASE);
+    // A restored agent has no socket and listens again once this appears (it polls; nothing can reach it yet).
+    if (spec.restore) await writeFile(join(p.run, RELISTEN_FILE), "");
 
     let pid: number | undefined;
     const listener = passFd ? await hostListener(p.socket) : undefined;
@@ -263,7 +269,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const log = openSync(p.log, "a");
     try {
       await new Promise<void>((resolve, reject) => {
-        const [command, args] = cli.runCommand({ id: spec.id, bundleDir: p.dir, pidFile: p.pidFile, internet: spec.internet, passListener: listener !== undefined });
+        const [command, args] = cli.runCommand({ id: spec.id, bundleDir: p.dir, pidFile: p.pidFile, internet: spec.internet, passListener: listener !== undefined, restoreFrom: spec.restore?.imageDir });
         const child = spawn(command, args, { stdio: listener ? ["ignore", log, log, listener.fd] : ["ignore", log, log] });
         child.once("error", (err) => reject(new Error(`${opts.runtime} could not be started: ${err.message}`)));
         child.once("exit", (code, signal) => (code === 0 ? resolve() : reject(new Error(`${opts.runtime} run of ${spec.id} exited ${code ?? signal}`))));
@@ -282,14 +288,21 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       agentReady,
       spec.internet && !netnsFirst ? egressCgroup!.then((cgroupProcs) => startSlirp({ target: { pid: pid! }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs })) : undefined,
     ]);
+    // The restored kernel still carries the build machine's hostname.
+    if (spec.restore) await cli.setHostname(spec.id, spec.hostname);
     // Machine root could otherwise swap its socket for a symlink the host would follow (to another machine's agent).
-    if (!passFd) await Promise.all([chown(p.run, 0, 0), chmod(p.run, 0o755)]);
+    if (!passFd) await Promise.all([chown(p.run, 0, 0), chmod(p.run, 0o755), rm(join(p.run, RELISTEN_FILE), { force: true })]);
     const ms = (a: number, b: number) => Math.round((b - a) * 10) / 10;
     opts.log.debug({ machine_id: spec.id, run_ms: ms(t0, tRun), agent_ms: ms(tRun, performance.now()) }, "machine booted");
     return { id: spec.id, state: "running", agentSocket: p.socket, pid };
   }
 
   async function create(spec: MachineSpec): Promise<LiveMachine> {
+    if (spec.restore && opts.runtime !== "runsc") throw new Error("only runsc machines can be restored from a checkpoint");
+    if (spec.restore && spec.restore.internet !== spec.internet) throw new Error("a checkpoint restores only into a machine with the same network setting");
+    // The saved writable layer lies over the template's as their highest layer: the restored processes find the
+    // files they had open, and the machine's own writes still go to its own upper dir. A later start keeps it.
+    if (spec.restore) spec = { ...spec, layers: [...spec.layers, spec.restore.upperDir] };
     const t0 = performance.now();
     const p = paths(spec.id);
     if (existsSync(p.dir)) throw new Error(`machine ${spec.id} already exists on this host`);
@@ -301,6 +314,42 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     await Promise.all([writeEtc(spec, p), writeFile(p.spec, JSON.stringify(spec))]);
     opts.log.debug({ machine_id: spec.id, prepare_ms: Math.round((performance.now() - t0) * 10) / 10 }, "machine prepared");
     return boot(spec);
+  }
+
+  /**
+   * runsc cannot save a sandbox that holds a socket bound to a host path, so the agent lets go of its socket first
+   * (on SIGUSR2). The sandbox stops once saved; its upper dir is copied out as it was at that moment.
+   */
+  async function checkpoint(id: string, destDir: string): Promise<MachineCheckpoint> {
+    const p = paths(id);
+    const spec = JSON.parse(await readFile(p.spec, "utf8")) as MachineSpec;
+    const saved: MachineCheckpoint = { imageDir: join(destDir, "image"), upperDir: join(destDir, "upper"), internet: spec.internet, guestRuntime: opts.guestRuntimeDir };
+    await cli.kill(id, "USR2");
+    // The host side of a host-uds socket may still take connections for a moment: the agent no longer answering
+    // is the sign, and runsc refusing a socket still bound is retried until the bound.
+    const deadline = performance.now() + LET_GO_WAIT_MS;
+    while (await answersHealth(p.socket, 200)) {
+      if (performance.now() > deadline) throw new Error(`the guest agent of ${id} did not let go of its socket within ${LET_GO_WAIT_MS} ms`);
+      await sleep(10);
+    }
+    await mkdir(saved.imageDir, { recursive: true });
+    try {
+      for (;;) {
+        try {
+          await cli.checkpoint(id, saved.imageDir);
+          break;
+        } catch (err) {
+          if (!/bound host socket/i.test((err as Error).message) || performance.now() > deadline) throw err;
+          await sleep(50);
+        }
+      }
+      await mkdir(saved.upperDir);
+      await exec("cp", ["-a", "--preserve=all", `${p.layer.upper}/.`, saved.upperDir], { maxBuffer: 1024 * 1024 });
+    } catch (err) {
+      await rm(destDir, { recursive: true, force: true });
+      throw new Error(`checkpointing ${id} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
+    }
+    return saved;
   }
 
   async function releaseNetwork(id: string, p: Paths) {
@@ -376,7 +425,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       // A start after a crash may find the old container still registered (stopped): clear it first.
       await cli.remove(id);
       await releaseNetwork(id, p);
-      return boot(spec);
+      // A restart boots afresh on the same layers; the checkpoint is for the first boot only.
+      return boot({ ...spec, restore: undefined });
     },
 
     async hibernate(id) {
@@ -411,6 +461,9 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       // What is left (bundle, the disk image, sockets) goes as in destroy; the runtime already has no container.
       await rm(p.dir, { recursive: true, force: true });
     },
+
+    checkpoint: opts.runtime === "runsc" ? checkpoint : undefined,
+    canRestore: (saved) => opts.runtime === "runsc" && saved.guestRuntime === opts.guestRuntimeDir && existsSync(saved.imageDir) && existsSync(saved.upperDir),
 
     destroy,
 

@@ -34,6 +34,8 @@ export interface RunRequest {
   internet: boolean;
   /** runc: the listening socket at fd 3 is handed to the machine's first process. */
   passListener: boolean;
+  /** runsc: continue the machine saved in this checkpoint image dir instead of starting its first process. */
+  restoreFrom?: string;
 }
 
 export interface ContainerState {
@@ -82,7 +84,8 @@ export function createRuntimeCli(opts: { runtime: OciRuntime; stateRoot: string;
     runCommand(req: RunRequest): [string, string[]] {
       const network = runtime === "runsc" ? [`--network=${req.internet ? "sandbox" : "none"}`] : [];
       const fds = req.passListener ? ["--preserve-fds", "1"] : [];
-      const args = [...globalArgs(), ...network, "run", "--detach", "--pid-file", req.pidFile, ...fds, "--bundle", req.bundleDir, name(req.id)];
+      const verb = req.restoreFrom ? ["restore", "--image-path", req.restoreFrom] : ["run"];
+      const args = [...globalArgs(), ...network, ...verb, "--detach", "--pid-file", req.pidFile, ...fds, "--bundle", req.bundleDir, name(req.id)];
       if (runtime !== "runsc" || !req.internet) return [runtime, args];
       const hide = 'mount -t tmpfs -o size=4k,mode=555 kiln-hidden /proc/sys/net && exec "$0" "$@"';
       return ["unshare", ["--mount", "--propagation", "private", "sh", "-c", hide, runtime, ...args]];
@@ -99,6 +102,20 @@ export function createRuntimeCli(opts: { runtime: OciRuntime; stateRoot: string;
         if (gone(err as Error)) return undefined;
         throw err;
       }
+    },
+
+    /** runsc: names the UTS namespace of a restored machine (machine root lacks CAP_SYS_ADMIN to do it itself). */
+    async setHostname(id: string, hostname: string): Promise<void> {
+      await call(["exec", "--user", "0:0", "--cap", "CAP_SYS_ADMIN", name(id), "hostname", hostname], 10_000);
+    },
+
+    async kill(id: string, signal: string): Promise<void> {
+      await call(["kill", name(id), signal], 10_000);
+    },
+
+    /** runsc: saves the sandbox (memory, processes) into `imageDir`; the sandbox stops once saved. */
+    async checkpoint(id: string, imageDir: string): Promise<void> {
+      await call(["checkpoint", "--image-path", imageDir, name(id)], 120_000);
     },
 
     async pause(id: string): Promise<void> {
