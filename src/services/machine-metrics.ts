@@ -27,10 +27,16 @@ export interface MachineMetrics {
   disk_total_bytes: number | null;
 }
 
+interface CpuSample {
+  at: number;
+  cpuNs: number;
+}
+
 export function createMachineMetrics(deps: { machines: MachineService; driver: MachineDriver }) {
-  const last = new Map<string, { at: number; cpuNs: number }>();
+  /** Per machine, the CPU samples a later call measures from: the newest (`cur`) and the one before it. */
+  const samples = new Map<string, { cur: CpuSample; prev?: CpuSample }>();
   deps.machines.onStatus((id, status) => {
-    if (status !== "running") last.delete(id);
+    if (status !== "running") samples.delete(id);
   });
 
   async function sample(id: string): Promise<{ at: number; u: MachineUsage }> {
@@ -38,21 +44,29 @@ export function createMachineMetrics(deps: { machines: MachineService; driver: M
     return { at: performance.now(), u };
   }
 
+  /** The sample to measure from: `cur` when old enough, else the one before it (quick repeated calls wait for none). */
+  function baseFor(id: string, at: number, cpuNs: number): CpuSample | undefined {
+    const s = samples.get(id);
+    const usable = (x: CpuSample | undefined) => x && at - x.at >= MIN_WINDOW_MS && at - x.at <= REUSE_SAMPLE_MS && x.cpuNs <= cpuNs;
+    const base = usable(s?.cur) ? s!.cur : usable(s?.prev) ? s!.prev : undefined;
+    if (!s) samples.set(id, { cur: { at, cpuNs } });
+    else if (at - s.cur.at >= MIN_WINDOW_MS) samples.set(id, { cur: { at, cpuNs }, prev: s.cur });
+    return base;
+  }
+
   return {
     async get(id: string): Promise<MachineMetrics> {
       const { row } = await deps.machines.agentOf(id); // not found / not running answer here
       let now = await sample(id);
-      let prev = last.get(id);
-      if (!prev || now.at - prev.at > REUSE_SAMPLE_MS || now.at - prev.at < MIN_WINDOW_MS || now.u.cpuNs === null || now.u.cpuNs < prev.cpuNs) {
-        prev = now.u.cpuNs === null ? undefined : { at: now.at, cpuNs: now.u.cpuNs };
-        if (prev) {
-          await new Promise((r) => setTimeout(r, FRESH_WINDOW_MS));
-          now = await sample(id);
-        }
+      let prev = now.u.cpuNs === null ? undefined : baseFor(id, now.at, now.u.cpuNs);
+      if (!prev && now.u.cpuNs !== null) {
+        prev = { at: now.at, cpuNs: now.u.cpuNs };
+        await new Promise((r) => setTimeout(r, FRESH_WINDOW_MS));
+        now = await sample(id);
+        if (now.u.cpuNs !== null) baseFor(id, now.at, now.u.cpuNs);
       }
       const windowMs = prev ? now.at - prev.at : 0;
       const cpuPct = prev && now.u.cpuNs !== null && windowMs > 0 ? Math.min(100, ((now.u.cpuNs - prev.cpuNs) / 1e6 / windowMs / row.vcpus) * 100) : null;
-      if (now.u.cpuNs !== null) last.set(id, { at: now.at, cpuNs: now.u.cpuNs });
       const { memoryBytes, memoryCacheBytes } = now.u;
       return {
         machine_id: id,

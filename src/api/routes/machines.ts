@@ -26,7 +26,7 @@ const MachineMetrics = Type.Object({
   timestamp: Type.String({ format: "date-time" }),
   cpu_count: Type.Integer(),
   cpu_used_pct: Type.Union([Type.Number(), Type.Null()], { description: "Share of the machine's vCPUs used over the last cpu_window_ms, 0–100; null when the host cannot tell" }),
-  cpu_window_ms: Type.Integer({ description: "The interval cpu_used_pct covers: since the previous metrics call (up to 60 s), else a 200 ms sample" }),
+  cpu_window_ms: Type.Integer({ description: "The interval cpu_used_pct covers: since an earlier metrics call (0.1–60 s ago), else a 200 ms sample the call waits for" }),
   cpu_usage_ns: Type.Union([Type.Integer({ minimum: 0 }), Type.Null()], { description: "CPU time used since the machine (re)started" }),
   mem_used_bytes: { ...Bytes, description: "Memory in use, page cache excluded" },
   mem_cache_bytes: Bytes,
