@@ -70,6 +70,29 @@ function subdirs(dir: string, limit: number): string[] {
   return out;
 }
 
+/** Everything below `dir` (a directory that just appeared), breadth first, at most `limit` entries. */
+function entriesBelow(dir: string, limit: number): { path: string; isDir: boolean }[] {
+  const out: { path: string; isDir: boolean }[] = [];
+  const queue = [dir];
+  while (queue.length && out.length < limit) {
+    const d = queue.shift()!;
+    let entries: Dirent[];
+    try {
+      entries = readdirSync(d, { withFileTypes: true });
+    } catch {
+      continue;
+    }
+    for (const e of entries) {
+      if (e.name.startsWith(UPLOAD_PREFIX)) continue;
+      const p = join(d, e.name);
+      out.push({ path: p, isDir: e.isDirectory() });
+      if (e.isDirectory()) queue.push(p);
+      if (out.length >= limit) break;
+    }
+  }
+  return out;
+}
+
 export function createWatches(sink: WatchSink) {
   const watches = new Map<string, Watch>();
 
@@ -91,7 +114,8 @@ export function createWatches(sink: WatchSink) {
     sink.send(frame);
   }
 
-  function watchDir(w: Watch, dir: string) {
+  /** `starting`: a failure is the start's answer; later (a directory appearing) it must not throw out of an event. */
+  function watchDir(w: Watch, dir: string, starting = false) {
     if (w.dirs.has(dir)) return;
     if (w.dirs.size >= MAX_DIRS_PER_WATCH) {
       // Past the bound, new directories are not watched: their events are lost, which the client is told once.
@@ -99,7 +123,19 @@ export function createWatches(sink: WatchSink) {
       w.capped = true;
       return;
     }
-    const watcher = watch(dir, { persistent: false });
+    let watcher: FSWatcher;
+    try {
+      watcher = watch(dir, { persistent: false });
+    } catch (err) {
+      const gone = (err as NodeJS.ErrnoException).code === "ENOENT" && dir !== w.path;
+      if (starting) {
+        if (gone) return; // a subdirectory removed while the tree was walked
+        throw err;
+      }
+      // Gone again before its watch was set (ENOENT), or out of inotify watches (ENOSPC): its events are lost.
+      if (!gone) emit(w, { type: "resync_required", watch_id: w.id, path: w.path, reason: "too_many_directories" });
+      return;
+    }
     w.dirs.set(dir, watcher);
     watcher.on("change", (kind, name) => onChange(w, dir, kind, name));
     // inotify failed under this directory (it went away, a watch limit): drop it; a removed root ends the watch.
@@ -122,7 +158,8 @@ export function createWatches(sink: WatchSink) {
   function onChange(w: Watch, dir: string, kind: string, name: string | Buffer | null) {
     if (!watches.has(w.id)) return;
     // An event of the directory itself (deleted or moved away): its own entry in the parent reports it.
-    if (name === null) return void (statOf(dir) ? undefined : unwatchTree(w, dir));
+    // (inotify's delete-self comes with the directory's own name: any event of a directory that is gone is that.)
+    if (name === null || !statOf(dir)) return void (statOf(dir) ? undefined : unwatchTree(w, dir));
     const path = posix.normalize(join(dir, name.toString()));
     const now = statOf(path);
     // An upload through the files API in flight is not shown: its rename into place is the event, a write when it
@@ -151,9 +188,9 @@ export function createWatches(sink: WatchSink) {
     else if (event === "create" && now?.[2]) {
       // A new directory: watch it and what it already holds; entries made before its watch are reported as created.
       watchDir(w, path);
-      for (const sub of subdirs(path, MAX_DIRS_PER_WATCH - w.dirs.size)) {
-        emit(w, { type: "file_event", watch_id: w.id, event: "create", path: sub, is_dir: true });
-        watchDir(w, sub);
+      for (const e of entriesBelow(path, MAX_DIRS_PER_WATCH)) {
+        emit(w, { type: "file_event", watch_id: w.id, event: "create", path: e.path, is_dir: e.isDir });
+        if (e.isDir) watchDir(w, e.path);
       }
     }
   }
@@ -175,11 +212,11 @@ export function createWatches(sink: WatchSink) {
       const normalized = posix.normalize(path);
       const w: Watch = { id: `wch_${randomUUID().replaceAll("-", "").slice(0, 20)}`, path: normalized, recursive: f.recursive === true, dirs: new Map(), seen: new Map(), dropped: false, capped: false, uploads: new Map() };
       try {
-        watchDir(w, normalized);
+        watchDir(w, normalized, true);
         if (w.recursive) {
           const below = subdirs(normalized, MAX_DIRS_PER_WATCH);
           if (below.length >= MAX_DIRS_PER_WATCH) throw new AgentFailure("conflict", `${path} holds more than ${MAX_DIRS_PER_WATCH} directories; watch a smaller tree`);
-          for (const d of below) watchDir(w, d);
+          for (const d of below) watchDir(w, d, true);
         }
       } catch (err) {
         closeWatch(w);

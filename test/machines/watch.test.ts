@@ -106,3 +106,17 @@ test("file watch: bad frames get error frames and change nothing", async () => {
   await c.next((f) => f.type === "file_watch.started" && f.request_id === "ok");
   c.ws.close();
 });
+
+test("file watch: directories made and removed at once under a recursive watch leave the agent and the watch working", async () => {
+  const c = await connect();
+  await run(c, "mkdir -p /workspace/churn");
+  c.send({ type: "file_watch", request_id: "c", path: "/workspace/churn", recursive: true });
+  const { watch_id } = await c.next((f) => f.type === "file_watch.started" && f.request_id === "c");
+  await run(c, "for i in $(seq 100); do mkdir -p /workspace/churn/d$i/x/y && rm -rf /workspace/churn/d$i; done");
+  await run(c, "mkdir /workspace/churn/stays && echo z > /workspace/churn/stays/f");
+  // The file made before the new directory's watch was set is reported from the directory's scan.
+  await c.next((f) => f.type === "file_event" && f.watch_id === watch_id && f.path === "/workspace/churn/stays/f", 15_000);
+  // A directory's own deletion is reported once, by its parent, never as a child named like itself.
+  assert.ok(!c.frames.some((f) => f.type === "file_event" && /\/(d\d+)\/\1$/.test(f.path)), JSON.stringify(c.frames.slice(0, 5)));
+  c.ws.close();
+});
