@@ -12,6 +12,9 @@ import type { FileInfo, UserInfo } from "./protocol.ts";
 import { groupName, userName } from "./users.ts";
 import { AgentFailure, fsFailure } from "./errors.ts";
 
+/** Uploads are written beside their target under this prefix, then renamed into place (a watch hides them). */
+export const UPLOAD_PREFIX = ".kiln-upload-";
+
 function typeOf(st: Stats): FileInfo["type"] {
   if (st.isSymbolicLink()) return "symlink";
   if (st.isDirectory()) return "directory";
@@ -95,7 +98,8 @@ export async function writeFileAtomic(path: string, body: Readable, opts: { mode
   const existing = await lstat(path).catch(() => undefined);
   if (existing?.isDirectory()) throw new AgentFailure("invalid_request", `${path} is a directory`);
   await makeDirs(dirname(path), opts.owner);
-  const temp = join(dirname(path), `.kiln-upload-${randomBytes(6).toString("hex")}`);
+  // The name tells a watch (src/agent/watch.ts) whether the rename into place replaces a file: r, or n for new.
+  const temp = join(dirname(path), `${UPLOAD_PREFIX}${existing ? "r" : "n"}${randomBytes(6).toString("hex")}`);
   try {
     await pipeline(body, createWriteStream(temp, { mode: 0o600 }));
     await chmod(temp, opts.mode ?? (existing ? existing.mode & 0o7777 : 0o644));

@@ -217,7 +217,11 @@ export type PtyKillFrame = { type: "pty.kill"; request_id?: string; signal?: str
 /** Attaches this socket to the session and replays held output from `offset` (default: the oldest byte held). */
 export type PtyReconnectFrame = { type: "pty.reconnect"; request_id?: string; offset?: number } & PtyTarget;
 
-export type StreamClientFrame = ExecStartFrame | ExecStdinFrame | ExecSignalFrame | PtyStartFrame | PtyInputFrame | PtyResizeFrame | PtyKillFrame | PtyReconnectFrame;
+/** File watches (src/agent/watch.ts): the same frame shapes as the volume socket (DESIGN.md §5); paths absolute. */
+export type FileWatchFrame = { type: "file_watch"; request_id?: string; path: string; recursive?: boolean };
+export type FileUnwatchFrame = { type: "file_unwatch"; request_id?: string; watch_id: string };
+
+export type StreamClientFrame = ExecStartFrame | ExecStdinFrame | ExecSignalFrame | PtyStartFrame | PtyInputFrame | PtyResizeFrame | PtyKillFrame | PtyReconnectFrame | FileWatchFrame | FileUnwatchFrame;
 
 export interface ExecStartedFrame {
   type: "exec.started";
@@ -274,9 +278,16 @@ export interface StreamErrorFrame {
   request_id?: string;
   code: AgentErrorCode;
   error: string;
+  /** Set when a file watch ended on its own. */
+  watch_id?: string;
 }
+export type FileWatchStartedFrame = { type: "file_watch.started"; request_id?: string; watch_id: string; path: string };
+export type FileUnwatchDoneFrame = { type: "file_unwatch.done"; request_id?: string; watch_id: string };
+export type FileEventFrame = { type: "file_event"; watch_id: string; event: "create" | "write" | "remove" | "rename" | "chmod"; path: string; is_dir: boolean };
+/** Events of the watch may have been lost: `slow_client` (dropped while the socket was backed up), `too_many_directories` (new ones past the bound go unwatched). */
+export type ResyncRequiredFrame = { type: "resync_required"; watch_id: string; path: string; reason: "slow_client" | "too_many_directories" };
 
-export type StreamServerFrame = ExecStartedFrame | ExecOutputFrame | ExecExitFrame | PtyStartedFrame | PtyOutputFrame | PtyExitFrame | PtyReconnectedFrame | StreamErrorFrame;
+export type StreamServerFrame = ExecStartedFrame | ExecOutputFrame | ExecExitFrame | PtyStartedFrame | PtyOutputFrame | PtyExitFrame | PtyReconnectedFrame | StreamErrorFrame | FileWatchStartedFrame | FileUnwatchDoneFrame | FileEventFrame | ResyncRequiredFrame;
 
 // ── Git (src/agent/git.ts) ───────────────────────────────────────────────────────────────────────────────────────
 //   POST   /git/run       GitRunRequest  → GitRunResult (git's outputs scrubbed of every credential)

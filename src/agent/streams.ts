@@ -10,6 +10,7 @@ import { spawnAs, isSignal } from "./process.ts";
 import { signalTree } from "./process-tree.ts";
 import { oomKills, wasOomKilled } from "./oom.ts";
 import { AgentFailure } from "./errors.ts";
+import { createWatches } from "./watch.ts";
 import type { AgentErrorCode, StreamServerFrame } from "./protocol.ts";
 
 const HIGH_WATER = 1024 * 1024;
@@ -69,6 +70,7 @@ export function handleStream(ws: WebSocket) {
     if (ws.readyState === ws.OPEN) ws.send(JSON.stringify(frame), relieve);
   };
   const sink: PtySink = { send, backlog: () => ws.bufferedAmount };
+  const watches = createWatches(sink);
 
   // When the socket has flushed enough, let paused producers go again.
   function relieve() {
@@ -216,6 +218,10 @@ export function handleStream(ws: WebSocket) {
         attached.add(session);
         return session.replay(sink, typeof f.offset === "number" ? f.offset : undefined, f.request_id as string | undefined);
       }
+      case "file_watch":
+        return watches.start(f);
+      case "file_unwatch":
+        return watches.stop(f);
       default:
         return fail("invalid_request", `Unknown frame type ${JSON.stringify(f.type)}`, f.request_id);
     }
@@ -240,6 +246,7 @@ export function handleStream(ws: WebSocket) {
   ws.on("error", () => undefined); // a broken link ends in "close" below
   ws.on("close", () => {
     clearInterval(probe);
+    watches.closeAll();
     // Processes belong to the socket: when it goes, so does everything they started (setsid children included).
     for (const child of procs.values()) signalTree(child);
     procs.clear();

@@ -33,6 +33,8 @@ export const CLIENT_FRAMES = {
   "pty.resize": frame("pty.resize", { request_id: RequestId, session_id: Type.Optional(SessionId), pid: Type.Optional(Pid), cols: Cols, rows: Rows }),
   "pty.reconnect": frame("pty.reconnect", { request_id: RequestId, session_id: Type.Optional(SessionId), pid: Type.Optional(Pid), offset: Type.Optional(Type.Integer({ minimum: 0 })) }),
   "pty.kill": frame("pty.kill", { request_id: RequestId, session_id: Type.Optional(SessionId), pid: Type.Optional(Pid), signal: Type.Optional(Signal) }),
+  file_watch: frame("file_watch", { request_id: RequestId, path: Path, recursive: Type.Optional(Type.Boolean()) }),
+  file_unwatch: frame("file_unwatch", { request_id: RequestId, watch_id: Type.String({ minLength: 1, maxLength: 64 }) }),
 } as const;
 
 export type ClientFrameType = keyof typeof CLIENT_FRAMES;

@@ -52,6 +52,18 @@ export interface LiveMachine {
   pid: number;
 }
 
+/** A machine's resource use as the host sees it; a figure the host cannot read is null. */
+export interface MachineUsage {
+  /** CPU time the machine's processes used since it started, in nanoseconds (cumulative). */
+  cpuNs: number | null;
+  /** Memory charged to the machine, page cache included, and the page cache alone, in bytes. */
+  memoryBytes: number | null;
+  memoryCacheBytes: number | null;
+  /** Bytes used on the machine's writable layer and its size. */
+  diskUsedBytes: number | null;
+  diskTotalBytes: number | null;
+}
+
 /** What the host can enforce, reported as-is by GET /v1/ready. */
 export interface DriverReadiness {
   driver: string;
@@ -90,6 +102,8 @@ export interface MachineDriver {
    * killer killed in its memory cgroup. Must be asked before destroy (which removes the cgroup).
    */
   deathCause(id: string): Promise<"out_of_memory" | undefined>;
+  /** Reads the machine's resource use now (cgroup counters and its disk). */
+  usage(id: string): Promise<MachineUsage>;
   /** Leaves no process, mount or directory behind. Idempotent. */
   destroy(id: string): Promise<void>;
   /** Machines this driver still has alive on the host (used to adopt them after a restart). */

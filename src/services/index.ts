@@ -20,6 +20,7 @@ import { createVolumeService } from "./volumes.ts";
 import { createDeploymentService } from "./deployments.ts";
 import type { DeploymentOptions } from "./deployments.ts";
 import { createAdmission } from "./admission.ts";
+import { createMachineMetrics } from "./machine-metrics.ts";
 import type { AdmissionLimits } from "./admission.ts";
 
 export interface WebhookSettings {
@@ -61,6 +62,7 @@ export function createServices(deps: {
     pool,
     admission,
     machines,
+    machineMetrics: createMachineMetrics({ machines, driver }),
     exec: createExecService(machines),
     files: createFileService(machines),
     builds,

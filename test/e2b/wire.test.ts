@@ -108,7 +108,7 @@ test("bad control-plane requests get E2B's {code, message} and create nothing", 
   const unauth = await post('{"templateID":"base"}', "e2b_ffff");
   assert.equal(unauth.statusCode, 401);
   assert.deepEqual(((await unauth.body.json()) as { code: number }).code, 401);
-  for (const path of ["/sandboxes/mch_00000000000000000000000000/metrics", "/templates", "/v3/templates", "/volumes/vol_x"]) {
+  for (const path of ["/sandboxes/mch_00000000000000000000000000/snapshots", "/templates", "/v3/templates", "/volumes/vol_x"]) {
     const res = await request(`${k.url}${path}`, { headers: { "x-api-key": TEST_KEY } });
     assert.equal(res.statusCode, 501, path);
     assert.match(((await res.body.json()) as { message: string }).message, /not supported by Kiln/);

@@ -105,6 +105,8 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
           f.user ??= defaults.user;
           f.cwd = typeof f.cwd === "string" ? resolveMachinePath(f.cwd, { machineCwd: defaults.machineCwd }) : defaults.cwd;
         }
+        // Watch paths resolve as file paths do (relative to the machine's cwd); the agent watches inside the machine.
+        if (f.type === "file_watch") f.path = resolveMachinePath(f.path as string, { machineCwd: defaults.machineCwd });
         relay(JSON.stringify(f));
       };
       // The frame handler's error boundary: whatever a frame does, the socket and the server live on.

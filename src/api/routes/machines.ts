@@ -19,6 +19,21 @@ const VolumeMountRequest = Type.Object(
   { additionalProperties: false },
 );
 
+const Bytes = Type.Union([Type.Integer({ minimum: 0 }), Type.Null()]);
+const MachineMetrics = Type.Object({
+  machine_id: Id,
+  timestamp: Type.String({ format: "date-time" }),
+  cpu_count: Type.Integer(),
+  cpu_used_pct: Type.Union([Type.Number(), Type.Null()], { description: "Share of the machine's vCPUs used over the last cpu_window_ms, 0–100; null when the host cannot tell" }),
+  cpu_window_ms: Type.Integer({ description: "The interval cpu_used_pct covers: since an earlier metrics call (0.1–60 s ago), else a 200 ms sample the call waits for" }),
+  cpu_usage_ns: Type.Union([Type.Integer({ minimum: 0 }), Type.Null()], { description: "CPU time used since the machine (re)started" }),
+  mem_used_bytes: { ...Bytes, description: "Memory in use, page cache excluded" },
+  mem_cache_bytes: Bytes,
+  mem_total_bytes: Type.Integer({ description: "The machine's memory limit (memory_mb)" }),
+  disk_used_bytes: Bytes,
+  disk_total_bytes: { ...Bytes, description: "Size of the machine's writable layer" },
+});
+
 const TimeoutS = Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxTimeoutS });
 const Params = Type.Object({ id: Id });
 const CidrList = Type.Array(Type.String({ minLength: 1, maxLength: 64, description: "IPv4 or IPv6 CIDR (a bare address is one host)" }), { maxItems: MACHINE_LIMITS.maxCidrs });
@@ -112,6 +127,12 @@ export async function machineRoutes(app: App, opts: { services: Services }) {
 
   app.get("/v1/machines/:id", { schema: { tags, summary: "Get a machine", params: Params, response: { 200: Machine, ...errors(404) } } }, async (req) =>
     machines.get(req.params.id),
+  );
+
+  app.get(
+    "/v1/machines/:id/metrics",
+    { schema: { tags, summary: "A running machine's CPU, memory and disk use now (cgroup counters and its disk); see docs/e2b.md", params: Params, response: { 200: MachineMetrics, ...errors(404, 409) } } },
+    async (req) => opts.services.machineMetrics.get(req.params.id),
   );
 
   app.patch(

@@ -246,8 +246,50 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   const notYet = (what: string) => async () => {
     throw new E2bUnserved(`${what} is not supported by Kiln's E2B API yet (see docs/e2b.md)`);
   };
-  app.get("/sandboxes/:id/metrics", unserved, notYet("sandbox metrics"));
-  app.get("/sandboxes/metrics", unserved, notYet("sandbox metrics"));
+  // Metrics: Kiln keeps no history, so a sandbox's series is one point, now — when the asked range holds now.
+  // A paused sandbox has no running counters: an empty series (E2B reports none while paused either).
+  async function metricOf(m: MachineView) {
+    const x = await deps.services.machineMetrics.get(m.id);
+    const at = new Date(x.timestamp);
+    return {
+      timestamp: x.timestamp,
+      timestampUnix: Math.floor(at.getTime() / 1000),
+      cpuCount: x.cpu_count,
+      cpuUsedPct: x.cpu_used_pct ?? 0,
+      memUsed: x.mem_used_bytes ?? 0,
+      memTotal: x.mem_total_bytes,
+      memCache: x.mem_cache_bytes ?? 0,
+      diskUsed: x.disk_used_bytes ?? 0,
+      diskTotal: x.disk_total_bytes ?? 0,
+    };
+  }
+  const MetricsQuery = Type.Object({ start: Type.Optional(Type.Integer({ minimum: 0 })), end: Type.Optional(Type.Integer({ minimum: 0 })) }, { additionalProperties: false });
+  app.get("/sandboxes/:id/metrics", { config: { e2b: "control" }, schema: { hide: true, params: Params, querystring: MetricsQuery } }, async (req) => {
+    const m = await live((req.params as { id: string }).id);
+    const { start, end } = req.query as Static<typeof MetricsQuery>;
+    const nowS = Date.now() / 1000;
+    if (m.status !== "running" || (start !== undefined && start > nowS) || (end !== undefined && end < Math.floor(nowS))) return [];
+    return [await metricOf(m)];
+  });
+  // Comma-separated as E2B documents, or repeated (sandbox_ids=a&sandbox_ids=b) as an OpenAPI client sends arrays.
+  const Ids = Type.String({ minLength: 1, maxLength: 100 * 40 });
+  const ManyQuery = Type.Object({ sandbox_ids: Type.Union([Ids, Type.Array(Ids, { maxItems: 100 })]) }, { additionalProperties: false });
+  app.get("/sandboxes/metrics", { config: { e2b: "control" }, schema: { hide: true, querystring: ManyQuery } }, async (req) => {
+    const asked = (req.query as Static<typeof ManyQuery>).sandbox_ids;
+    const ids = [...new Set((Array.isArray(asked) ? asked : [asked]).flatMap((x) => x.split(",")).map((x) => x.trim()).filter(Boolean))];
+    if (ids.length > 100) bad("sandbox_ids names at most 100 sandboxes");
+    const sandboxes: Record<string, Awaited<ReturnType<typeof metricOf>>> = {};
+    // Unknown or paused sandboxes are left out (E2B answers with the running ones).
+    await Promise.all(
+      ids.map(async (id) => {
+        const m = await live(id).catch(() => undefined);
+        if (m?.status !== "running") return;
+        const metric = await metricOf(m).catch(() => undefined);
+        if (metric) sandboxes[id] = metric;
+      }),
+    );
+    return { sandboxes };
+  });
   app.route({ method: ["GET", "POST"], url: "/sandboxes/:id/snapshots", ...unserved, handler: notYet("snapshots") });
   app.get("/snapshots", unserved, notYet("snapshots"));
   app.post("/sandboxes/:id/fork", unserved, notYet("fork"));

@@ -13,6 +13,7 @@ import { KilnError } from "../../errors.ts";
 import { ConnectFailure, openServerStream, parseEnvelopedRequest, parseJson, sendUnaryError } from "./connect.ts";
 import type { ServerStream } from "./connect.ts";
 import type { ProcessConfig, ProcessEvent, ProcessRegistry } from "./processes.ts";
+import { createPolledWatchers, envdEventOf } from "./watch.ts";
 
 /** What Kiln's envd reports: the newest envd whose paths the SDK takes that Kiln serves (see docs/e2b.md). */
 export const ENVD_VERSION = "0.5.7";
@@ -111,6 +112,7 @@ function limitBytes(body: Readable, limit: number): Readable {
 export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
   const { services, processes } = deps;
   const homes = new Map<string, string>();
+  const polled = createPolledWatchers(processes);
 
   async function homeOf(id: string, agent: Parameters<typeof userOf>[0], user: string): Promise<string> {
     const key = `${id}\0${user}`;
@@ -310,13 +312,50 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
     return {};
   });
 
-  for (const m of ["WatchDir", "CreateWatcher", "GetWatcherEvents", "RemoveWatcher"]) {
-    const reason = async () => {
-      throw new ConnectFailure("unimplemented", `filesystem.Filesystem/${m} is not served by Kiln yet`);
-    };
-    if (m === "WatchDir") serverStream(`filesystem.Filesystem/${m}`, reason);
-    else unary(`filesystem.Filesystem/${m}`, reason);
+  // Watches run in the machine (the agent's fs.watch); the directory is checked as the user first.
+  async function watchedDir(req: FastifyRequest, msg: Record<string, unknown>) {
+    const { id, user, home } = await context(req);
+    const path = resolvePath(str(msg.path, "path")!, home);
+    const info = await services.files.info(id, { path, user });
+    if (info.type !== "directory") throw new ConnectFailure("invalid_argument", `path ${path} is not a directory`);
+    if (msg.includeEntry === true) throw new ConnectFailure("unimplemented", "includeEntry is not served by Kiln");
+    return { id, path, recursive: msg.recursive === true };
   }
+
+  serverStream("filesystem.Filesystem/WatchDir", async (msg, req, stream) => {
+    const { id, path, recursive } = await watchedDir(req, msg);
+    let s: ServerStream | undefined;
+    const stop = await processes.watch(id, path, recursive, (f) => {
+      if (f.type === "end") return s?.end(new ConnectFailure("unavailable", f.error));
+      if (f.type !== "file_event") return; // envd has no resync event; see docs/e2b.md
+      const e = envdEventOf(path, f);
+      if (e) s?.send({ filesystem: e });
+    });
+    s = stream();
+    s.send({ start: {} });
+    const everyS = Math.max(1, Number(req.headers["keepalive-ping-interval"]) || KEEPALIVE_DEFAULT_S);
+    const timer = setInterval(() => s.send({ keepalive: {} }), everyS * 1000);
+    s.onClose(() => {
+      clearInterval(timer);
+      stop();
+    });
+  });
+
+  unary("filesystem.Filesystem/CreateWatcher", async (msg, req) => {
+    const { id, path, recursive } = await watchedDir(req, msg);
+    return { watcherId: await polled.create(id, path, recursive) };
+  });
+
+  unary("filesystem.Filesystem/GetWatcherEvents", async (msg, req) => {
+    const { id } = await context(req);
+    return { events: polled.take(id, str(msg.watcherId, "watcherId")!) };
+  });
+
+  unary("filesystem.Filesystem/RemoveWatcher", async (msg, req) => {
+    const { id } = await context(req);
+    polled.remove(id, str(msg.watcherId, "watcherId")!);
+    return {};
+  });
 
   // ── /files and /health (envd's plain HTTP API; errors as {code, message}) ───────────────────────────────────
   const envdRoute = { config: { e2b: "envd" }, constraints: { e2bEnvd: "envd" } };

@@ -6,7 +6,7 @@
 import { randomUUID } from "node:crypto";
 import type { WebSocket } from "ws";
 import type { MachineService } from "../../services/machines.ts";
-import type { StreamClientFrame, StreamServerFrame } from "../../agent/protocol.ts";
+import type { FileEventFrame, ResyncRequiredFrame, StreamClientFrame, StreamServerFrame } from "../../agent/protocol.ts";
 import { ConnectFailure } from "./connect.ts";
 import type { ConnectCode } from "./connect.ts";
 
@@ -25,6 +25,8 @@ export interface ProcessConfig {
 }
 
 type Listener = (event: ProcessEvent) => void;
+/** Sees a watch's events; `end` when the watch ended without being asked (machine stopped, watcher failed). */
+export type WatchListener = (frame: FileEventFrame | ResyncRequiredFrame | { type: "end"; error: string }) => void;
 
 const START_TIMEOUT_MS = 30_000;
 
@@ -43,6 +45,9 @@ interface MachineTable {
   procs: Map<number, Proc>;
   /** Starts awaiting the agent's answer; `started` registers the process synchronously, before the next frame. */
   pending: Map<string, { started: (pid: number, sessionId?: string) => void; reject: (err: Error) => void }>;
+  /** File watches of this machine's socket (the agent's watches, src/agent/watch.ts), by watch id. */
+  watches: Map<string, WatchListener>;
+  watchPending: Map<string, { started: (watchId: string) => void; reject: (err: Error) => void }>;
 }
 
 const AGENT_TO_CONNECT: Record<string, ConnectCode> = { invalid_request: "invalid_argument", not_found: "not_found", forbidden: "permission_denied", conflict: "failed_precondition", timeout: "deadline_exceeded" };
@@ -68,6 +73,10 @@ export function createProcessRegistry(machines: MachineService) {
     t.procs.clear();
     for (const w of t.pending.values()) w.reject(new ConnectFailure("unavailable", why));
     t.pending.clear();
+    for (const l of t.watches.values()) l({ type: "end", error: why });
+    t.watches.clear();
+    for (const w of t.watchPending.values()) w.reject(new ConnectFailure("unavailable", why));
+    t.watchPending.clear();
     t.ws.close();
   }
 
@@ -99,10 +108,26 @@ export function createProcessRegistry(machines: MachineService) {
         t.procs.delete(f.pid);
         return;
       }
+      case "file_watch.started": {
+        const w = f.request_id ? t.watchPending.get(f.request_id) : undefined;
+        if (w) {
+          t.watchPending.delete(f.request_id!);
+          w.started(f.watch_id);
+        }
+        return;
+      }
+      case "file_event":
+      case "resync_required":
+        return t.watches.get(f.watch_id)?.(f);
       case "error": {
-        const w = f.request_id ? t.pending.get(f.request_id) : undefined;
+        if (f.watch_id) {
+          t.watches.get(f.watch_id)?.({ type: "end", error: f.error });
+          t.watches.delete(f.watch_id);
+        }
+        const w = f.request_id ? (t.pending.get(f.request_id) ?? t.watchPending.get(f.request_id)) : undefined;
         if (w) {
           t.pending.delete(f.request_id!);
+          t.watchPending.delete(f.request_id!);
           w.reject(new ConnectFailure(AGENT_TO_CONNECT[f.code] ?? "internal", f.error));
         }
         return;
@@ -123,6 +148,8 @@ export function createProcessRegistry(machines: MachineService) {
           ws,
           procs: new Map(),
           pending: new Map(),
+          watches: new Map(),
+          watchPending: new Map(),
           ready: new Promise<void>((resolve, reject) => {
             ws.once("open", () => resolve());
             ws.once("error", (err) => reject(new ConnectFailure("unavailable", `the machine's agent is unreachable (${err.message})`)));
@@ -201,8 +228,43 @@ export function createProcessRegistry(machines: MachineService) {
     return { t, p };
   }
 
+  /** Opens a file watch in the machine (an absolute path); resolves with the function that ends it. */
+  async function watch(machineId: string, path: string, recursive: boolean, listener: WatchListener): Promise<() => void> {
+    const t = await tableOf(machineId);
+    const requestId = randomUUID();
+    const watchId = await new Promise<string>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        t.watchPending.delete(requestId);
+        reject(new ConnectFailure("deadline_exceeded", `the machine's agent did not start the watch within ${START_TIMEOUT_MS / 1000} s`));
+      }, START_TIMEOUT_MS);
+      t.watchPending.set(requestId, {
+        started: (id) => {
+          clearTimeout(timer);
+          t.watches.set(id, listener);
+          resolve(id);
+        },
+        reject: (err) => {
+          clearTimeout(timer);
+          reject(err);
+        },
+      });
+      try {
+        send(t, { type: "file_watch", request_id: requestId, path, recursive });
+      } catch (err) {
+        t.watchPending.delete(requestId);
+        clearTimeout(timer);
+        reject(err as Error);
+      }
+    });
+    return () => {
+      if (!t.watches.delete(watchId)) return;
+      if (t.ws.readyState === t.ws.OPEN) t.ws.send(JSON.stringify({ type: "file_unwatch", watch_id: watchId }));
+    };
+  }
+
   return {
     start,
+    watch,
     /** Opens the machine's stream socket ahead of its first command (a new sandbox's first run then skips it). */
     prepare(machineId: string) {
       tableOf(machineId).catch(() => undefined);

@@ -16,6 +16,7 @@ import { HOST_ID_BASE } from "./idmap.ts";
 import { AGENT_SOCKET_NAME, machineSpec } from "./spec.ts";
 import { detectCgroups, removeCgroups } from "./cgroups.ts";
 import { isMounted } from "./mounts.ts";
+import { machineUsage } from "./usage.ts";
 import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, makeNetns, removeNetns, startSlirp, stopSlirp } from "./network.ts";
 import { createDiskStock, mountWritableLayer, unmountWritableLayer, writableLayer } from "./disk.ts";
 import { createEgress } from "./egress.ts";
@@ -466,6 +467,14 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     canRestore: (saved) => opts.runtime === "runsc" && saved.guestRuntime === opts.guestRuntimeDir && existsSync(saved.imageDir) && existsSync(saved.upperDir),
 
     destroy,
+
+    async usage(id) {
+      const p = paths(id);
+      // Not mounted, statfs would describe the host's filesystem: then there is no disk figure.
+      const mounted = isMounted(p.layer.mountPoint);
+      const u = await machineUsage(cgroups, id, p.layer.mountPoint);
+      return mounted ? u : { ...u, diskUsedBytes: null, diskTotalBytes: null };
+    },
 
     async deathCause(id) {
       return (await oomKills(id)) > 0 ? "out_of_memory" : undefined;
