@@ -2,6 +2,7 @@
 // updates, restarts with request-only envs, status events, signed public URLs, and re-attachment after a restart.
 
 import type { Socket } from "node:net";
+import { createKeyedLock } from "./keyed-lock.ts";
 import type { KeyObject } from "node:crypto";
 import type { Db, DeploymentRow, DeploymentVersionRow, ServiceRow, ServiceUpdate } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
@@ -84,7 +85,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   const { db, machines, log } = deps;
   const opts = { ...deps.options };
   const supervisor = new Supervisor((id, err) => log.error({ err, service_id: id }, "checking a service failed"));
-  const locks = new Map<string, Promise<unknown>>();
+  const locks = createKeyedLock();
   const rollouts = new Map<string, Promise<void>>();
   /** Live probe detail, newer than what is stored (stored only when something meaningful changes). */
   const live = new Map<string, ReadinessDetail>();
@@ -96,17 +97,8 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   /** Tokens already verified, with their expiry: a busy public URL pays for its HMAC once, not per request. */
   const verified = new Map<string, { serviceId: string; expiresAtMs: number }>();
   let closed = false;
+  const withLock = locks.run;
 
-  function withLock<T>(key: string, fn: () => Promise<T>): Promise<T> {
-    const prev = locks.get(key) ?? Promise.resolve();
-    const next = prev.then(fn, fn);
-    const settled = next.catch(() => undefined);
-    locks.set(key, settled);
-    void settled.then(() => {
-      if (locks.get(key) === settled) locks.delete(key);
-    });
-    return next;
-  }
 
   // ── Views ────────────────────────────────────────────────────────────────────────────────────────────────────
 
@@ -746,7 +738,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
     closed = true;
     supervisor.close();
     await Promise.all([...rollouts.values()]);
-    await Promise.all([...locks.values()]);
+    await locks.drain();
   }
 
   return {

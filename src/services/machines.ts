@@ -2,6 +2,7 @@
 // written with its lifecycle event in one transaction — and adoption of live machines after a restart.
 
 import { EventEmitter } from "node:events";
+import { createKeyedLock } from "./keyed-lock.ts";
 import type { Db, MachineRow, MachineUpdate } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
@@ -103,7 +104,7 @@ function networkView(json: string | null): { allow_out: string[]; deny_out: stri
 export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool; hostId: string; volumes?: VolumeService; admission?: Admission }) {
   const { db, driver, templates, log, hostId } = deps;
   const agents = new Map<string, AgentClient>();
-  const locks = new Map<string, Promise<unknown>>();
+  const locks = createKeyedLock();
   let sweeper: NodeJS.Timeout | undefined;
   /** Machines an expiry sweep is destroying right now. */
   const expiring = new Set<string>();
@@ -112,16 +113,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   statusChanges.setMaxListeners(0);
 
   /** Serialises lifecycle operations on one machine so hibernate/destroy/expiry never interleave. */
-  function withLock<T>(id: string, fn: () => Promise<T>): Promise<T> {
-    const prev = locks.get(id) ?? Promise.resolve();
-    const next = prev.then(fn, fn);
-    const settled = next.catch(() => undefined);
-    locks.set(id, settled);
-    void settled.then(() => {
-      if (locks.get(id) === settled) locks.delete(id);
-    });
-    return next;
-  }
+  const withLock = locks.run;
 
   async function load(id: string): Promise<MachineRow> {
     const row = await db.selectFrom("machines").selectAll().where("id", "=", id).executeTakeFirst();
@@ -441,7 +433,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
 
   async function close() {
     if (sweeper) clearInterval(sweeper);
-    await Promise.all([...locks.values()]);
+    await locks.drain();
     for (const id of [...agents.keys()]) await detach(id);
   }
 

@@ -2,6 +2,7 @@
 // machine mounts it), the mounts a machine asks for at create, and each volume's data plane (files and watches).
 
 import { EventEmitter } from "node:events";
+import { createKeyedLock } from "./keyed-lock.ts";
 import { posix } from "node:path";
 import { mkdir } from "node:fs/promises";
 import type { Db, VolumeRow } from "../store/schema.ts";
@@ -40,21 +41,12 @@ export type VolumeView = ReturnType<typeof volumeView>;
 export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger }) {
   const { db, dataDir, log } = deps;
   const planes = new Map<string, DataPlane>();
-  const locks = new Map<string, Promise<unknown>>();
+  const locks = createKeyedLock();
   const deletions = new EventEmitter<{ deleted: [id: string] }>();
   deletions.setMaxListeners(0);
 
   /** Serialises create-time attachment and deletion of one volume, so a delete never races a machine mounting it. */
-  function withLock<T>(id: string, fn: () => Promise<T>): Promise<T> {
-    const prev = locks.get(id) ?? Promise.resolve();
-    const next = prev.then(fn, fn);
-    const settled = next.catch(() => undefined);
-    locks.set(id, settled);
-    void settled.then(() => {
-      if (locks.get(id) === settled) locks.delete(id);
-    });
-    return next;
-  }
+  const withLock = locks.run;
 
   async function load(id: string): Promise<VolumeRow> {
     const row = /^vol_[a-z0-9]{26}$/.test(id) ? await db.selectFrom("volumes").selectAll().where("id", "=", id).executeTakeFirst() : undefined;
@@ -223,7 +215,7 @@ export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger
   }
 
   async function close() {
-    await Promise.all([...locks.values()]);
+    await locks.drain();
     for (const plane of planes.values()) await plane.close();
     planes.clear();
   }
