@@ -2,7 +2,7 @@
 // atomic writes (temp file + rename, so a failed upload leaves nothing), listing, mkdir -p, remove, move.
 
 import { createWriteStream } from "node:fs";
-import { lstat, readlink, readdir, mkdir, rm, rename, rmdir, unlink, chown, chmod, stat } from "node:fs/promises";
+import { lstat, readlink, readdir, mkdir, rm, rename, rmdir, unlink, chown, chmod, stat, readFile, writeFile } from "node:fs/promises";
 import type { Stats } from "node:fs";
 import { pipeline } from "node:stream/promises";
 import type { Readable } from "node:stream";
@@ -14,6 +14,45 @@ import { AgentFailure, fsFailure } from "./errors.ts";
 
 /** Uploads are written beside their target under this prefix, then renamed into place (a watch hides them). */
 export const UPLOAD_PREFIX = ".kiln-upload-";
+
+/**
+ * User metadata of files (E2B's `files.write(..., {metadata})`), kept in the machine beside its files: one record per
+ * inode under this directory, so it follows the file through renames and moves and outlasts a stop/resume. Node
+ * has no xattr call, hence records instead of `user.*` xattrs. A record names the file's birth time too: a later
+ * file that reuses a freed inode does not inherit it.
+ */
+export const METADATA_DIR = "/var/lib/kiln/file-metadata";
+type MetadataRecord = { birth: number; metadata: Record<string, string> };
+let metadataRecords: Promise<Map<string, MetadataRecord>> | undefined;
+
+const inodeKey = (st: Stats) => `${st.dev}-${st.ino}`;
+
+function loadMetadata(): Promise<Map<string, MetadataRecord>> {
+  return (metadataRecords ??= (async () => {
+    const map = new Map<string, MetadataRecord>();
+    const names = await readdir(METADATA_DIR).catch(() => [] as string[]);
+    for (const name of names) {
+      if (!name.endsWith(".json")) continue;
+      const rec = await readFile(join(METADATA_DIR, name), "utf8").then(JSON.parse, () => undefined);
+      if (rec && typeof rec.birth === "number" && rec.metadata && typeof rec.metadata === "object") map.set(name.slice(0, -5), rec);
+    }
+    return map;
+  })());
+}
+
+async function metadataOf(st: Stats): Promise<Record<string, string> | undefined> {
+  const rec = (await loadMetadata()).get(inodeKey(st));
+  return rec && rec.birth === st.birthtimeMs ? rec.metadata : undefined;
+}
+
+async function setMetadata(st: Stats, metadata: Record<string, string>): Promise<void> {
+  const map = await loadMetadata();
+  const key = inodeKey(st);
+  const rec: MetadataRecord = { birth: st.birthtimeMs, metadata };
+  await mkdir(METADATA_DIR, { recursive: true, mode: 0o700 });
+  await writeFile(join(METADATA_DIR, `${key}.json`), JSON.stringify(rec), { mode: 0o600 });
+  map.set(key, rec);
+}
 
 function typeOf(st: Stats): FileInfo["type"] {
   if (st.isSymbolicLink()) return "symlink";
@@ -37,6 +76,8 @@ export async function fileInfo(path: string, st?: Stats): Promise<FileInfo> {
       modified_time: st.mtime.toISOString(),
     };
     if (st.isSymbolicLink()) info.symlink_target = await readlink(path);
+    const metadata = await metadataOf(st);
+    if (metadata) info.metadata = metadata;
     return info;
   } catch (err) {
     throw fsFailure(err, path);
@@ -94,7 +135,7 @@ export async function makeDirs(path: string, owner: UserInfo | undefined, mode =
   }
 }
 
-export async function writeFileAtomic(path: string, body: Readable, opts: { mode?: number; owner?: UserInfo }): Promise<FileInfo> {
+export async function writeFileAtomic(path: string, body: Readable, opts: { mode?: number; owner?: UserInfo; metadata?: Record<string, string> }): Promise<FileInfo> {
   const existing = await lstat(path).catch(() => undefined);
   if (existing?.isDirectory()) throw new AgentFailure("invalid_request", `${path} is a directory`);
   await makeDirs(dirname(path), opts.owner);
@@ -106,6 +147,8 @@ export async function writeFileAtomic(path: string, body: Readable, opts: { mode
     // A file replaced without a named user keeps its owner: the rename must not hand it to root.
     if (opts.owner) await chown(temp, opts.owner.uid, opts.owner.gid);
     else if (existing) await chown(temp, existing.uid, existing.gid);
+    // Recorded by the temp file's inode, which the rename keeps: the file appears with its metadata.
+    if (opts.metadata && Object.keys(opts.metadata).length > 0) await setMetadata(await lstat(temp), opts.metadata);
     await rename(temp, path);
   } catch (err) {
     await unlink(temp).catch(() => undefined);

@@ -33,6 +33,21 @@ function send(res: ServerResponse, status: number, body: unknown) {
   res.end(text);
 }
 
+/** PUT /files's metadata: a JSON object of string values, or nothing. */
+function metadataParam(raw: string | null): Record<string, string> | undefined {
+  if (raw === null || raw === "") return undefined;
+  let v: unknown;
+  try {
+    v = JSON.parse(raw);
+  } catch {
+    throw new AgentFailure("invalid_request", "metadata must be a JSON object of strings");
+  }
+  if (typeof v !== "object" || v === null || Array.isArray(v) || !Object.values(v).every((x) => typeof x === "string")) {
+    throw new AgentFailure("invalid_request", "metadata must be a JSON object of strings");
+  }
+  return v as Record<string, string>;
+}
+
 async function readJson(req: IncomingMessage): Promise<Record<string, any>> {
   const chunks: Buffer[] = [];
   for await (const c of req) chunks.push(c as Buffer);
@@ -109,7 +124,7 @@ async function route(req: IncomingMessage, res: ServerResponse) {
     }
     case "PUT /files": {
       const path = absolutePath(q.get("path"));
-      const info = await writeFileAtomic(path, req, { mode: octal(q.get("mode")), owner: ownerOf(q.get("user")) });
+      const info = await writeFileAtomic(path, req, { mode: octal(q.get("mode")), owner: ownerOf(q.get("user")), metadata: metadataParam(q.get("metadata")) });
       return send(res, 200, info);
     }
     case "POST /files/info": {

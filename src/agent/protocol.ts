@@ -5,7 +5,7 @@
 //   GET    /health                       → AgentHealth
 //   POST   /exec          ExecRequest    → ExecResult
 //   GET    /files?path=                  → raw bytes (application/octet-stream)
-//   PUT    /files?path=&mode=&user=      raw bytes → FileInfo
+//   PUT    /files?path=&mode=&user=&metadata= raw bytes → FileInfo (metadata: JSON object of strings)
 //   POST   /files/info    {path}         → FileInfo (lstat; owner/group names from the machine's files)
 //   GET    /files/list?path=&depth=      → FileList (depth 1 = direct children)
 //   POST   /files/mkdir   MkdirRequest   → FileInfo (mkdir -p; an existing directory is fine)
@@ -70,6 +70,8 @@ export interface FileInfo {
   group: string;
   modified_time: string;
   symlink_target?: string;
+  /** User metadata written with the file (PUT /files?metadata=<JSON object of strings>). */
+  metadata?: Record<string, string>;
 }
 
 export interface EnvsRequest {

@@ -42,7 +42,7 @@ export interface AgentClient {
   /** The file's bytes as a stream; errors (404, 400 for a directory) come before the first byte. */
   readFile(path: string): Promise<Readable>;
   readFileBytes(path: string): Promise<Buffer>;
-  writeFile(path: string, body: Buffer | Readable, opts?: { mode?: string; user?: string }): Promise<FileInfo>;
+  writeFile(path: string, body: Buffer | Readable, opts?: { mode?: string; user?: string; metadata?: Record<string, string> }): Promise<FileInfo>;
   info(path: string): Promise<FileInfo>;
   list(path: string, depth: number): Promise<FileList>;
   mkdir(path: string, opts?: { mode?: string; user?: string }): Promise<FileInfo>;
@@ -131,8 +131,9 @@ export function createAgentClient(socketPath: string): AgentClient {
         throw unavailable(err);
       }
     },
-    async writeFile(path: string, body: Buffer | Readable, opts: { mode?: string; user?: string } = {}) {
-      const res = await raw("PUT", `/files?${q({ path, mode: opts.mode, user: opts.user })}`, body, { "content-type": "application/octet-stream" });
+    async writeFile(path: string, body: Buffer | Readable, opts: { mode?: string; user?: string; metadata?: Record<string, string> } = {}) {
+      const metadata = opts.metadata && Object.keys(opts.metadata).length > 0 ? JSON.stringify(opts.metadata) : undefined;
+      const res = await raw("PUT", `/files?${q({ path, mode: opts.mode, user: opts.user, metadata })}`, body, { "content-type": "application/octet-stream" });
       try {
         return (await res.body.json()) as FileInfo;
       } catch (err) {

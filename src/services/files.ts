@@ -33,9 +33,9 @@ export function createFileService(machines: MachineService) {
       const t = await target(id, input.path, input.user);
       return viaAgent(() => t.agent.readFile(t.path));
     },
-    async write(id: string, input: { path: string; user?: string; mode?: string }, body: Readable | Buffer) {
+    async write(id: string, input: { path: string; user?: string; mode?: string; metadata?: Record<string, string> }, body: Readable | Buffer) {
       const t = await target(id, input.path, input.user);
-      return viaAgent(() => t.agent.writeFile(t.path, body, { mode: input.mode, user: t.user }));
+      return viaAgent(() => t.agent.writeFile(t.path, body, { mode: input.mode, user: t.user, metadata: input.metadata }));
     },
     async list(id: string, input: { path: string; user?: string; depth?: number }) {
       const t = await target(id, input.path, input.user);

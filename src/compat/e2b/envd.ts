@@ -16,7 +16,7 @@ import type { ProcessConfig, ProcessEvent, ProcessRegistry } from "./processes.t
 import { createPolledWatchers, envdEventOf } from "./watch.ts";
 
 /** What Kiln's envd reports: the newest envd whose paths the SDK takes that Kiln serves (see docs/e2b.md). */
-export const ENVD_VERSION = "0.5.7";
+export const ENVD_VERSION = "0.6.4";
 const KEEPALIVE_DEFAULT_S = 50;
 
 export interface EnvdDeps {
@@ -93,7 +93,32 @@ function entryOf(f: FileInfo) {
     group: f.group,
     modifiedTime: f.modified_time,
     ...(f.symlink_target !== undefined ? { symlinkTarget: f.symlink_target } : {}),
+    ...(f.metadata !== undefined ? { metadata: f.metadata } : {}),
   };
+}
+
+// File metadata travels as `X-Metadata-<key>: <value>` upload headers (envd ≥ 0.6.2); keys and values as the SDK
+// checks them. Header names are case-insensitive (fetch sends them lowercased), so keys are stored lowercased.
+const METADATA_HEADER = /^x-metadata-(.+)$/i;
+const METADATA_KEY = /^[A-Za-z0-9!#$%&'*+\-.^_`|~]+$/;
+const METADATA_VALUE = /^[\x20-\x7e]*$/;
+// Bounded so the metadata, URL-encoded into the agent request's query, stays far within Node's 16 KiB header limit.
+const MAX_METADATA_BYTES = 4 * 1024;
+
+function metadataOf(req: FastifyRequest): Record<string, string> | undefined {
+  const out: Record<string, string> = {};
+  let bytes = 0;
+  const raw = req.raw.rawHeaders;
+  for (let i = 0; i + 1 < raw.length; i += 2) {
+    const m = METADATA_HEADER.exec(raw[i]);
+    if (!m) continue;
+    const [key, value] = [m[1].toLowerCase(), raw[i + 1]];
+    if (!METADATA_KEY.test(key) || !METADATA_VALUE.test(value)) throw new KilnError("invalid_request", `Invalid file metadata ${JSON.stringify(key)}`);
+    bytes += key.length + value.length;
+    if (bytes > MAX_METADATA_BYTES) throw new KilnError("invalid_request", `File metadata is larger than ${MAX_METADATA_BYTES} bytes`);
+    out[key] = value;
+  }
+  return Object.keys(out).length > 0 ? out : undefined;
 }
 
 function limitBytes(body: Readable, limit: number): Readable {
@@ -318,18 +343,39 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
     const path = resolvePath(str(msg.path, "path")!, home);
     const info = await services.files.info(id, { path, user });
     if (info.type !== "directory") throw new ConnectFailure("invalid_argument", `path ${path} is not a directory`);
-    if (msg.includeEntry === true) throw new ConnectFailure("unimplemented", "includeEntry is not served by Kiln");
-    return { id, path, recursive: msg.recursive === true };
+    // allowNetworkMounts (envd ≥ 0.6.4) needs nothing more: the agent's fs.watch watches any mounted directory.
+    return { id, user, path, recursive: msg.recursive === true, includeEntry: msg.includeEntry === true };
+  }
+
+  /** The entry of an event's path, stat'ed now (includeEntry, envd ≥ 0.6.3); a path already gone has none. */
+  async function entryAt(id: string, user: string, path: string) {
+    const info = await services.files.info(id, { path, user }).catch(() => undefined);
+    return info ? entryOf(info) : undefined;
   }
 
   serverStream("filesystem.Filesystem/WatchDir", async (msg, req, stream) => {
-    const { id, path, recursive } = await watchedDir(req, msg);
+    const { id, user, path, recursive, includeEntry } = await watchedDir(req, msg);
     let s: ServerStream | undefined;
+    // With entries, events wait on their stat; a chain keeps them in the order they happened.
+    let chain = Promise.resolve();
     const stop = await processes.watch(id, path, recursive, (f) => {
-      if (f.type === "end") return s?.end(new ConnectFailure("unavailable", f.error));
+      if (f.type === "end") {
+        const error = f.error;
+        chain = chain.then(() => s?.end(new ConnectFailure("unavailable", error)));
+        return;
+      }
       if (f.type !== "file_event") return; // envd has no resync event; see docs/e2b.md
       const e = envdEventOf(path, f);
-      if (e) s?.send({ filesystem: e });
+      if (!e) return;
+      if (!includeEntry) {
+        chain = chain.then(() => s?.send({ filesystem: e }));
+        return;
+      }
+      const entry = f.event === "remove" ? Promise.resolve(undefined) : entryAt(id, user, f.path);
+      chain = chain.then(async () => {
+        const info = await entry;
+        s?.send({ filesystem: info ? { ...e, entry: info } : e });
+      });
     });
     s = stream();
     s.send({ start: {} });
@@ -342,13 +388,13 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
   });
 
   unary("filesystem.Filesystem/CreateWatcher", async (msg, req) => {
-    const { id, path, recursive } = await watchedDir(req, msg);
-    return { watcherId: await polled.create(id, path, recursive) };
+    const { id, user, path, recursive, includeEntry } = await watchedDir(req, msg);
+    return { watcherId: await polled.create(id, path, recursive, includeEntry ? (p) => entryAt(id, user, p) : undefined) };
   });
 
   unary("filesystem.Filesystem/GetWatcherEvents", async (msg, req) => {
     const { id } = await context(req);
-    return { events: polled.take(id, str(msg.watcherId, "watcherId")!) };
+    return { events: await polled.take(id, str(msg.watcherId, "watcherId")!) };
   });
 
   unary("filesystem.Filesystem/RemoveWatcher", async (msg, req) => {
@@ -378,10 +424,11 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
     const q = (req.query as Record<string, unknown>).path;
     const path = typeof q === "string" && q ? q : undefined;
     const ct = String(req.headers["content-type"] ?? "");
-    const written: { name: string; type: "file"; path: string }[] = [];
+    const metadata = metadataOf(req);
+    const written: { name: string; type: "file"; path: string; metadata?: Record<string, string> }[] = [];
     const put = async (target: string, body: Readable | Buffer) => {
-      const info = await services.files.write(id, { path: resolvePath(target, home), user }, body);
-      written.push({ name: info.name, type: "file", path: info.path });
+      const info = await services.files.write(id, { path: resolvePath(target, home), user, metadata }, body);
+      written.push({ name: info.name, type: "file", path: info.path, ...(info.metadata ? { metadata: info.metadata } : {}) });
     };
     if (ct.startsWith("multipart/form-data")) {
       const raw = req.body;

@@ -12,6 +12,8 @@ import { ConnectFailure } from "./connect.ts";
 export interface EnvdFsEvent {
   name: string;
   type: string;
+  /** The entry's info at event time, when the watch asked for it (includeEntry) and the path still exists. */
+  entry?: unknown;
 }
 
 const EVENT_TYPE: Record<FileEventFrame["event"], string> = {
@@ -34,25 +36,36 @@ export function envdEventOf(watched: string, f: FileEventFrame): EnvdFsEvent | u
 
 /** The polled watchers (CreateWatcher …): held in memory, ended with their machine's stream socket. */
 export function createPolledWatchers(processes: ProcessRegistry) {
-  const watchers = new Map<string, { machineId: string; events: EnvdFsEvent[]; stop: () => void; ended?: string }>();
+  const watchers = new Map<string, { machineId: string; events: EnvdFsEvent[]; pending: Set<Promise<void>>; stop: () => void; ended?: string }>();
 
   return {
-    async create(machineId: string, path: string, recursive: boolean): Promise<string> {
+    /** `entryAt` (includeEntry) stats an event's path; the event is held in order and filled when it answers. */
+    async create(machineId: string, path: string, recursive: boolean, entryAt?: (path: string) => Promise<unknown>): Promise<string> {
       const id = randomUUID();
-      const entry = { machineId, events: [] as EnvdFsEvent[], stop: () => undefined as void, ended: undefined as string | undefined };
+      const entry = { machineId, events: [] as EnvdFsEvent[], pending: new Set<Promise<void>>(), stop: () => undefined as void, ended: undefined as string | undefined };
       entry.stop = await processes.watch(machineId, path, recursive, (f) => {
         if (f.type === "end") entry.ended = f.error;
         else if (f.type === "file_event" && entry.events.length < MAX_POLLED_EVENTS) {
           const e = envdEventOf(path, f);
-          if (e) entry.events.push(e);
+          if (!e) return;
+          entry.events.push(e);
+          if (entryAt && f.event !== "remove") {
+            const p = entryAt(f.path).then((info) => {
+              if (info !== undefined) e.entry = info;
+              entry.pending.delete(p);
+            });
+            entry.pending.add(p);
+          }
         }
       });
       watchers.set(id, entry);
       return id;
     },
-    take(machineId: string, id: string): EnvdFsEvent[] {
+    async take(machineId: string, id: string): Promise<EnvdFsEvent[]> {
       const w = watchers.get(id);
       if (!w || w.machineId !== machineId) throw new ConnectFailure("not_found", `watcher ${id} not found`);
+      // Events whose entry is still being stat'ed are answered with it.
+      await Promise.all(w.pending);
       const events = w.events.splice(0);
       if (!events.length && w.ended) {
         watchers.delete(id);
