@@ -252,7 +252,12 @@ test("User in all six forms resolves against the image's own /etc/passwd and /et
 test("a layer whose content does not match the config's diff id is refused", opt, async () => {
   const tar = await tarOf([{ name: "x", content: "x" }]);
   await pushImage(reg, "bad/diff", "v1", { layers: [{ tar }], extraConfig: { rootfs: { type: "layers", diff_ids: [sha256("something else")] } } });
-  assert.match(await rejection(importOf("bad/diff:v1", { cache: await mkdtemp(join(tmpdir(), "kiln-oci-cache-")) })), /does not match the diff id/);
+  const cache = await mkdtemp(join(tmpdir(), "kiln-oci-cache-"));
+  try {
+    assert.match(await rejection(importOf("bad/diff:v1", { cache })), /does not match the diff id/);
+  } finally {
+    await rm(cache, { recursive: true, force: true });
+  }
 });
 
 test("a registry is reached over plain HTTP only when KILN_INSECURE_REGISTRIES names it", opt, async () => {
