@@ -299,7 +299,9 @@ function migrations(dialect: Dialect): Record<string, Migration> {
 
 export async function migrate(db: Kysely<any>, dialect: Dialect): Promise<void> {
   const provider: MigrationProvider = { getMigrations: async () => migrations(dialect) };
-  const { error, results } = await new Migrator({ db, provider }).migrateToLatest();
+  // Rooms are numbered by when they were planned, not when they landed: a store that already ran a later-numbered
+  // migration still takes an earlier-numbered one it lacks (each touches its own tables and columns).
+  const { error, results } = await new Migrator({ db, provider, allowUnorderedMigrations: true }).migrateToLatest();
   if (error) {
     const failed = results?.find((r) => r.status === "Error")?.migrationName ?? "?";
     throw new Error(`store migration ${failed} failed: ${(error as Error).message}`, { cause: error });
