@@ -8,13 +8,13 @@ import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { errors, Id } from "../schemas.ts";
 import { checkClientFrame } from "../ws-frames.ts";
+import { keepAlive } from "../ws-keepalive.ts";
 import { DEFAULT_WORKDIR, resolveMachinePath } from "../../services/paths.ts";
 import { KilnError } from "../../errors.ts";
 
 /** Stop reading the machine's output while the client has this much unsent; read again below the low mark. */
 const HIGH_WATER = 4 * 1024 * 1024;
 const LOW_WATER = 512 * 1024;
-const MISSED_PONGS_BEFORE_CLOSE = 2;
 /** While the client is not read (backpressure), a ping this often notices that it went away. */
 const PAUSED_PROBE_MS = 500;
 
@@ -59,7 +59,7 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
       const shutdown = (code: number, reason: string) => {
         if (closed) return;
         closed = true;
-        clearInterval(pinger);
+        stopPings();
         clearInterval(probe);
         offStatus();
         if (agentWs.readyState === agentWs.OPEN || agentWs.readyState === agentWs.CONNECTING) agentWs.terminate();
@@ -148,23 +148,15 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
       client.on("close", () => shutdown(1000, "closed"));
       client.on("error", () => shutdown(1011, "client error"));
 
-      // Keepalive: a Ping every interval; two unanswered in a row close the socket.
-      let missed = 0;
-      client.on("pong", () => {
-        missed = 0;
-      });
-      const pinger = setInterval(() => {
-        // Pongs of a client held back by backpressure are not read yet: they cannot count as missed.
-        if (inputPaused) missed = 0;
-        if (missed >= MISSED_PONGS_BEFORE_CLOSE) {
+      // Keepalive; pongs of a client held back by backpressure are not read yet, so they cannot count as missed.
+      const stopPings = keepAlive(client, {
+        intervalMs: opts.pingIntervalMs,
+        held: () => inputPaused,
+        onDead: () => {
           log.info("closing a machine socket after missed pongs");
-          client.terminate();
           shutdown(1001, "missed pongs");
-          return;
-        }
-        missed++;
-        client.ping();
-      }, opts.pingIntervalMs);
+        },
+      });
 
       // A hibernate or destroy ends this execution's streams.
       const offStatus = machines.onStatus((changed, status) => {

@@ -7,6 +7,7 @@ import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { errors, Id } from "../schemas.ts";
+import { keepAlive } from "../ws-keepalive.ts";
 import { checkWatchFrame, watchCovers } from "../../volumes/watch-frames.ts";
 import type { FileEvent, ResyncReason } from "../../volumes/watcher.ts";
 import { volumePathComponents, volumePathOf } from "../../volumes/files.ts";
@@ -14,7 +15,6 @@ import { KilnError } from "../../errors.ts";
 
 /** Stop handing frames to the socket while this much is unsent; the per-watch queues hold the rest. */
 const HIGH_WATER = 1024 * 1024;
-const MISSED_PONGS_BEFORE_CLOSE = 2;
 const MAX_WATCHES_PER_SOCKET = 256;
 
 interface Watch {
@@ -158,7 +158,7 @@ export async function volumeWsRoutes(app: App, opts: { services: Services; pingI
       function shutdown(code: number, reason: string) {
         if (closed) return;
         closed = true;
-        clearInterval(pinger);
+        stopPings();
         offDeleted();
         for (const w of watches.values()) void w.unsubscribe().catch((err: unknown) => log.warn({ err }, "ending a volume watch failed"));
         watches.clear();
@@ -185,20 +185,13 @@ export async function volumeWsRoutes(app: App, opts: { services: Services; pingI
       });
 
       // Keepalive as on the machine socket: a Ping every interval; two unanswered in a row close the socket.
-      let missed = 0;
-      client.on("pong", () => {
-        missed = 0;
-      });
-      const pinger = setInterval(() => {
-        if (missed >= MISSED_PONGS_BEFORE_CLOSE) {
+      const stopPings = keepAlive(client, {
+        intervalMs: opts.pingIntervalMs,
+        onDead: () => {
           log.info("closing a volume socket after missed pongs");
-          client.terminate();
           shutdown(1001, "missed pongs");
-          return;
-        }
-        missed++;
-        client.ping();
-      }, opts.pingIntervalMs);
+        },
+      });
     },
   );
 }
