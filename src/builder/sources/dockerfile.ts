@@ -100,7 +100,7 @@ export function createDockerfileSource(deps: DockerfileSourceDeps) {
         buildArgs: req.buildArgs,
         target: req.target,
         resolveTemplate: call.resolveTemplate,
-        cacheDir: join(deps.cacheDir, "oci"),
+        cacheDir: join(deps.dataDir, "oci"), // the importer's cache, shared with base_image imports
         scratchParent: join(deps.dataDir, "builder"),
         insecureRegistries: deps.insecureRegistries,
         buildkitHost: deps.buildkitHost,
