@@ -135,13 +135,14 @@ export class ConfinedRoot {
 
   /** Hard-links `rel` to `target`, both inside the root; the target must be a regular file or a symlink. */
   async link(rel: string, target: string): Promise<boolean> {
-    const [tParent, tName] = await this.parentOf(target, false);
+    // A target under a symlink or file of this root is not a file of it: nothing is followed to find one.
+    const [tParent, tName] = await this.parentOf(target, false).catch((err: unknown) => (err instanceof BlockedPath ? ([undefined, ""] as const) : Promise.reject(err)));
     const st = tParent && (await lstat(at(tParent, tName)).catch(missing));
     if (!st || !(st.isFile() || st.isSymbolicLink())) return false;
     if (rel === target) return true;
     const [parent, name] = await this.clear(rel);
     // The target's parent may have been closed by clear() (it removed a directory): walk to it again.
-    const [again, againName] = await this.parentOf(target, false);
+    const [again, againName] = await this.parentOf(target, false).catch(() => [undefined, ""] as const);
     if (!again) return false;
     await link(at(again, againName), at(parent, name));
     return true;

@@ -74,6 +74,7 @@ export async function importImage(reference: string, opts: ImportOptions): Promi
       throw importError(`image ${formatReference(ref)} has an unsupported manifest type ${JSON.stringify(manifest.mediaType)}`);
     }
     const configDesc = configDescriptor(manifest.json, manifest.digest, limits);
+    layerDescriptors(manifest.json, manifest.digest, limits); // every digest checked before anything is fetched
     const configPath = blobPath(opts.cacheDir, configDesc.digest);
     pin(configPath, pinned);
     if (!existsSync(configPath)) await once(configPath, () => client.downloadBlob(ref.repository, configDesc.digest, configDesc.size, configPath).then(() => configPath));
@@ -134,6 +135,17 @@ function configDescriptor(manifest: Record<string, unknown>, manifestDigest: str
   return { digest, size };
 }
 
+/** The manifest's layers: within KILN_OCI_MAX_LAYERS, each digest checked, media type known, size declared. */
+function layerDescriptors(manifest: Record<string, unknown>, manifestDigest: string, limits: ImportLimits): Omit<LayerDescriptor, "diffId">[] {
+  const descs = (Array.isArray(manifest.layers) ? manifest.layers : []) as { digest: unknown; mediaType: string; size: unknown }[];
+  if (descs.length > limits.layers) throw overLimit(`manifest ${manifestDigest}'s layer count (${descs.length})`, limits, "layers");
+  return descs.map((d) => {
+    const digest = checkDigest(d.digest, `a layer of manifest ${manifestDigest}`);
+    if (!layerCompression(d.mediaType)) throw importError(`layer ${digest} has an unsupported media type ${JSON.stringify(d.mediaType)}`);
+    return { digest, mediaType: d.mediaType, size: declaredSize(d.size, `layer ${digest}`) };
+  });
+}
+
 async function materialise(
   manifest: Record<string, unknown>,
   configBody: Buffer,
@@ -148,15 +160,10 @@ async function materialise(
   rejectOsRequirements(config, `manifest ${manifestDigest}`);
   const arch = opts.arch ?? hostArchitecture();
   if (config.architecture && config.architecture !== arch) throw importError(`manifest ${manifestDigest} is for ${config.architecture}; this host runs ${arch}`);
-  const descs = (Array.isArray(manifest.layers) ? manifest.layers : []) as { digest: unknown; mediaType: string; size: unknown }[];
-  if (descs.length > limits.layers) throw overLimit(`manifest ${manifestDigest}'s layer count (${descs.length})`, limits, "layers");
+  const descs = layerDescriptors(manifest, manifestDigest, limits);
   const diffIds = Array.isArray(config.rootfs?.diff_ids) ? config.rootfs.diff_ids : [];
   if (diffIds.length !== descs.length) throw importError(`manifest ${manifestDigest} lists ${descs.length} layers but its config records ${diffIds.length} diff ids`);
-  const layers: LayerDescriptor[] = descs.map((d, i) => {
-    const digest = checkDigest(d.digest, `a layer of manifest ${manifestDigest}`);
-    if (!layerCompression(d.mediaType)) throw importError(`layer ${digest} has an unsupported media type ${JSON.stringify(d.mediaType)}`);
-    return { digest, mediaType: d.mediaType, size: declaredSize(d.size, `layer ${digest}`), diffId: checkDigest(diffIds[i], `layer ${digest}'s diff id`) };
-  });
+  const layers: LayerDescriptor[] = descs.map((d, i) => ({ ...d, diffId: checkDigest(diffIds[i], `layer ${d.digest}'s diff id`) }));
   const total = layers.reduce((n, l) => n + l.size, 0);
   if (total > limits.imageBytes) throw overLimit(`manifest ${manifestDigest}'s layers (${total} bytes declared)`, limits, "imageBytes");
   if (opts.fits && !opts.fits(layers.map((l) => layerDir(opts.cacheDir, l.diffId)))) {

@@ -54,7 +54,7 @@ export class ByteBudget {
 
   take(n: number): void {
     this.used += n;
-    if (this.used > this.limits.imageBytes) throw overLimit("the image's uncompressed layers", this.limits, "imageBytes");
+    if (this.used > this.limits.imageBytes) throw overLimit("the image's uncompressed size", this.limits, "imageBytes");
   }
 }
 

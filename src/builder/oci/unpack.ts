@@ -178,7 +178,9 @@ class LayerWriter {
       this.keepXattrs(rel, h);
     } catch (err) {
       if (err instanceof BlockedPath) throw importError(`layer entry /${rel} lies under /${err.at}, which this layer made a ${err.kind}`);
-      throw asImportError(err as Error, undefined, rel);
+      // A file system's refusal names the entry; a stream's failure (truncated, corrupt) is phrased by unpackLayer.
+      if ((err as NodeJS.ErrnoException).syscall) throw importError(`layer entry /${rel} could not be written (${(err as NodeJS.ErrnoException).code})`);
+      throw err;
     }
   }
 
@@ -272,12 +274,10 @@ function depth(rel: string): number {
 }
 
 /** Any failure as the build_error it becomes; a stream's own error (truncated, corrupt) says what it was. */
-function asImportError(err: Error, streamError?: unknown, rel?: string): Error {
+function asImportError(err: Error, streamError?: unknown): Error {
   if ((err as { detail?: unknown }).detail) return err;
   const stream = streamError as (Error & { detail?: unknown }) | undefined;
   if (stream?.detail) return stream;
-  const code = (err as NodeJS.ErrnoException).code;
-  if (rel && code) return importError(`layer entry /${rel} could not be written (${code})`);
   const why = stream?.message ?? err.message;
   return importError(`a layer could not be unpacked: ${why.replace(/\/proc\/self\/fd\/\d+\//g, "")}`);
 }
