@@ -56,6 +56,7 @@ export async function unpackLayer(source: string | Readable, compression: LayerC
   await mkdir(dest, { recursive: true });
   await lchown(dest, HOST_ID_BASE, HOST_ID_BASE);
   await chmod(dest, 0o755);
+  const root = await ConfinedRoot.open(dest, { uid: HOST_ID_BASE, gid: HOST_ID_BASE, mode: 0o755 });
   const input = typeof source === "string" ? createReadStream(source, { highWaterMark: 1 << 20 }) : source;
   const hash = createHash("sha256");
   const tap = new Transform({
@@ -70,15 +71,17 @@ export async function unpackLayer(source: string | Readable, compression: LayerC
     },
   });
   const ex = extract();
+  // The iterator listens from here on: a tar that fails (or a cancel) before the first entry ends it too. Made
+  // after an await, it could miss the extractor's 'close' and wait forever.
+  const entries = ex[Symbol.asyncIterator]();
   const streams = compression === "gzip" ? [createGunzip({ chunkSize: INFLATE_CHUNK })] : compression === "zstd" ? [createZstdDecompress({ chunkSize: INFLATE_CHUNK })] : [];
   const piping = pipeline([input, ...streams, tap, ex], { signal: opts.signal });
   // The stream may fail while an entry is being written (a truncated tar, a corrupt gzip): that rejection is
   // handled below, and must never be left unhandled, which would end the whole process.
   piping.catch(() => {});
-  const root = await ConfinedRoot.open(dest, { uid: HOST_ID_BASE, gid: HOST_ID_BASE, mode: 0o755 });
   const layer = new LayerWriter(root, limits);
   try {
-    for await (const entry of ex) {
+    for await (const entry of { [Symbol.asyncIterator]: () => entries }) {
       try {
         await root.trim();
         await layer.write(entry.header, entry as unknown as Readable);
