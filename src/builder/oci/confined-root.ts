@@ -100,25 +100,28 @@ export class ConfinedRoot {
 
   /** Makes `rel` a directory (creating missing parents) with the given attributes; an existing directory stays. */
   async mkdir(rel: string, attrs: Omit<Attrs, "mtime">): Promise<void> {
-    const [parent, name] = await this.parentOf(rel, true);
-    const st = await lstat(at(parent!, name)).catch(missing);
-    if (st && !st.isDirectory()) await this.remove(rel);
-    if (!st || !st.isDirectory()) await mkdir(at(parent!, name), 0o700);
+    await this.create(rel, async (path) => {
+      await mkdir(path, 0o700).catch(async (err: NodeJS.ErrnoException) => {
+        if (err.code !== "EEXIST" || !(await lstat(path)).isDirectory()) throw err;
+      });
+    });
     const dir = await this.dir(rel, false);
     await dir!.chown(attrs.uid, attrs.gid);
     await dir!.chmod(attrs.mode);
   }
 
-  /** Creates the regular file `rel` from `body`, replacing whatever was there. */
-  async writeFile(rel: string, body: AsyncIterable<Buffer>, attrs: Attrs): Promise<number> {
-    const [parent, name] = await this.clear(rel);
-    const fh = await open(at(parent, name), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0o600);
+  /** Creates the regular file `rel` from `body`, replacing whatever was there; its inode number when `ino` is asked. */
+  async writeFile(rel: string, body: AsyncIterable<Buffer>, attrs: Attrs, ino = false): Promise<number | undefined> {
+    let fh!: FileHandle;
+    await this.create(rel, async (path) => {
+      fh = await open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0o600);
+    });
     try {
       for await (const chunk of body) await fh.write(chunk);
       await fh.chown(attrs.uid, attrs.gid);
       await fh.chmod(attrs.mode); // after chown, which clears setuid/setgid
       await fh.utimes(attrs.mtime, attrs.mtime);
-      return (await fh.stat()).ino;
+      return ino ? (await fh.stat()).ino : undefined;
     } finally {
       await fh.close();
     }
@@ -126,9 +129,7 @@ export class ConfinedRoot {
 
   /** Creates the symlink `rel` → `target` (kept verbatim, never followed), replacing whatever was there. */
   async symlink(rel: string, target: string, attrs: Omit<Attrs, "mode">): Promise<void> {
-    const [parent, name] = await this.clear(rel);
-    const path = at(parent, name);
-    await symlink(target, path);
+    const path = await this.create(rel, (p) => symlink(target, p));
     await lchown(path, attrs.uid, attrs.gid);
     await lutimes(path, attrs.mtime, attrs.mtime);
   }
@@ -140,12 +141,14 @@ export class ConfinedRoot {
     const st = tParent && (await lstat(at(tParent, tName)).catch(missing));
     if (!st || !(st.isFile() || st.isSymbolicLink())) return false;
     if (rel === target) return true;
-    const [parent, name] = await this.clear(rel);
-    // The target's parent may have been closed by clear() (it removed a directory): walk to it again.
-    const [again, againName] = await this.parentOf(target, false).catch(() => [undefined, ""] as const);
-    if (!again) return false;
-    await link(at(again, againName), at(parent, name));
-    return true;
+    let linked = true;
+    await this.create(rel, async (path) => {
+      // The target's parent may have been closed if making room removed a directory: walk to it again.
+      const [again, againName] = await this.parentOf(target, false).catch(() => [undefined, ""] as const);
+      if (!again) linked = false;
+      else await link(at(again, againName), path);
+    });
+    return linked;
   }
 
   /** Removes `rel` and everything under it, following nothing. */
@@ -294,11 +297,22 @@ export class ConfinedRoot {
     return [await this.dir(parts.join("/"), create), name];
   }
 
-  /** The parent of `rel` (created if missing) with nothing left at `rel`: where a new non-directory goes. */
-  private async clear(rel: string): Promise<[FileHandle, string]> {
-    await this.remove(rel);
+  /**
+   * Runs `make` on the path of `rel` in its parent (created if missing). Something already there (EEXIST) is
+   * removed and `make` runs once more: a later tar entry replaces an earlier one. Returns the path `make` used.
+   */
+  private async create(rel: string, make: (path: string) => Promise<void>): Promise<string> {
     const [parent, name] = await this.parentOf(rel, true);
-    return [parent!, name];
+    try {
+      await make(at(parent!, name));
+      return at(parent!, name);
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code !== "EEXIST") throw err;
+    }
+    await this.remove(rel);
+    const [again] = await this.parentOf(rel, true);
+    await make(at(again!, name));
+    return at(again!, name);
   }
 
   /** A handle of its own (the caller closes it) on the parent directory of `rel`, or undefined when there is none. */

@@ -156,7 +156,7 @@ class LayerWriter {
         case "file":
         case "contiguous-file": {
           if ((h.size ?? 0) > this.limits.entryBytes) throw overLimit(`layer entry /${rel}`, this.limits, "entryBytes");
-          const ino = await this.root.writeFile(rel, body as AsyncIterable<Buffer>, attrs);
+          const ino = await this.root.writeFile(rel, body as AsyncIterable<Buffer>, attrs, xattrsToKeep(h.pax as Record<string, string> | undefined).length > 0);
           this.keepXattrs(rel, h, ino);
           this.files++;
           return;
