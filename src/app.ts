@@ -54,6 +54,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     ociCache: createOciCacheRetention(join(config.dataDir, "oci")),
     buildkit: createBuildkitBackend({
       cacheDir: config.cacheDir,
+      ociLimits: config.ociLimits,
       dataDir: config.dataDir,
       insecureRegistries: config.insecureRegistries,
       buildkitHost: config.buildkitHost,
