@@ -184,6 +184,7 @@ export class ConfinedRoot {
       try {
         const paths: string[] = [];
         for (const rel of rels.slice(i, i + BATCH)) {
+          await this.trim();
           const parent = await this.ownedParent(rel);
           if (!parent) continue;
           held.push(parent.handle);
@@ -207,6 +208,7 @@ export class ConfinedRoot {
       try {
         let dump = "";
         for (const item of items.slice(i, i + BATCH)) {
+          await this.trim();
           const fh = await this.openNoFollow(item.rel);
           if (!fh) continue;
           held.push(fh);

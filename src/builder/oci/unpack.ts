@@ -191,6 +191,7 @@ class LayerWriter {
   async finish(): Promise<void> {
     const mknod: string[] = [];
     for (const rel of this.whiteouts) {
+      await this.root.trim(); // walks cache directory handles: keep them few, however many paths there are
       const kind = await this.root.kind(rel).catch(() => "blocked" as const);
       // Whiteouts hide what lower layers have. A path this layer itself fills already hides them, so it stays;
       // a directory made here as well becomes opaque (the lower one is gone, this one is new).
@@ -200,11 +201,15 @@ class LayerWriter {
     await this.root.mknodWhiteouts(mknod);
     const xattrs = [...this.xattrs].map(([rel, x]) => ({ rel, ...x }));
     for (const rel of this.opaque) {
+      await this.root.trim();
       if ((await this.root.kind(rel).catch(() => undefined)) === "dir") xattrs.push({ rel, attrs: [{ name: "trusted.overlay.opaque", value: Buffer.from("y") }] });
     }
     await this.root.setXattrs(xattrs);
     const dirs = [...this.dirTimes].sort(([a], [b]) => depth(b) - depth(a));
-    for (const [rel, mtime] of dirs) await this.root.setDirTime(rel, mtime);
+    for (const [rel, mtime] of dirs) {
+      await this.root.trim();
+      await this.root.setDirTime(rel, mtime);
+    }
   }
 
   /** The extended attributes of an entry's PAX records Kiln keeps (see xattrsToKeep), set after the whole layer. */
@@ -282,5 +287,5 @@ function asImportError(err: Error, streamError?: unknown): Error {
   const stream = streamError as (Error & { detail?: unknown }) | undefined;
   if (stream?.detail) return stream;
   const why = stream?.message ?? err.message;
-  return importError(`a layer could not be unpacked: ${why.replace(/\/proc\/self\/fd\/\d+\//g, "")}`);
+  return importError(`a layer could not be unpacked: ${why.replace(/\/proc\/(self|\d+)\/fd\/\d+\/?/g, "")}`);
 }
