@@ -177,49 +177,56 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
     }
     let lastError: unknown;
     for (let attempt = 0; attempt < BLOB_ATTEMPTS; attempt++) {
+      // A file handle, not a write stream: a full disk is a rejection here, never an unhandled 'error' event. It is
+      // open before the request, so the body is read the moment it arrives: a connection cut early still leaves
+      // what came on disk, for the next attempt to resume from.
+      const out = await open(partial, "a", 0o600);
       try {
         const res = await get(repository, `blobs/${digest}`, offset > 0 ? { range: `bytes=${offset}-` } : {});
         if (res.statusCode === 416 && offset > 0) {
           await res.body.dump(); // everything is here already
         } else if (res.statusCode === 200 || res.statusCode === 206) {
-          if (res.statusCode === 200 && offset > 0) {
-            // The server ignored Range: start over.
-            await truncate(partial, 0);
+          const restart = res.statusCode === 200 && offset > 0; // the server ignored Range: start over
+          if (restart) {
             hash = createHash("sha256");
             offset = 0;
           }
-          // A file handle, not a write stream: a full disk is a rejection here, never an unhandled 'error' event.
-          const out = await open(partial, "a", 0o600);
-          try {
-            for await (const chunk of res.body) {
-              if (offset + chunk.length > size) {
-                res.body.destroy();
-                await rm(partial, { force: true });
-                throw importError(`blob ${digest} of ${registry}/${repository} is larger than the ${size} bytes its descriptor declares`);
-              }
-              hash.update(chunk);
-              offset += chunk.length;
-              onBytes?.(chunk.length);
-              await out.write(chunk);
+          let first = restart;
+          for await (const chunk of res.body) {
+            if (first) {
+              await out.truncate(0);
+              first = false;
             }
-          } finally {
-            await out.close();
+            if (offset + chunk.length > size) {
+              res.body.destroy();
+              await out.truncate(0);
+              throw importError(`blob ${digest} of ${registry}/${repository} is larger than the ${size} bytes its descriptor declares`);
+            }
+            hash.update(chunk);
+            offset += chunk.length;
+            onBytes?.(chunk.length);
+            await out.write(chunk);
           }
         } else {
           await res.body.dump();
           if (res.statusCode === 404) throw importError(`blob ${digest} of ${registry}/${repository} was not found`);
           throw importError(`registry ${registry} answered ${res.statusCode} for blob ${digest}`);
         }
+      } catch (err) {
+        await out.close();
+        if ((err as { detail?: unknown }).detail || opts.signal?.aborted) throw err; // a verdict or a cancel, not a cut connection
+        lastError = err;
+        continue;
+      }
+      await out.close();
+      try {
         const got = `sha256:${hash.copy().digest("hex")}`;
-        if (got !== digest) {
-          await rm(partial, { force: true });
-          throw importError(`blob ${digest} of ${registry}/${repository} does not match its digest (got ${got})`);
-        }
+        if (got !== digest) throw importError(`blob ${digest} of ${registry}/${repository} does not match its digest (got ${got})`);
         await rename(partial, dest);
         return offset;
       } catch (err) {
-        if ((err as { detail?: unknown }).detail || opts.signal?.aborted) throw err; // a verdict or a cancel, not a cut connection
-        lastError = err;
+        await rm(partial, { force: true });
+        throw err;
       }
     }
     throw importError(`blob ${digest} of ${registry}/${repository} could not be downloaded after ${BLOB_ATTEMPTS} attempts: ${(lastError as Error)?.message}`);
