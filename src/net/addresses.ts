@@ -105,3 +105,28 @@ export function addressProblem(ip: string, allowPrivate: boolean): string | null
   if (v.class === "never") return `the address ${ip}${carried} is link-local, metadata or otherwise unroutable (${v.range}), and is never allowed`;
   return `the address ${ip}${carried} is private or loopback (${v.range})`;
 }
+
+/**
+ * Every range a host-side filter must refuse for traffic that may reach neither private nor never-allowed addresses
+ * (machines' egress, in nftables interval sets): the IPv4 and IPv6 ranges above, and the IPv6 forms carrying them —
+ * NAT64 and 6to4 range by range (both carry public addresses too), the other carrying forms whole (nothing public
+ * is reached through them: IPv4-compatible, mapped and translated addresses, local-use NAT64, Teredo). No range
+ * lies inside another (interval sets refuse overlaps).
+ */
+export function refusedCidrs(): { v4: string[]; v6: string[] } {
+  const v4 = [...NEVER_V4, ...PRIVATE_V4];
+  const v6 = [...NEVER_V6, ...PRIVATE_V6, "::/96", "::ffff:0:0/96", "::ffff:0:0:0/96", "64:ff9b:1::/48", "2001::/32"];
+  const hex = (n: bigint) => [(n >> 16n) & 0xffffn, n & 0xffffn].map((g) => g.toString(16)).join(":");
+  for (const cidr of v4) {
+    const [addr, len] = cidr.split("/");
+    const n = v4ToBigInt(addr);
+    v6.push(`64:ff9b::${hex(n)}/${96 + Number(len)}`, `2002:${hex(n)}::/${16 + Number(len)}`);
+  }
+  return { v4: outermost(v4, 32), v6: outermost(v6, 128) };
+}
+
+/** The CIDRs of a list that no other CIDR of it contains. */
+function outermost(list: string[], bits: 32 | 128): string[] {
+  const ranges = [...new Set(list)].map((c) => ({ ...range(c, bits), len: Number(c.split("/")[1]) }));
+  return ranges.filter((r) => !ranges.some((o) => o !== r && o.len <= r.len && (r.base & o.mask) === o.base && !(o.len === r.len && o.text > r.text))).map((r) => r.text);
+}

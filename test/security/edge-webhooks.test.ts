@@ -18,7 +18,8 @@ import { createDispatcher } from "../../src/webhooks/dispatcher.ts";
 import type { DispatcherOptions } from "../../src/webhooks/dispatcher.ts";
 import { announceDeliveries, enqueueDeliveries } from "../../src/webhooks/outbox.ts";
 import { createWebhookService } from "../../src/services/webhooks.ts";
-import { addressProblem, classifyAddress } from "../../src/net/addresses.ts";
+import { BlockList } from "node:net";
+import { addressProblem, classifyAddress, refusedCidrs } from "../../src/net/addresses.ts";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { startReceiver } from "../webhooks/receiver.ts";
@@ -85,6 +86,27 @@ test("the outbound classifier judges an IPv6 address that carries an IPv4 one by
   assert.equal(classifyAddress("::1").class, "private");
   assert.deepEqual(classifyAddress("64:ff9b::7f00:1").embedded, { ipv4: "127.0.0.1", form: "NAT64 64:ff9b::/96" });
   assert.equal(classifyAddress("not an address").class, "never");
+});
+
+test("machines' egress filter refuses what the classifier refuses, IPv6 forms carrying IPv4 included, and lets public addresses through", () => {
+  const { v4, v6 } = refusedCidrs();
+  // One list per family, as nftables keeps them (a BlockList would match IPv4 against IPv6 ranges that carry it).
+  const lists = { ipv4: new BlockList(), ipv6: new BlockList() };
+  for (const c of v4) lists.ipv4.addSubnet(c.split("/")[0], Number(c.split("/")[1]), "ipv4");
+  for (const c of v6) lists.ipv6.addSubnet(c.split("/")[0], Number(c.split("/")[1]), "ipv6");
+  const inList = (ip: string) => (ip.includes(":") ? lists.ipv6.check(ip, "ipv6") : lists.ipv4.check(ip, "ipv4"));
+  for (const ip of [...Object.values(LOOPBACK_FORMS), ...Object.values(METADATA_FORMS), "127.0.0.1", "10.9.8.7", "169.254.169.254", "::1", "fd00::1", "fe80::1", "64:ff9b::a00:1", "2002:c0a8:101::1"]) {
+    assert.ok(inList(ip), `${ip} (${classifyAddress(ip).class}) is refused by the egress sets`);
+  }
+  for (const ip of ["8.8.8.8", "2606:4700::1111", "64:ff9b::808:808", "2002:808:808::1"]) assert.ok(!inList(ip), `${ip} passes the egress sets`);
+  // Interval sets refuse overlapping elements: no range lies inside another.
+  for (const [family, cidrs] of [["ipv4", v4], ["ipv6", v6]] as const) {
+    for (const c of cidrs) {
+      const others = new BlockList();
+      for (const o of cidrs) if (o !== c) others.addSubnet(o.split("/")[0], Number(o.split("/")[1]), family);
+      assert.ok(!others.check(c.split("/")[0], family), `${c} lies inside another refused range`);
+    }
+  }
 });
 
 test("a webhook whose URL names an IPv6 form carrying a loopback or metadata address is refused at create (400), through the API", async () => {

@@ -25,7 +25,8 @@ export const SANDBOX_HOST_RE = /^(\d{1,5})-(mch_[0-9a-z]{26})\./;
 
 export interface PortProxyDeps {
   machines: MachineService;
-  verify: (sandboxId: string, token: unknown) => boolean;
+  /** Whether a token is this sandbox's access token (may ask the store: a token is good while its key is). */
+  verify: (sandboxId: string, token: unknown) => boolean | Promise<boolean>;
   /** Whether a string is one of Kiln's API keys (revoked or not): such a key never reaches the sandbox's server. */
   isKey: (candidate: string) => Promise<boolean>;
   envdPort: number;
@@ -48,17 +49,17 @@ export function installPortProxy(server: Server, deps: PortProxyDeps) {
   server.once("close", () => proxy.close());
 
   /** The sandbox port, once the request carries that sandbox's token (E2B's `e2b-traffic-access-token`, or envd's header). */
-  function authorize(req: IncomingMessage) {
+  async function authorize(req: IncomingMessage) {
     const target = portTargetOf(req.headers.host, deps.envdPort)!;
     const token = req.headers["e2b-traffic-access-token"] ?? req.headers["x-access-token"];
-    if (!deps.verify(target.sandboxId, token)) throw new KilnError("unauthorized", "send the sandbox's access token in e2b-traffic-access-token");
+    if (!(await deps.verify(target.sandboxId, token))) throw new KilnError("unauthorized", "send the sandbox's access token in e2b-traffic-access-token");
     return target;
   }
 
   /** What crosses into the sandbox: hop-by-hop headers, the sandbox's token and any Kiln key stay out. */
   async function headersFor(req: IncomingMessage, sandboxId: string, keepUpgrade: boolean) {
     const headers = forwardedHeaders(req.headers, { clientIp: req.socket.remoteAddress, proto: deps.proto, keepUpgrade });
-    await stripKilnCredentials(headers, (c) => deps.verify(sandboxId, c) || isKilnKey(c));
+    await stripKilnCredentials(headers, async (c) => (await deps.verify(sandboxId, c)) || isKilnKey(c));
     return headers;
   }
 
@@ -77,7 +78,7 @@ export function installPortProxy(server: Server, deps: PortProxyDeps) {
   }
 
   async function proxyHttp(req: IncomingMessage, res: ServerResponse) {
-    const target = authorize(req);
+    const target = await authorize(req);
     const headers = await headersFor(req, target.sandboxId, false);
     await proxy.forward(`${target.sandboxId}:${target.port}`, { method: req.method ?? "GET", path: req.url ?? "/", headers, body: req.method === "GET" || req.method === "HEAD" ? undefined : req }, res, () => ({}));
   }
@@ -85,7 +86,7 @@ export function installPortProxy(server: Server, deps: PortProxyDeps) {
   async function proxyUpgrade(req: IncomingMessage, client: Duplex, head: Buffer) {
     // The server only emits upgrades that are WebSocket handshakes (see server.ts); checked again, as the edge does.
     if (!isWebSocketUpgrade(req)) throw new KilnError("invalid_request", "only WebSocket upgrades are carried to a sandbox's port");
-    const target = authorize(req);
+    const target = await authorize(req);
     const headers = await headersFor(req, target.sandboxId, true);
     const websocketOnly = (offered: string[], answered: string[]) => offered.includes("websocket") && answered.length === 1 && answered[0] === "websocket";
     await proxy.upgrade(`${target.sandboxId}:${target.port}`, { method: req.method ?? "GET", path: req.url ?? "/", headers }, client, head, { accept: websocketOnly });
