@@ -37,6 +37,13 @@ export function credentialCandidates(value: string): string[] {
   return [...out];
 }
 
+/** Whether any header that may carry a Kiln credential is present (most requests have none: no lookup at all). */
+export function mayCarryKilnCredentials(headers: OutgoingHttpHeaders): boolean {
+  for (const name of KILN_ONLY_HEADERS) if (headers[name] !== undefined) return true;
+  for (const name of SHARED_HEADERS) if (headers[name] !== undefined) return true;
+  return false;
+}
+
 /**
  * Removes Kiln's credentials from request headers bound for a service (in place): the Kiln-only headers always,
  * a shared one when anything it carries is Kiln's. Answers the names removed (for tests and logs; never values).

@@ -171,47 +171,64 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
    * client is slower. Rejects before any byte is written when the service cannot be reached (503), is busy (503) or
    * sends no head in time (504); `headOf` adds headers (the edge cookie) to the response head.
    */
-  async function forward(key: string, req: ForwardRequest, res: ServerResponse, headOf: (status: number) => Record<string, string[]>): Promise<number> {
+  function forward(key: string, req: ForwardRequest, res: ServerResponse, headOf: (status: number) => Record<string, string[]>): Promise<number> {
     const u = upstreamFor(key);
-    await admit(u, res);
-    try {
-      return await dispatch(u, req, res, headOf);
-    } finally {
-      release(u);
+    const go = () => dispatch(u, req, res, headOf).finally(() => release(u));
+    // The common case takes a place at once, without a promise of its own.
+    if (u.active < limits.connections) {
+      u.active++;
+      return go();
     }
+    return admit(u, res).then(go);
   }
+
+  /**
+   * One watchdog for every request in flight (a timer per request would cost more than the proxying): each tick,
+   * a request that made no progress for longer than its phase allows is aborted.
+   */
+  interface Watch {
+    progress(): number;
+    seen: number;
+    quietSince: number;
+    phase: "head" | "body";
+    controller: Dispatcher.DispatchController | undefined;
+  }
+  const watched = new Set<Watch>();
+  const tick = Math.max(20, Math.min(1000, Math.floor(Math.min(limits.headersTimeoutMs, limits.idleTimeoutMs) / 4)));
+  const watchdog = setInterval(() => {
+    const now = Date.now();
+    for (const w of watched) {
+      const p = w.progress();
+      if (p !== w.seen) {
+        w.seen = p;
+        w.quietSince = now;
+        continue;
+      }
+      const bound = w.phase === "head" ? limits.headersTimeoutMs : limits.idleTimeoutMs;
+      if (now - w.quietSince < bound || !w.controller) continue; // no controller yet: the tunnel is still opening (bounded)
+      watched.delete(w);
+      w.controller.abort(
+        w.phase === "head"
+          ? new KilnError("timeout", `The service sent no answer within ${bound / 1000} s`, { detail: { retryable: true } })
+          : new Error(`the body was idle for ${bound / 1000} s`),
+      );
+    }
+  }, tick);
+  watchdog.unref();
 
   function dispatch(u: Upstream, req: ForwardRequest, res: ServerResponse, headOf: (status: number) => Record<string, string[]>): Promise<number> {
     return new Promise((resolve, reject) => {
       let status = 0;
-      let controller: Dispatcher.DispatchController | undefined;
       // Progress is anything moving: the client's upload (bytes read off its socket), the answer's bytes, a drain.
       let moved = 0;
-      const progress = () => (res.socket?.bytesRead ?? 0) + moved;
-      let seen = progress();
-      let quietSince = Date.now();
-      let phase: "head" | "body" = "head";
-      const tick = Math.max(20, Math.min(1000, Math.floor(Math.min(limits.headersTimeoutMs, limits.idleTimeoutMs) / 4)));
-      const watchdog = setInterval(() => {
-        const now = progress();
-        if (now !== seen) {
-          seen = now;
-          quietSince = Date.now();
-          return;
-        }
-        const bound = phase === "head" ? limits.headersTimeoutMs : limits.idleTimeoutMs;
-        if (Date.now() - quietSince < bound || !controller) return; // no controller yet: the tunnel is still opening (bounded)
-        clearInterval(watchdog);
-        controller?.abort(
-          phase === "head"
-            ? new KilnError("timeout", `The service sent no answer within ${bound / 1000} s`, { detail: { retryable: true } })
-            : new Error(`the body was idle for ${bound / 1000} s`),
-        );
-      }, tick);
-      const finish = () => clearInterval(watchdog);
+      const socket = res.socket;
+      const w: Watch = { progress: () => (socket?.bytesRead ?? 0) + moved, seen: 0, quietSince: Date.now(), phase: "head", controller: undefined };
+      w.seen = w.progress();
+      watched.add(w);
+      const finish = () => watched.delete(w);
       const handler: Dispatcher.DispatchHandler = {
         onRequestStart(c) {
-          controller = c;
+          w.controller = c;
           res.once("close", () => {
             if (!res.writableFinished) c.abort(new Error("the client went away"));
           });
@@ -219,8 +236,8 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
         onResponseStart(c, statusCode, headers) {
           status = statusCode;
           if (statusCode < 200) return; // 1xx informational answers are not relayed
-          phase = "body";
-          quietSince = Date.now();
+          w.phase = "body";
+          w.quietSince = Date.now();
           const out = returnedHeaders(headers as IncomingHttpHeaders);
           for (const [k, v] of Object.entries(headOf(statusCode))) {
             const prev = out[k];
@@ -368,6 +385,7 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
 
   function close() {
     clearInterval(sweeper);
+    clearInterval(watchdog);
     for (const key of [...upstreams.keys()]) drop(key);
   }
 

@@ -13,7 +13,7 @@ import { scrubUrl } from "../../log.ts";
 import type { Logger } from "../../log.ts";
 import { createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHeaders, isWebSocketUpgrade } from "../../deployments/proxy.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
-import { rememberedCheck, stripKilnCredentials } from "../../deployments/credentials.ts";
+import { mayCarryKilnCredentials, rememberedCheck, stripKilnCredentials } from "../../deployments/credentials.ts";
 
 /** The cookie that carries the edge token after the first request, so a browser's relative requests work too. */
 export const EDGE_COOKIE = "kiln_edge";
@@ -91,7 +91,7 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
     if (!METHODS.has(req.method ?? "")) throw new KilnError("method_not_allowed", `${req.method} is not allowed on the edge`);
     const expiresAtMs = authorize(target.serviceId, target.queryToken, req.headers.cookie);
     const headers = forwardedHeaders(req.headers, { stripCookie: EDGE_COOKIE, clientIp: req.socket.remoteAddress, proto: opts.secureCookies ? "https" : "http", keepUpgrade: false });
-    await stripKilnCredentials(headers, isKilnKey);
+    if (mayCarryKilnCredentials(headers)) await stripKilnCredentials(headers, isKilnKey);
     // Later relative requests from a browser carry the token as a cookie scoped to this service's path.
     const cookie = target.queryToken
       ? [`${EDGE_COOKIE}=${target.queryToken}; Path=${PREFIX}${target.serviceId}/; Max-Age=${Math.max(0, Math.floor((expiresAtMs - Date.now()) / 1000))}; HttpOnly; SameSite=Lax${opts.secureCookies ? "; Secure" : ""}`]
@@ -143,7 +143,7 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
     if (!isWebSocketUpgrade(req.raw)) throw new KilnError("invalid_request", "The edge upgrades only to WebSocket");
     const expiresAtMs = authorize(target.serviceId, target.queryToken, req.headers.cookie);
     const headers = forwardedHeaders(req.headers, { stripCookie: EDGE_COOKIE, clientIp: req.ip, proto: opts.secureCookies ? "https" : "http", keepUpgrade: true });
-    await stripKilnCredentials(headers, isKilnKey);
+    if (mayCarryKilnCredentials(headers)) await stripKilnCredentials(headers, isKilnKey);
     reply.hijack();
     const socket = req.raw.socket;
     const websocketOnly = (offered: string[], answered: string[]) => offered.includes("websocket") && answered.length === 1 && answered[0] === "websocket";
