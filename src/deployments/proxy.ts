@@ -64,6 +64,11 @@ export function isWebSocketUpgrade(req: IncomingMessage): boolean {
   return upgradeTokens(req.headers.upgrade).includes("websocket") && String(req.headers.connection ?? "").toLowerCase().includes("upgrade");
 }
 
+/** The only 101 Kiln splices: to a WebSocket handshake, switching to WebSocket and nothing else. */
+export function acceptWebSocket(offered: string[], answered: string[]): boolean {
+  return offered.includes("websocket") && answered.length === 1 && answered[0] === "websocket";
+}
+
 export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limits: ProxyLimits = DEFAULT_PROXY_LIMITS) {
   const upstreams = new Map<string, Upstream>();
   // Pools of upstreams nobody used for a while go (a sandbox's port the client is done with, a stopped service).
@@ -124,12 +129,8 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
     return u;
   }
 
-  /** A place among the upstream's connections: at once, after a bounded wait in its bounded queue, or 503. */
-  function admit(u: Upstream, res: ServerResponse): Promise<void> {
-    if (u.active < limits.connections) {
-      u.active++;
-      return Promise.resolve();
-    }
+  /** A place among the upstream's busy connections: after a bounded wait in its bounded queue, or 503. */
+  function waitForPlace(u: Upstream, res: ServerResponse): Promise<void> {
     if (u.waiting.length >= limits.queue) {
       return Promise.reject(new KilnError("unavailable", `The service has ${limits.connections} requests in flight and ${limits.queue} waiting: try again shortly`, { detail: { retryable: true } }));
     }
@@ -179,7 +180,7 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
       u.active++;
       return go();
     }
-    return admit(u, res).then(go);
+    return waitForPlace(u, res).then(go);
   }
 
   /**

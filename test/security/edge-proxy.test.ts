@@ -13,7 +13,8 @@ import { loadEdgeSecret, signEdgeToken } from "../../src/deployments/edge-tokens
 import { generateKeyIn } from "../../src/services/keys.ts";
 import { probeCommand, rawConnection } from "./edge-support.ts";
 
-const HEADERS_TIMEOUT_S = 3;
+// Long enough that the 64 hanging requests are all still held while the test fills the queue behind them (gVisor is slower).
+const HEADERS_TIMEOUT_S = 10;
 const IDLE_TIMEOUT_S = 3;
 const QUEUE = 8;
 const CONNECTIONS = 64;

@@ -11,7 +11,7 @@ import { KilnError, toEnvelope } from "../../errors.ts";
 import { newId } from "../../store/ids.ts";
 import { scrubUrl } from "../../log.ts";
 import type { Logger } from "../../log.ts";
-import { createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHeaders, isWebSocketUpgrade } from "../../deployments/proxy.ts";
+import { acceptWebSocket, createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHeaders, isWebSocketUpgrade } from "../../deployments/proxy.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import { mayCarryKilnCredentials, rememberedCheck, stripKilnCredentials } from "../../deployments/credentials.ts";
 
@@ -146,9 +146,8 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
     if (mayCarryKilnCredentials(headers)) await stripKilnCredentials(headers, isKilnKey);
     reply.hijack();
     const socket = req.raw.socket;
-    const websocketOnly = (offered: string[], answered: string[]) => offered.includes("websocket") && answered.length === 1 && answered[0] === "websocket";
     try {
-      const status = await proxy.upgrade(target.serviceId, { method: req.method, path: target.path, headers }, socket, upgradeHead(req), { accept: websocketOnly, until: expiresAtMs });
+      const status = await proxy.upgrade(target.serviceId, { method: req.method, path: target.path, headers }, socket, upgradeHead(req), { accept: acceptWebSocket, until: expiresAtMs });
       req.log.info({ method: req.method, url: scrubUrl(req.url), status }, "request");
     } catch (err) {
       const status = err instanceof KilnError ? (err.code === "timeout" ? 504 : err.code === "unavailable" && err.detail?.retryable ? 503 : 502) : 502;

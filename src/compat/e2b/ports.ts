@@ -7,7 +7,7 @@ import type { IncomingMessage, Server, ServerResponse } from "node:http";
 import type { Duplex } from "node:stream";
 import type { MachineService } from "../../services/machines.ts";
 import { KilnError } from "../../errors.ts";
-import { createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHeaders, isWebSocketUpgrade } from "../../deployments/proxy.ts";
+import { acceptWebSocket, createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHeaders, isWebSocketUpgrade } from "../../deployments/proxy.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import { rememberedCheck, stripKilnCredentials } from "../../deployments/credentials.ts";
 
@@ -88,8 +88,7 @@ export function installPortProxy(server: Server, deps: PortProxyDeps) {
     if (!isWebSocketUpgrade(req)) throw new KilnError("invalid_request", "only WebSocket upgrades are carried to a sandbox's port");
     const target = await authorize(req);
     const headers = await headersFor(req, target.sandboxId, true);
-    const websocketOnly = (offered: string[], answered: string[]) => offered.includes("websocket") && answered.length === 1 && answered[0] === "websocket";
-    await proxy.upgrade(`${target.sandboxId}:${target.port}`, { method: req.method ?? "GET", path: req.url ?? "/", headers }, client, head, { accept: websocketOnly });
+    await proxy.upgrade(`${target.sandboxId}:${target.port}`, { method: req.method ?? "GET", path: req.url ?? "/", headers }, client, head, { accept: acceptWebSocket });
   }
 
   // Fastify's own listeners run for everything else, exactly as before.
