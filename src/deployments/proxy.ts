@@ -71,6 +71,8 @@ export function acceptWebSocket(offered: string[], answered: string[]): boolean 
 
 export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limits: ProxyLimits = DEFAULT_PROXY_LIMITS) {
   const upstreams = new Map<string, Upstream>();
+  // A coarse clock the watchdog advances each tick, for when an upstream was last used (the sweep counts minutes).
+  let clock = Date.now();
   // Pools of upstreams nobody used for a while go (a sandbox's port the client is done with, a stopped service).
   const sweeper = setInterval(() => {
     const now = Date.now();
@@ -125,7 +127,7 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
       };
       upstreams.set(key, u);
     }
-    u.lastUsed = Date.now();
+    u.lastUsed = clock;
     return u;
   }
 
@@ -162,7 +164,7 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
 
   function release(u: Upstream): void {
     u.active--;
-    u.lastUsed = Date.now();
+    u.lastUsed = clock;
     const next = u.waiting.shift();
     if (next) next.admit();
   }
@@ -197,7 +199,7 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
   const watched = new Set<Watch>();
   const tick = Math.max(20, Math.min(1000, Math.floor(Math.min(limits.headersTimeoutMs, limits.idleTimeoutMs) / 4)));
   const watchdog = setInterval(() => {
-    const now = Date.now();
+    const now = (clock = Date.now());
     for (const w of watched) {
       const p = w.progress();
       if (p !== w.seen) {
