@@ -14,6 +14,10 @@ import { join } from "node:path";
 import type { Logger } from "../../log.ts";
 import { ID_POOL_LAST, rangeOf } from "./idmap.ts";
 
+/** How long a sweep waits for another server's, and when a held lock counts as abandoned. */
+const LOCK_WAIT_MS = 5_000;
+const LOCK_STALE_MS = 60_000;
+
 interface ClaimRecord {
   machine_dir: string;
   claimed_at: string;
@@ -72,21 +76,25 @@ export function createIdRangePool(opts: { dir: string; log: Logger }): IdRangePo
     return (await readdir(opts.dir)).filter((n) => /^\d+$/.test(n)).map(Number);
   }
 
-  /** The sweep lock: taken with O_EXCL; one left by a dead server (or older than a minute) is taken over. */
+  /**
+   * The sweep lock, taken with O_EXCL. Another server's sweep is waited for (a sweep takes milliseconds); a lock left
+   * by a dead server, or held longer than LOCK_STALE_MS, is taken over.
+   */
   async function lockSweep(): Promise<boolean> {
     const lock = join(opts.dir, ".sweep.lock");
-    for (let attempt = 0; attempt < 2; attempt++) {
+    const deadline = Date.now() + LOCK_WAIT_MS;
+    for (;;) {
       try {
         await writeFile(lock, JSON.stringify({ pid: process.pid, at: Date.now() }), { flag: "wx", mode: 0o600 });
         return true;
       } catch (err) {
         if ((err as NodeJS.ErrnoException).code !== "EEXIST") throw err;
         const held = await readFile(lock, "utf8").then((t) => JSON.parse(t) as { pid: number; at: number }).catch(() => undefined);
-        if (held && alive(held.pid) && Date.now() - held.at < 60_000) return false;
-        await rm(lock, { force: true });
+        if (held && (!alive(held.pid) || Date.now() - held.at > LOCK_STALE_MS)) await rm(lock, { force: true });
+        else if (Date.now() > deadline) return false;
+        else await new Promise((r) => setTimeout(r, 10));
       }
     }
-    return false;
   }
 
   async function sweep(): Promise<number> {
