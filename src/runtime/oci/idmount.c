@@ -10,8 +10,9 @@
 //         makes the machine's user namespace, owned by host uid OWNER — so the kernel charges every per-user counter
 //         of the machine (inotify instances and watches, message queue bytes, pending signals, locked memory) to
 //         OWNER instead of host root — mapping machine ids 0..65535 to HOSTBASE..; the namespace takes its caps on
-//         those counters from the --rlimit values and /proc/sys/user/NAME inside it is set to VALUE. It is pinned by
-//         a bind mount on FILE while COMMAND (the runtime, which joins it by path) runs.
+//         those counters from the --rlimit values and /proc/sys/user/NAME inside it is set to VALUE. FILE is a symlink
+//         to it (/proc/<pid>/ns/user of its first process, which lives until COMMAND — the runtime, which joins it by
+//         path — has exited, then FILE goes).
 //     --idmap CANONICAL:HOSTBASE:COUNT
 //         sees the template layers (read-only), the machine's disk and each --bind source — whose files are stored
 //         with ids CANONICAL.. — through idmapped mounts as HOSTBASE.. (host root stays host root: overlayfs makes
@@ -24,8 +25,8 @@
 //     --nofile SOFT:HARD
 //         the open-file limit COMMAND (and so the machine) starts with.
 //     -- COMMAND ARGS...
-//         run with this process's stdio and every inherited fd; once it exits, the --bind mounts and the pinned
-//         namespace are detached (the machine holds its own copies by then) and its exit status is ours.
+//         run with this process's stdio and every inherited fd; once it exits, the --bind mounts are detached and
+//         FILE removed (the machine holds its own copies and namespace by then), and its exit status is ours.
 //
 // Every failure prints one line `kiln-idmount: <what> <path>: <reason>` on stderr and exits 1 (2: bad usage).
 
@@ -84,8 +85,10 @@ struct userns_request {
   int rlimit_res[8];
   rlim_t rlimit_val[8];
   int rlimits;
-  const char *pin;        // bind the namespace here, or NULL
+  const char *link;       // symlink to the namespace here, its first process kept alive until release_userns
   int want_fd;            // return an fd of the namespace
+  pid_t pid;              // the namespace's first process, while kept
+  int release_fd;         // closing it lets that process go
 };
 
 static void read_byte(int fd) {
@@ -95,21 +98,28 @@ static void read_byte(int fd) {
 
 /**
  * A user namespace made by a child that first becomes `owner` (the namespace belongs to the uid that makes it),
- * mapped by us from outside (host root may map any ids), limited from inside, then pinned or opened before the
- * child exits. The namespace's caps on its owner's counters are the child's rlimits at unshare.
+ * mapped by us from outside (host root may map any ids) and limited from inside. The child then waits on a pipe:
+ * for an opened namespace it is let go at once; for a linked one, when we close `release_fd` (or die).
+ * The namespace's caps on its owner's counters are the child's rlimits at unshare.
  */
 static int make_userns(struct userns_request *r) {
   int to_parent[2], to_child[2];
+  pid_t parent = getpid();
   if (pipe2(to_parent, O_CLOEXEC) || pipe2(to_child, O_CLOEXEC)) die("pipe", NULL);
   pid_t pid = fork();
   if (pid < 0) die("fork", NULL);
   if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    // Only the parent may hold the write end: its exit must reach us as end-of-file.
+    close(to_parent[0]);
+    close(to_child[1]);
     for (int i = 0; i < r->rlimits; i++) {
       struct rlimit l = {r->rlimit_val[i], r->rlimit_val[i]};
       if (setrlimit(r->rlimit_res[i], &l)) die("setrlimit", NULL);
     }
     if (r->owner != 0 && (setgroups(0, NULL) || setresgid(r->owner, r->owner, r->owner) || setresuid(r->owner, r->owner, r->owner))) die("become", "the namespace's owner");
+    // Set after the uid change, which clears it.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(3);
     if (unshare(CLONE_NEWUSER)) die("unshare", "user namespace");
     if (write(to_parent[1], "u", 1) != 1) _exit(3);
     read_byte(to_child[0]);  // mapped
@@ -121,7 +131,9 @@ static int make_userns(struct userns_request *r) {
       write_file(path, value);
     }
     if (write(to_parent[1], "s", 1) != 1) _exit(3);
-    read_byte(to_child[0]);  // pinned or opened: the namespace lives on without us
+    char c;
+    while (read(to_child[0], &c, 1) > 0) {
+    }  // until released
     _exit(0);
   }
   close(to_parent[1]);
@@ -135,20 +147,29 @@ static int make_userns(struct userns_request *r) {
   if (write(to_child[1], "m", 1) != 1) die("write", "to the namespace's first process");
   if (read(to_parent[0], &c, 1) != 1) usage("the limits of the user namespace could not be set");
   snprintf(path, sizeof path, "/proc/%d/ns/user", pid);
+  close(to_parent[0]);
   int fd = -1;
   if (r->want_fd && (fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) die("open", path);
-  if (r->pin) {
-    int f = open(r->pin, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
-    if (f < 0) die("create", r->pin);
-    close(f);
-    if (mount(path, r->pin, NULL, MS_BIND, NULL)) die("pin", r->pin);
+  if (r->link) {
+    // Written aside and renamed over FILE, so a leftover of a killed boot is replaced, never followed.
+    char temp[4096];
+    snprintf(temp, sizeof temp, "%s.%d", r->link, getpid());
+    unlink(temp);
+    if (symlink(path, temp) || rename(temp, r->link)) die("link", r->link);
+    r->pid = pid;
+    r->release_fd = to_child[1];
+    return fd;
   }
-  if (write(to_child[1], "x", 1) != 1) die("write", "to the namespace's first process");
+  close(to_child[1]);
   int status;
   if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) usage("the user namespace's first process failed");
-  close(to_parent[0]);
-  close(to_child[1]);
   return fd;
+}
+
+static void release_userns(struct userns_request *r) {
+  unlink(r->link);
+  close(r->release_fd);
+  waitpid(r->pid, NULL, 0);
 }
 
 /** A clone of mount `src` (only it, not what is mounted below) seen through `userns_fd`'s ids, attached at `dst`. */
@@ -209,7 +230,7 @@ int main(int argc, char **argv) {
     }
     if (i + 1 >= argc) usage("an option lacks its value");
     const char *v = argv[++i];
-    if (strcmp(a, "--userns") == 0) machine.pin = v;
+    if (strcmp(a, "--userns") == 0) machine.link = v;
     else if (strcmp(a, "--owner") == 0) machine.owner = (uid_t)parse_num(v);
     else if (strcmp(a, "--map") == 0) map_base = parse_num(v), has_map = 1;
     else if (strcmp(a, "--sysctl") == 0) {
@@ -242,10 +263,10 @@ int main(int argc, char **argv) {
     else usage("unknown option");
   }
   if (rootfs && (!scratch || !disk || lowers == 0)) usage("--rootfs needs --scratch, --disk and at least one --lower");
-  if (machine.pin && (!has_map || machine.owner == 0)) usage("--userns needs --owner and --map");
+  if (machine.link && (!has_map || machine.owner == 0)) usage("--userns needs --owner and --map");
   if (binds > 0 && !idmap) usage("--bind needs --idmap");
 
-  if (machine.pin) {
+  if (machine.link) {
     char map[64];
     snprintf(map, sizeof map, "0 %lu %d\n", map_base, MACHINE_IDS);
     machine.map = map;
@@ -320,7 +341,7 @@ int main(int argc, char **argv) {
     if (errno != EINTR) die("wait", command[0]);
   }
   for (int i = 0; i < binds; i++) detach(bind_dst[i], 1);
-  if (machine.pin) detach(machine.pin, 0);
+  if (machine.link) release_userns(&machine);
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return 128 + WTERMSIG(status);
 }
