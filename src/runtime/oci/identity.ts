@@ -3,7 +3,7 @@
 // and the mount helper's part of every boot. What the host enforces is reported as-is to GET /v1/ready.
 
 import { existsSync, readFileSync, statSync } from "node:fs";
-import { readFile, writeFile } from "node:fs/promises";
+import { mkdir, readFile, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { execFile } from "node:child_process";
 import { promisify } from "node:util";
@@ -67,6 +67,7 @@ export function createMachineIdentities(opts: IdentityOptions) {
     if (opts.mode === "shared") return { helper: { problem: "KILN_MACHINE_IDENTITY=shared" }, idmap: { ok: false, problem: "KILN_MACHINE_IDENTITY=shared" } };
     const helper = await prepareIdmountHelper(opts.helperDir);
     if (helper.path === undefined) return { helper, idmap: { ok: false as const, problem: helper.problem } };
+    for (const dir of opts.probeDirs) await mkdir(dir, { recursive: true });
     const idmap = await probeIdmappedMounts(helper.path, opts.probeDirs);
     for (const dir of opts.probeDirs) devices.set(statSync(dir).dev, idmap.ok);
     return { helper, idmap };
@@ -76,6 +77,7 @@ export function createMachineIdentities(opts: IdentityOptions) {
   /** Whether every layer's filesystem takes idmapped mounts (each filesystem probed once). */
   async function layersIdmappable(helper: string, layers: string[]): Promise<boolean> {
     for (const layer of layers) {
+      if (!existsSync(layer)) throw new Error(`template layer ${layer} is missing`);
       const dev = statSync(layer).dev;
       if (!devices.has(dev)) devices.set(dev, (await probeIdmappedMounts(helper, [layer])).ok);
       if (!devices.get(dev)) return false;
