@@ -12,6 +12,7 @@ import { median, percentile } from "./report.ts";
 import type { BenchResult } from "./report.ts";
 import type { BenchContext } from "./run.ts";
 import { startTestKiln, TEST_KEY } from "../test/support/kiln.ts";
+import { TEST_CACHE_DIR } from "../test/support/paths.ts";
 import { prepareIdmountHelper } from "../src/runtime/oci/idmount.ts";
 import { createIdRangePool } from "../src/runtime/oci/id-ranges.ts";
 import { rangeBase } from "../src/runtime/oci/idmap.ts";
@@ -77,7 +78,7 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
  * was the whole of it before. Each round unmounts what it made.
  */
 async function helperCost(ctx: BenchContext): Promise<BenchResult> {
-  const helper = await prepareIdmountHelper(join(ctx.kiln.dataDir, "cache", "bin"));
+  const helper = await prepareIdmountHelper(join(TEST_CACHE_DIR, "bin")); // the servers' own (their cache dir)
   if (!helper.path) throw new Error(helper.problem);
   const base = await ctx.kiln.kiln.services.templates.resolve("local/base");
   const layer = base.layers[base.layers.length - 1];
