@@ -87,8 +87,9 @@ struct userns_request {
   int rlimits;
   const char *link;       // symlink to the namespace here, its first process kept alive until release_userns
   int want_fd;            // return an fd of the namespace
-  pid_t pid;              // the namespace's first process, while kept
+  pid_t pid;              // the namespace's first process
   int release_fd;         // closing it lets that process go
+  int from_child;
 };
 
 static void read_byte(int fd) {
@@ -100,18 +101,23 @@ static void read_byte(int fd) {
  * A user namespace made by a child that first becomes `owner` (the namespace belongs to the uid that makes it),
  * mapped by us from outside (host root may map any ids) and limited from inside. The child then waits on a pipe:
  * for an opened namespace it is let go at once; for a linked one, when we close `release_fd` (or die).
- * The namespace's caps on its owner's counters are the child's rlimits at unshare.
+ * The namespace's caps on its owner's counters are the child's rlimits at unshare. Two namespaces are made side by
+ * side (start both, then finish both), so a busy host's scheduling delays overlap.
  */
-static int make_userns(struct userns_request *r) {
+static void start_userns(struct userns_request *r) {
   int to_parent[2], to_child[2];
   pid_t parent = getpid();
   if (pipe2(to_parent, O_CLOEXEC) || pipe2(to_child, O_CLOEXEC)) die("pipe", NULL);
   pid_t pid = fork();
   if (pid < 0) die("fork", NULL);
   if (pid == 0) {
-    // Only the parent may hold the write end: its exit must reach us as end-of-file.
-    close(to_parent[0]);
-    close(to_child[1]);
+    // Only the parent may hold the write end: its exit must reach us as end-of-file. Nothing else is ours either
+    // (another namespace's pipes, the runtime's inherited fds).
+    int lo = to_parent[1] < to_child[0] ? to_parent[1] : to_child[0];
+    int hi = to_parent[1] < to_child[0] ? to_child[0] : to_parent[1];
+    if (lo > 3) close_range(3, lo - 1, 0);
+    if (hi > lo + 1) close_range(lo + 1, hi - 1, 0);
+    close_range(hi + 1, ~0U, 0);
     for (int i = 0; i < r->rlimits; i++) {
       struct rlimit l = {r->rlimit_val[i], r->rlimit_val[i]};
       if (setrlimit(r->rlimit_res[i], &l)) die("setrlimit", NULL);
@@ -138,16 +144,23 @@ static int make_userns(struct userns_request *r) {
   }
   close(to_parent[1]);
   close(to_child[0]);
+  r->pid = pid;
+  r->from_child = to_parent[0];
+  r->release_fd = to_child[1];
+}
+
+static int finish_userns(struct userns_request *r) {
+  pid_t pid = r->pid;
   char c, path[64];
-  if (read(to_parent[0], &c, 1) != 1) usage("the user namespace could not be made");
+  if (read(r->from_child, &c, 1) != 1) usage("the user namespace could not be made");
   snprintf(path, sizeof path, "/proc/%d/uid_map", pid);
   write_file(path, r->map);
   snprintf(path, sizeof path, "/proc/%d/gid_map", pid);
   write_file(path, r->map);
-  if (write(to_child[1], "m", 1) != 1) die("write", "to the namespace's first process");
-  if (read(to_parent[0], &c, 1) != 1) usage("the limits of the user namespace could not be set");
+  if (write(r->release_fd, "m", 1) != 1) die("write", "to the namespace's first process");
+  if (read(r->from_child, &c, 1) != 1) usage("the limits of the user namespace could not be set");
   snprintf(path, sizeof path, "/proc/%d/ns/user", pid);
-  close(to_parent[0]);
+  close(r->from_child);
   int fd = -1;
   if (r->want_fd && (fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) die("open", path);
   if (r->link) {
@@ -156,13 +169,10 @@ static int make_userns(struct userns_request *r) {
     snprintf(temp, sizeof temp, "%s.%d", r->link, getpid());
     unlink(temp);
     if (symlink(path, temp) || rename(temp, r->link)) die("link", r->link);
-    r->pid = pid;
-    r->release_fd = to_child[1];
     return fd;
   }
-  close(to_child[1]);
-  int status;
-  if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) usage("the user namespace's first process failed");
+  // Opened: the child may go (it is reaped when we exit; nothing waits for it).
+  close(r->release_fd);
   return fd;
 }
 
@@ -200,7 +210,8 @@ static int probe(int n, char **dirs) {
   struct userns_request r = {0};
   r.map = "0 1000000000 1\n";
   r.want_fd = 1;
-  int ns = make_userns(&r);
+  start_userns(&r);
+  int ns = finish_userns(&r);
   for (int i = 0; i < n; i++) close(clone_idmapped(dirs[i], ns, 0));
   return 0;
 }
@@ -266,24 +277,23 @@ int main(int argc, char **argv) {
   if (machine.link && (!has_map || machine.owner == 0)) usage("--userns needs --owner and --map");
   if (binds > 0 && !idmap) usage("--bind needs --idmap");
 
+  char machine_map[64], ids_map[96];
+  struct userns_request ids = {0};
   if (machine.link) {
-    char map[64];
-    snprintf(map, sizeof map, "0 %lu %d\n", map_base, MACHINE_IDS);
-    machine.map = map;
-    make_userns(&machine);
+    snprintf(machine_map, sizeof machine_map, "0 %lu %d\n", map_base, MACHINE_IDS);
+    machine.map = machine_map;
+    start_userns(&machine);
   }
-
-  int ns = -1;
   if (idmap) {
     unsigned long canonical, base, count;
     if (sscanf(idmap, "%lu:%lu:%lu", &canonical, &base, &count) != 3 || canonical == 0) usage("bad --idmap");
-    char map[96];
-    snprintf(map, sizeof map, "0 0 1\n%lu %lu %lu\n", canonical, base, count);
-    struct userns_request ids = {0};
-    ids.map = map;
+    snprintf(ids_map, sizeof ids_map, "0 0 1\n%lu %lu %lu\n", canonical, base, count);
+    ids.map = ids_map;
     ids.want_fd = 1;
-    ns = make_userns(&ids);
+    start_userns(&ids);
   }
+  if (machine.link) finish_userns(&machine);
+  int ns = idmap ? finish_userns(&ids) : -1;
 
   if (rootfs) {
     // Overlayfs' option string is one page: layers go by short names relative to SCRATCH when idmapped.
