@@ -41,7 +41,17 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const log = opts.log ?? createLogger({ level: config.logLevel });
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
-  const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, runscPlatform: config.runscPlatform, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
+  const driver = createOciDriver({
+    dataDir: config.dataDir,
+    runtime: config.ociRuntime,
+    runscPlatform: config.runscPlatform,
+    hostAccess: config.machineHostAccess,
+    log,
+    guestRuntimeDir,
+    identity: config.machineIdentity,
+    helperDir: join(config.cacheDir, "bin"),
+    idRangesDir: config.idRangesDir,
+  });
   const hostId = await ensureHostId(config.dataDir, config.hostId);
   const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs };
   const deployments = { dataDir: config.dataDir, publicUrl: config.publicUrl, maxCrashes: config.serviceMaxCrashes, backoffMs: config.serviceBackoffMs, edgeTokenTtlS: config.edgeTokenTtlS };

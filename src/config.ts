@@ -59,6 +59,10 @@ export interface Config {
   minFreeMemoryMb: number | undefined;
   /** When set, the declared memory of live machines may not exceed this multiple of the host's RAM. */
   memoryOvercommit: number | undefined;
+  /** `auto`: each machine on its own host uid range where the host allows it; `shared`: every machine on one. */
+  machineIdentity: "auto" | "shared";
+  /** The host-wide directory of machines' uid range claims (one per host, shared by every server on it). */
+  idRangesDir: string;
 }
 
 /** DESIGN.md §4: immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. */
@@ -109,6 +113,8 @@ export const CONFIG_VARS = [
   ["KILN_MIN_FREE_DISK_MB", "2048", "creates answer 503 while the data dir has less free disk than this"],
   ["KILN_MIN_FREE_MEMORY_MB", "(10 % of RAM)", "creates answer 503 while the host's available memory is below this"],
   ["KILN_MEMORY_OVERCOMMIT", "(unset)", "caps the declared memory of live machines at this multiple of RAM (e.g. 4)"],
+  ["KILN_MACHINE_IDENTITY", "auto", "auto: each machine on its own host uid range (idmapped mounts) where the host allows; shared: one range for all"],
+  ["KILN_ID_RANGES_DIR", "/var/lib/kiln/id-ranges", "host-wide claims of machines' uid ranges: every server on a host must use the same"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -176,6 +182,8 @@ export function loadConfig(env: Env = process.env): Config {
     minFreeDiskMb: intVar(env, "KILN_MIN_FREE_DISK_MB", 2048, 0, 1 << 30),
     minFreeMemoryMb: env.KILN_MIN_FREE_MEMORY_MB ? intVar(env, "KILN_MIN_FREE_MEMORY_MB", 0, 0, 1 << 30) : undefined,
     memoryOvercommit: positiveNumberVar(env, "KILN_MEMORY_OVERCOMMIT"),
+    machineIdentity: oneOf(env, "KILN_MACHINE_IDENTITY", ["auto", "shared"] as const, "auto"),
+    idRangesDir: resolve(env.KILN_ID_RANGES_DIR || "/var/lib/kiln/id-ranges"),
   };
 }
 
