@@ -127,6 +127,17 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
     return true;
   }
 
+  /**
+   * The `edge-token` check of the Fastify edge route, run by the server's auth hook before the handler: the raw
+   * target must be an /edge/<id>/… one (as handleRequest reads it) and carry that service's token.
+   */
+  function verifyUpgrade(req: FastifyRequest): undefined {
+    const target = edgeTarget(req.url);
+    if (!target || "redirect" in target) throw new KilnError("unauthorized", "The edge needs /edge/<service_id>/… with its edge_token", { detail: { code: "unauthorized", phase: "auth" } });
+    authorize(target.serviceId, target.queryToken, req.headers.cookie);
+    return undefined;
+  }
+
   /** WebSocket upgrades (through Fastify and @fastify/websocket's upgrade hand-off): spliced byte for byte. */
   async function handleUpgrade(req: FastifyRequest, reply: FastifyReply) {
     const target = edgeTarget(req.url);
@@ -144,7 +155,7 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
     }
   }
 
-  return { handleRequest, handleUpgrade, close: () => proxy.close() };
+  return { handleRequest, handleUpgrade, verifyUpgrade, close: () => proxy.close() };
 }
 
 export type Edge = ReturnType<typeof createEdge>;
@@ -163,7 +174,8 @@ export async function edgeRoutes(app: App, opts: { edge: Edge }) {
     opts.edge.close();
     done();
   });
-  const route = { schema: { hide: true }, handler: (req: FastifyRequest, reply: FastifyReply) => opts.edge.handleUpgrade(req, reply) };
+  // Authenticated by the service's edge token (server.ts gives edge.verifyUpgrade for `edge-token`), never a key.
+  const route = { config: { auth: "edge-token" as const }, schema: { hide: true }, handler: (req: FastifyRequest, reply: FastifyReply) => opts.edge.handleUpgrade(req, reply) };
   app.route({ method: "GET", url: "/edge/:service_id", ...route });
   app.route({ method: "GET", url: "/edge/:service_id/*", ...route });
 }

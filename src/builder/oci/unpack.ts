@@ -205,7 +205,8 @@ async function ensureDir(state: LayerState, rel: string, entry: string): Promise
   const abs = join(state.dest, rel);
   const st = await lstat(abs).catch(() => undefined);
   if (!st) {
-    await mkdir(abs, { mode: 0o755 });
+    await mkdir(abs);
+    await chmod(abs, 0o755); // by hand: Kiln's umask (077) would leave it 0700, closed to the machines' users
     await lchown(abs, HOST_ID_BASE, HOST_ID_BASE);
   } else if (!st.isDirectory()) {
     throw importError(`layer entry /${entry} lies under /${rel}, which this layer made a ${st.isSymbolicLink() ? "symlink" : "file"}`);

@@ -22,12 +22,12 @@ export const SANDBOX_HOST_RE = /^(\d{1,5})-(mch_[0-9a-z]{26})\./;
 
 const HOP_BY_HOP = new Set(["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer", "proxy-authorization"]);
 
-export function installPortProxy(server: Server, deps: { machines: MachineService; verify: (sandboxId: string, token: unknown) => boolean; envdPort: number }) {
+export function installPortProxy(server: Server, deps: { machines: MachineService; verify: (sandboxId: string, token: unknown) => boolean | Promise<boolean>; envdPort: number }) {
   async function open(req: IncomingMessage) {
     const target = portTargetOf(req.headers.host, deps.envdPort)!;
     // Traffic needs the sandbox's token (E2B's `e2b-traffic-access-token`, or its envd token header).
     const token = req.headers["e2b-traffic-access-token"] ?? req.headers["x-access-token"];
-    if (!deps.verify(target.sandboxId, token)) throw new KilnError("unauthorized", "send the sandbox's access token in e2b-traffic-access-token");
+    if (!(await deps.verify(target.sandboxId, token))) throw new KilnError("unauthorized", "send the sandbox's access token in e2b-traffic-access-token");
     const { agent } = await deps.machines.agentOf(target.sandboxId);
     return agent.connectPort(target.port).catch((err: { status?: number; message?: string }) => {
       throw new KilnError(err?.status === 502 || err?.status === 404 ? "unavailable" : "machine_not_running", err?.message ?? "the port is not reachable");
