@@ -45,11 +45,11 @@ export interface KeySummary {
 }
 
 /** How often the store is asked whether any key was revoked (by another process or server); revocation takes this long at most. */
-export const REVOCATION_POLL_MS = 1000;
+export const REVOCATION_POLL_MS = 500;
 /** A verified key is remembered this long, but trusted only while the revocation poll is current (see verify). */
 const VERIFIED_TTL_MS = 30_000;
 /** Remembered verifications are not trusted when the last successful poll is older than this. */
-const POLL_STALE_MS = 3 * REVOCATION_POLL_MS;
+const POLL_STALE_MS = 3000;
 
 export function createKeyService(db: Db) {
   // Verified hashes are remembered so the hot path does not hit the store on every request. Revocation reaches them
