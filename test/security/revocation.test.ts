@@ -29,7 +29,7 @@ async function openMachineSocket(k: TestKiln, machineId: string, key: string) {
     ws.once("error", reject);
   });
   frames.send({ type: "exec.start", request_id: "loop", cmd: "while :; do echo revocation-probe; sleep 0.2; done" });
-  await frames.next((f) => f.type === "exec.stdout");
+  await frames.next((f) => f.type === "exec.stdout", 30_000); // generous: a loaded host, a first exec under gVisor
   return { ws, frames, closed };
 }
 
