@@ -69,8 +69,10 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     routerOptions: { ignoreTrailingSlash: true },
   }).withTypeProvider<TypeBoxTypeProvider>() as unknown as App;
 
-  // Byte bodies (file uploads) reach their handler as a stream; the handler enforces its own limit.
+  // Byte bodies (file uploads) reach their handler as a stream; the handler enforces its own limit. Bodies are JSON
+  // or bytes: a text/plain body would reach a JSON route as a string, so it is refused (415, with a hint) instead.
   app.addContentTypeParser("application/octet-stream", (_req, payload, done) => done(null, payload));
+  app.removeContentTypeParser("text/plain");
 
   // Authentication first: its onRoute check must see every route registered below (plugins' routes too).
   const auth = createAuth(opts.services.keys);
@@ -114,7 +116,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   });
 
   app.setErrorHandler((err, req, reply) => {
-    const { status, body } = toEnvelope(withHint(err), req.id);
+    const { status, body } = toEnvelope(withHint(err, req), req.id);
     // Refusals the caller can act on (4xx, and 503 `unavailable`: try again) are expected: info, not error.
     if (status >= 500 && !(err instanceof KilnError && err.code === "unavailable")) req.log.error({ err }, "request failed");
     else req.log.info({ code: body.code, status }, "request refused");
@@ -176,10 +178,10 @@ function closeAfterReply(req: FastifyRequest, reply: FastifyReply) {
 }
 
 /** Fastify's bare "Unsupported Media Type" (what `curl -d` gets: form encoding) says what to send instead. */
-function withHint(err: unknown): unknown {
-  const e = err as { code?: string; message?: string };
-  if (e?.code !== "FST_ERR_CTP_INVALID_MEDIA_TYPE") return err;
-  return new KilnError("unsupported_media_type", `${e.message ?? "Unsupported Media Type"}: send Content-Type: application/json (file and blob uploads: application/octet-stream)`);
+function withHint(err: unknown, req: FastifyRequest): unknown {
+  if ((err as { code?: string })?.code !== "FST_ERR_CTP_INVALID_MEDIA_TYPE") return err;
+  const sent = String(req.headers["content-type"] ?? "none").slice(0, 100);
+  return new KilnError("unsupported_media_type", `Content-Type ${JSON.stringify(sent)} is not accepted here: send Content-Type: application/json (file and blob uploads: application/octet-stream)`);
 }
 
 function sendEnvelope(reply: FastifyReply, status: number, body: unknown) {
