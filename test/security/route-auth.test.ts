@@ -175,6 +175,9 @@ test("unknown paths without a key answer 401 (route existence is not revealed); 
     const withKey = await rawRequest(port, "GET", target, { authorization: `Bearer ${TEST_KEY}` });
     assert.equal(withKey.status, 404, `GET ${target} with a key`);
   }
+  // Methods no route has are unmatched requests too; CONNECT gets no answer at all.
+  for (const method of ["OPTIONS", "PROPFIND", "TRACE", "M-SEARCH", "PURGE"]) assertRefused(await rawRequest(port, method, "/v1/keys"), `${method} /v1/keys`);
+  assert.equal((await rawRequest(port, "CONNECT", "127.0.0.1:1")).status, 0);
   // A known path with another method is a 405 only for a key holder.
   assertRefused(await rawRequest(port, "PUT", "/v1/machines"), "PUT /v1/machines");
   assert.equal((await rawRequest(port, "PUT", "/v1/machines", { authorization: `Bearer ${TEST_KEY}` })).status, 405);
