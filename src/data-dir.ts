@@ -42,7 +42,8 @@ async function tightenEntry(path: string, st: Stats): Promise<void> {
 async function tightenOwnDir(dir: string): Promise<void> {
   const st = await lstat(dir);
   if (!st.isDirectory()) return;
-  if (st.gid !== MACHINE_GROUP || st.uid !== 0) await chown(dir, 0, MACHINE_GROUP);
+  // A root-group dir (an older Kiln's 0711) gets the machines' group; a group the driver chose is left as it is.
+  if (st.uid !== 0 || st.gid === 0) await chown(dir, 0, st.gid === 0 ? MACHINE_GROUP : st.gid);
   await ensureMode(dir, st, MACHINE_DIR_MODE);
   await tightenFiles(dir, st.dev);
   // A machine's disk dir holds its disk image; the machine reaches the image's contents only through its root mount.
