@@ -67,8 +67,9 @@ async function tightenFiles(dir: string, dev: number): Promise<void> {
 
 /**
  * Creates the data dir private and tightens an existing one: the data dir and TRAVERSED_DIRS 0711, each machine and
- * volume dir 0710 root:MACHINE_GROUP with its files 0600, every other entry 0600/0700. Never recurses into a layer,
- * a root filesystem or a mounted volume: their modes are the machines' own.
+ * volume dir 0710 root:MACHINE_GROUP with its files 0600, every other entry 0600/0700; the cache likewise when it is
+ * inside the data dir. Never recurses into a layer, a root filesystem or a mounted volume: their modes are the
+ * machines' own.
  */
 export async function preparePrivateDataDir(dataDir: string, cacheDir: string): Promise<void> {
   await mkdir(dataDir, { recursive: true, mode: 0o711 });
@@ -82,17 +83,22 @@ export async function preparePrivateDataDir(dataDir: string, cacheDir: string): 
       if (name === "machines" || name === "volumes") for (const id of await readdir(p)) await tightenOwnDir(join(p, id));
     } else await tightenEntry(p, st);
   }
-  // The cache may live elsewhere (KILN_CACHE_DIR): it is private the same way, its guest runtime searchable.
+  // The cache: inside the data dir (the default) it is tightened like the rest; elsewhere (KILN_CACHE_DIR, which
+  // other servers or tools may share) only its root is made search-only and what Kiln writes there is private (umask).
   await mkdir(cacheDir, { recursive: true });
   const rel = relative(dataDir, cacheDir);
   const inside = rel !== "" && !rel.startsWith("..") && !isAbsolute(rel);
-  if (!inside || rel === "cache") await chmod(cacheDir, 0o711);
+  await chmod(cacheDir, 0o711);
   // The guest runtime (Node, the agent bundle, tini: nothing secret) is bind-mounted into every machine.
-  await mkdir(join(cacheDir, GUEST_RUNTIME_DIR), { recursive: true });
+  const guestRuntime = join(cacheDir, GUEST_RUNTIME_DIR);
+  await mkdir(guestRuntime, { recursive: true });
+  await chmod(guestRuntime, 0o711);
+  if (!inside) return;
   for (const name of await readdir(cacheDir)) {
+    if (name === GUEST_RUNTIME_DIR) continue;
     const p = join(cacheDir, name);
     const st = await lstat(p);
-    if (st.isDirectory()) await ensureMode(p, st, name === GUEST_RUNTIME_DIR ? 0o711 : 0o700);
+    if (st.isDirectory()) await ensureMode(p, st, 0o700);
     else if (st.isFile()) await ensureMode(p, st, st.mode & 0o7700);
   }
 }
