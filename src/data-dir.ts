@@ -15,8 +15,8 @@ import { HOST_ID_BASE } from "./runtime/oci/idmap.ts";
 /** What Kiln creates: owner-only. Set once per process, before anything is written. */
 export const KILN_UMASK = 0o077;
 
-/** Directories directly in the data dir that machines (and gVisor's gofer) must pass through: search-only for others. */
-export const TRAVERSED_DIRS = ["machines", "volumes", "cache"] as const;
+/** Directories directly in the data dir that machines (gVisor's gofer, a Dockerfile RUN step) must pass through: search-only for others. */
+export const TRAVERSED_DIRS = ["machines", "volumes", "cache", "builder"] as const;
 /** Per-machine and per-volume directories: only root and the machines' group (machine root's host gid) may enter. */
 export const MACHINE_DIR_MODE = 0o710;
 export const MACHINE_GROUP = HOST_ID_BASE;
