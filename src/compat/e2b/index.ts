@@ -5,6 +5,7 @@
 
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import type { Services } from "../../services/index.ts";
+import { KilnError } from "../../errors.ts";
 import { controlRoutes } from "./control.ts";
 import { envdRoutes } from "./envd.ts";
 import { e2bError } from "./errors.ts";
@@ -79,7 +80,8 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
     const isRpc = (req.routeOptions.config as { e2b?: string } | undefined)?.e2b === "envd" && /^\/[a-z]+\.[A-Za-z]+\//.test(req.url);
     if (isRpc) return sendUnaryError(reply, err);
     const { status, body } = e2bError(err);
-    if (status >= 500) req.log.error({ err }, "request failed");
+    // As Kiln's own handler: 503 `unavailable` (try again) is an expected refusal, logged at info.
+    if (status >= 500 && !(err instanceof KilnError && err.code === "unavailable")) req.log.error({ err }, "request failed");
     else req.log.info({ code: status }, "request refused");
     return reply.code(status).type("application/json; charset=utf-8").send(body);
   });
