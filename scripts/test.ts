@@ -22,6 +22,9 @@ const MACHINE_SUITES = [
   "test/security/identity.test.ts",
   "test/security/identity-restart.test.ts",
   "test/security/quotas.test.ts",
+  "test/security/data-dir.test.ts",
+  "test/security/revocation.test.ts",
+  "test/security/private-umask.test.ts",
 ];
 
 const started = Date.now();

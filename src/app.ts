@@ -22,6 +22,7 @@ import { bundleAgent, AGENT_SOURCES } from "./agent/bundle.ts";
 import { ensureBaseTemplate } from "./builder/base-template.ts";
 import { MACHINE_DEFAULTS } from "./services/machines.ts";
 import { ensureHostId } from "./runtime/host-id.ts";
+import { GUEST_RUNTIME_DIR, preparePrivateDataDir, usePrivateUmask } from "./data-dir.ts";
 
 export interface Kiln {
   app: App;
@@ -39,8 +40,11 @@ export async function openStoreFor(config: Config, log?: Logger): Promise<Store>
 
 export async function startKiln(config: Config, opts: { log?: Logger; listen?: boolean } = {}): Promise<Kiln> {
   const log = opts.log ?? createLogger({ level: config.logLevel });
+  // Everything Kiln writes from here on is private (store, WAL, secrets, disk images, logs, caches, build scratch).
+  usePrivateUmask();
+  await preparePrivateDataDir(config.dataDir, config.cacheDir);
   const store = await openStoreFor(config, log);
-  const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
+  const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, GUEST_RUNTIME_DIR), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
   const driver = createOciDriver({
     dataDir: config.dataDir,
     runtime: config.ociRuntime,

@@ -86,7 +86,7 @@ export const CONFIG_VARS = [
   ["KILN_API_KEY", "(none)", "an API key the server accepts; stored hashed"],
   ["KILN_MACHINE_HOST_ACCESS", "0", "1 makes the host's loopback reachable in machines as host.kiln.internal"],
   ["KILN_LOG_LEVEL", "info", "pino level: trace, debug, info, warn, error"],
-  ["KILN_BODY_LIMIT_BYTES", "104857600", "largest request body accepted (file uploads included)"],
+  ["KILN_BODY_LIMIT_BYTES", "104857600", "largest request body accepted (file uploads and build-context blobs included)"],
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
   ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
   ["KILN_INSECURE_REGISTRIES", "(none)", "comma-separated registry hosts (host[:port]) reached over plain HTTP"],

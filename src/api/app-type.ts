@@ -4,15 +4,20 @@
 import type { FastifyInstance } from "fastify";
 import type { TypeBoxTypeProvider } from "@fastify/type-provider-typebox";
 import type { Logger } from "../log.ts";
+import type { AuthKind, RouteAuth } from "./auth.ts";
 
 export type App = FastifyInstance<any, any, any, Logger, TypeBoxTypeProvider>;
 
 declare module "fastify" {
+  interface FastifyInstance {
+    /** Every registered route with its declared auth (auth.ts). */
+    routeTable(): RouteAuth[];
+  }
   interface FastifyRequest {
     apiKeyId?: string;
   }
   interface FastifyContextConfig {
-    /** Routes under /v1 that need no bearer key. */
-    public?: boolean;
+    /** How the route is authenticated (auth.ts): every route must say; the server refuses to start otherwise. */
+    auth?: AuthKind;
   }
 }

@@ -1,5 +1,5 @@
-// The HTTP front door: Fastify with TypeBox schemas, bearer auth on /v1, the error envelope on every failure,
-// x-request-id on every response and the OpenAPI document built from the same schemas that validate requests.
+// The HTTP front door: Fastify with TypeBox schemas, authentication declared by every route (auth.ts), the error
+// envelope on every failure, x-request-id on every response and the OpenAPI document built from the same schemas.
 
 import Fastify, { LogController } from "fastify";
 import type { FastifyReply, FastifyRequest } from "fastify";
@@ -29,6 +29,7 @@ import { isWebSocketUpgrade } from "../deployments/proxy.ts";
 import type { ProxyLimits } from "../deployments/proxy.ts";
 import { createServer } from "node:http";
 import { e2bCompat } from "../compat/e2b/index.ts";
+import { createAuth } from "./auth.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -74,8 +75,20 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     routerOptions: { ignoreTrailingSlash: true },
   }).withTypeProvider<TypeBoxTypeProvider>() as unknown as App;
 
-  // Byte bodies (file uploads) reach their handler as a stream; the handler enforces its own limit.
+  // Byte bodies (file uploads) reach their handler as a stream; the handler enforces its own limit. Bodies are JSON
+  // or bytes: a text/plain body would reach a JSON route as a string, so it is refused (415, with a hint) instead.
   app.addContentTypeParser("application/octet-stream", (_req, payload, done) => done(null, payload));
+  app.removeContentTypeParser("text/plain");
+
+  // Authentication first: its onRoute check must see every route registered below (plugins' routes too).
+  const auth = createAuth(opts.services.keys);
+  auth.install(app);
+  auth.provide("edge-token", (req) => edge.verifyUpgrade(req));
+  const stopRevocationWatch = await opts.services.keys.watchRevocations((err) => opts.log.warn({ err }, "the revocation poll failed: remembered keys are not trusted until it succeeds"));
+  app.addHook("onClose", (_app, done) => {
+    stopRevocationWatch();
+    done();
+  });
 
   await app.register(swagger, {
     openapi: {
@@ -91,16 +104,6 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     const methods = Array.isArray(route.method) ? route.method : [route.method];
     const pattern = new RegExp("^" + route.url.replace(/[.*+?^${}()|[\]\\]/g, "\\$&").replace(/:[A-Za-z_]+/g, "[^/]+") + "/?$");
     for (const m of methods) routePatterns.push({ method: m, pattern });
-  });
-
-  // Hooks in callback style: they run on every request, and a promise per hook is measurable at this rate.
-  app.addHook("onRequest", (req, reply, done) => {
-    reply.header("x-request-id", req.id);
-    if ((!req.url.startsWith("/v1/") && req.url !== "/v1") || req.routeOptions.config?.public) return done();
-    authenticate(req, opts.services).then((keyId) => {
-      req.apiKeyId = keyId;
-      done();
-    }, done);
   });
 
   // While shutting down, keep closing connections that have gone idle (in-flight requests finish first), so
@@ -119,8 +122,9 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   });
 
   app.setErrorHandler((err, req, reply) => {
-    const { status, body } = toEnvelope(err, req.id);
-    if (status >= 500) req.log.error({ err }, "request failed");
+    const { status, body } = toEnvelope(withHint(err, req), req.id);
+    // Refusals the caller can act on (4xx, and 503 `unavailable`: try again) are expected: info, not error.
+    if (status >= 500 && !(err instanceof KilnError && err.code === "unavailable")) req.log.error({ err }, "request failed");
     else req.log.info({ code: body.code, status }, "request refused");
     if (status === 413) closeAfterReply(req, reply);
     return sendEnvelope(reply, status, body);
@@ -150,12 +154,14 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   // Before @fastify/websocket: the edge splices WebSocket upgrades itself, byte for byte, instead of terminating them.
   await app.register(edgeRoutes, { edge });
   await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
+  auth.watchWebSockets(app);
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
   await app.register(volumeRoutes, { services: opts.services });
   await app.register(volumeWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs, queueSize: opts.volumeWatchQueue ?? 4096 });
-  if (opts.e2b) await app.register(e2bCompat, { services: opts.services, ...opts.e2b, limits: opts.edgeLimits });
+  if (opts.e2b) await app.register(e2bCompat, { services: opts.services, auth, ...opts.e2b, limits: opts.edgeLimits });
 
-  app.get("/v1/openapi.json", { schema: { hide: true } }, async () => app.swagger());
+  // Public: client generators and browsers fetch it without a key.
+  app.get("/v1/openapi.json", { config: { auth: "none" }, schema: { hide: true } }, async () => app.swagger());
   return app;
 }
 
@@ -166,7 +172,10 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
  */
 function closeAfterReply(req: FastifyRequest, reply: FastifyReply) {
   reply.header("connection", "close");
-  const socket = req.raw.socket;
+  // A body stream the handler destroyed (an upload refused while it streamed) has let go of its socket: the
+  // response still holds it. With neither, the client is gone and there is nothing left to close.
+  const socket = req.raw.socket ?? reply.raw.socket;
+  if (!socket || socket.destroyed) return;
   reply.raw.once("finish", () => {
     socket.end();
     socket.resume();
@@ -174,15 +183,13 @@ function closeAfterReply(req: FastifyRequest, reply: FastifyReply) {
   });
 }
 
-function sendEnvelope(reply: FastifyReply, status: number, body: unknown) {
-  return reply.code(status).type("application/json; charset=utf-8").send(body);
+/** Fastify's bare "Unsupported Media Type" (what `curl -d` gets: form encoding) says what to send instead. */
+function withHint(err: unknown, req: FastifyRequest): unknown {
+  if ((err as { code?: string })?.code !== "FST_ERR_CTP_INVALID_MEDIA_TYPE") return err;
+  const sent = String(req.headers["content-type"] ?? "none").slice(0, 100);
+  return new KilnError("unsupported_media_type", `Content-Type ${JSON.stringify(sent)} is not accepted here: send Content-Type: application/json (file and blob uploads: application/octet-stream)`);
 }
 
-async function authenticate(req: FastifyRequest, services: Services): Promise<string> {
-  const header = req.headers.authorization;
-  const match = typeof header === "string" ? /^Bearer\s+(\S+)\s*$/i.exec(header) : null;
-  if (!match) throw new KilnError("unauthorized", "Missing bearer credential: send Authorization: Bearer <key>", { detail: { code: "unauthorized", phase: "auth" } });
-  const keyId = await services.keys.verify(match[1]);
-  if (!keyId) throw new KilnError("unauthorized", "Invalid or revoked API key", { detail: { code: "unauthorized", phase: "auth" } });
-  return keyId;
+function sendEnvelope(reply: FastifyReply, status: number, body: unknown) {
+  return reply.code(status).type("application/json; charset=utf-8").send(body);
 }

@@ -5,7 +5,7 @@
 
 import { spawn } from "node:child_process";
 import { createHash } from "node:crypto";
-import { existsSync, readFileSync, readdirSync } from "node:fs";
+import { existsSync, readFileSync, readdirSync, readlinkSync } from "node:fs";
 import { lstat, lchown, chmod, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { Logger } from "../log.ts";
@@ -38,9 +38,13 @@ export function hostDebianMirror(): string {
   return "http://deb.debian.org/debian";
 }
 
+/**
+ * Runs a build command with umask 022: what debootstrap, dpkg's maintainer scripts and apt write is the machines'
+ * filesystem, readable by every user in them, while Kiln itself writes with umask 077.
+ */
 function run(cmd: string, args: string[], onLine: (line: string) => void, env: NodeJS.ProcessEnv = process.env): Promise<void> {
   return new Promise((resolve, reject) => {
-    const child = spawn(cmd, args, { env, stdio: ["ignore", "pipe", "pipe"] });
+    const child = spawn("/bin/sh", ["-c", 'umask 022 && exec "$0" "$@"', cmd, ...args], { env, stdio: ["ignore", "pipe", "pipe"] });
     let tail = "";
     const feed = (chunk: Buffer) => {
       const text = chunk.toString();
@@ -75,7 +79,69 @@ async function shiftOne(path: string, st: Awaited<ReturnType<typeof lstat>>) {
   if (!st.isSymbolicLink() && Number(st.mode) & 0o6000) await chmod(path, Number(st.mode) & 0o7777);
 }
 
+/** Whether a process holds `dir` as its root or working directory (a chroot left running by a killed server). */
+function inUseBy(dir: string): number | undefined {
+  for (const pid of readdirSync("/proc").filter((n) => /^\d+$/.test(n))) {
+    for (const link of ["root", "cwd"]) {
+      let target: string;
+      try {
+        target = readlinkSync(`/proc/${pid}/${link}`);
+      } catch {
+        continue;
+      }
+      if (target === dir || target.startsWith(dir + "/")) return Number(pid);
+    }
+  }
+  return undefined;
+}
+
+function processAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (err) {
+    return (err as NodeJS.ErrnoException).code === "EPERM";
+  }
+}
+
+/**
+ * Removes `.build-<pid>-<ms>` dirs a killed server left under <cache>/base (a kill -9 mid-debootstrap leaves 100+ MB
+ * and a mounted /proc): only when their maker is dead and no process runs inside them; their mounts go first, so
+ * the removal never reaches through one. Other processes sharing the cache keep their builds in progress.
+ */
+export async function sweepStaleBaseBuilds(cacheDir: string, log: Logger): Promise<string[]> {
+  const base = join(cacheDir, "base");
+  const swept: string[] = [];
+  for (const name of existsSync(base) ? readdirSync(base) : []) {
+    const m = /^\.build-(\d+)-\d+$/.exec(name);
+    if (!m) continue;
+    const dir = join(base, name);
+    if (processAlive(Number(m[1]))) continue;
+    const user = inUseBy(dir);
+    if (user !== undefined) {
+      log.warn({ dir, pid: user }, "a stale base-template build dir is still in use by a process: left for the next start");
+      continue;
+    }
+    const mounts = readFileSync("/proc/self/mountinfo", "utf8")
+      .split("\n")
+      .map((line) => line.split(" ")[4])
+      .filter((point): point is string => point !== undefined && (point === dir || point.startsWith(dir + "/")))
+      .sort((a, b) => b.length - a.length);
+    for (const point of mounts) await run("umount", ["-l", point], () => undefined).catch(() => undefined);
+    const still = readFileSync("/proc/self/mountinfo", "utf8").split("\n").some((line) => (line.split(" ")[4] ?? "").startsWith(dir + "/"));
+    if (still) {
+      log.warn({ dir }, "a stale base-template build dir still has mounts: left for the next start");
+      continue;
+    }
+    await rm(dir, { recursive: true, force: true });
+    swept.push(dir);
+  }
+  if (swept.length) log.info({ dirs: swept }, "removed base-template build dirs a stopped server left");
+  return swept;
+}
+
 export async function ensureBaseTemplate(opts: { cacheDir: string; mirror?: string; log: Logger; onProgress?: (line: string) => void }): Promise<BaseTemplate> {
+  await sweepStaleBaseBuilds(opts.cacheDir, opts.log);
   const home = join(opts.cacheDir, "base", BASE_TEMPLATE_VERSION);
   const layerDir = join(home, "layer");
   const marker = join(home, "complete.json");
@@ -97,7 +163,8 @@ export async function ensureBaseTemplate(opts: { cacheDir: string; mirror?: stri
     await run("mount", ["-t", "proc", "proc", join(rootfs, "proc")], progress);
     try {
       // No daemons may start inside the chroot while packages are configured.
-      await writeFile(join(rootfs, "usr/sbin/policy-rc.d"), "#!/bin/sh\nexit 101\n", { mode: 0o755 });
+      await writeFile(join(rootfs, "usr/sbin/policy-rc.d"), "#!/bin/sh\nexit 101\n");
+      await chmod(join(rootfs, "usr/sbin/policy-rc.d"), 0o755);
       await run("chroot", [rootfs, "apt-get", "install", "-y", "-q", "--no-install-recommends", ...BASE_PACKAGES], (l) => /^(Setting up|Unpacking) /.test(l) && progress(l), env);
       await run("chroot", [rootfs, "sh", "-c", "apt-get clean && rm -rf /var/lib/apt/lists/* /usr/sbin/policy-rc.d /var/log/*.log /var/cache/debconf/*-old"], progress, env);
       progress("adding user `user` (uid 1000) and /workspace");
@@ -107,11 +174,20 @@ export async function ensureBaseTemplate(opts: { cacheDir: string; mirror?: stri
       await run("umount", ["-l", join(rootfs, "proc")], () => undefined).catch(() => undefined);
     }
     // Files the driver mounts over must exist as mount points; the build host's own resolver and names stay out.
-    await writeFile(join(rootfs, "etc/resolv.conf"), "");
-    await writeFile(join(rootfs, "etc/hostname"), "localhost\n");
-    await writeFile(join(rootfs, "etc/hosts"), "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n");
-    await mkdir(join(rootfs, "opt/kiln"), { recursive: true });
-    await mkdir(join(rootfs, "run/kiln"), { recursive: true });
+    // Modes by hand: Kiln's own umask is 077, and these are the machines' files.
+    const files: [string, string][] = [
+      ["etc/resolv.conf", ""],
+      ["etc/hostname", "localhost\n"],
+      ["etc/hosts", "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"],
+    ];
+    for (const [file, text] of files) {
+      await writeFile(join(rootfs, file), text);
+      await chmod(join(rootfs, file), 0o644);
+    }
+    for (const dir of ["opt/kiln", "run/kiln"]) {
+      await mkdir(join(rootfs, dir), { recursive: true });
+      await chmod(join(rootfs, dir), 0o755);
+    }
     progress("shifting ownership into the machines' uid range");
     await shiftOwnership(rootfs);
     const digest = "sha256:" + createHash("sha256").update(`${BASE_TEMPLATE_VERSION}\n${mirror}\n${BASE_PACKAGES.join(",")}\n${Date.now()}`).digest("hex");

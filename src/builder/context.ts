@@ -43,7 +43,7 @@ export function createBlobStore(dataDir: string) {
     const counter = new Transform({
       transform(chunk: Buffer, _enc, cb) {
         size += chunk.length;
-        if (size > maxBytes) return cb(new KilnError("payload_too_large", `A context blob may hold at most ${maxBytes} bytes`));
+        if (size > maxBytes) return cb(new KilnError("payload_too_large", `A context blob may hold at most ${maxBytes} bytes (KILN_BODY_LIMIT_BYTES)`));
         hash.update(chunk);
         cb(null, chunk);
       },

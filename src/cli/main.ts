@@ -13,6 +13,11 @@ import { codeCommands } from "./code.ts";
 import { gitCommands } from "./git.ts";
 import { volumeCommands } from "./volumes.ts";
 import { deploymentCommands } from "./deployments.ts";
+import { usePrivateUmask } from "../data-dir.ts";
+
+// Whatever a command writes (the store and its WAL from `kiln keys`, a base template's cache) is private, as the
+// server's files are.
+usePrivateUmask();
 
 const program = new Command("kiln")
   .description("Kiln: isolated Linux machines for AI agents, self-hosted")

@@ -90,7 +90,12 @@ export function createTemplateService(db: Db) {
     pending = message;
   }
 
-  return { resolve, registerBase, setPending };
+  /** Why the base template cannot be used yet (being made, or its making failed); null once it is recorded. */
+  function pendingReason(): string | null {
+    return pending;
+  }
+
+  return { resolve, registerBase, setPending, pendingReason };
 }
 
 export type TemplateService = ReturnType<typeof createTemplateService>;

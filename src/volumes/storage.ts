@@ -2,7 +2,7 @@
 // $KILN_DATA_DIR/volumes/<id>/mnt. The filesystem's own size is the volume's size limit (ENOSPC past it).
 
 import { execFile } from "node:child_process";
-import { chmod, mkdir, open, rm, rmdir, statfs } from "node:fs/promises";
+import { chmod, chown, mkdir, open, rm, rmdir, statfs } from "node:fs/promises";
 import { existsSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { promisify } from "node:util";
@@ -71,13 +71,15 @@ export async function mountVolumeStorage(paths: VolumePaths): Promise<void> {
 }
 
 /**
- * The mount point and its parents: searchable but not listable by others (0711), as the machines' root dirs are —
- * gVisor's gofer opens a bind source as an unprivileged id and must pass through them; the image stays 0600.
+ * The mount point and its parents: searchable but not listable (0711), as the machines' root dirs are — gVisor's
+ * gofer opens a bind source as an unprivileged id and must pass through them — except the volume's own dir, which
+ * only root and the machines' group may enter (its mount is a filesystem of the machines' files); the image stays 0600.
  */
 async function makeMountPoint(paths: VolumePaths) {
   for (const dir of [dirname(paths.dir), paths.dir, paths.mount]) {
     await mkdir(dir, { recursive: true });
-    await chmod(dir, 0o711);
+    if (dir === paths.dir) await chown(dir, 0, HOST_ID_BASE);
+    await chmod(dir, dir === paths.dir ? 0o710 : 0o711);
   }
 }
 

@@ -17,10 +17,11 @@ const KILN = join(import.meta.dirname, "..", "..", "bin", "kiln");
 let k: TestKiln;
 let ctx: string;
 before(async () => {
-  k = await startTestKiln({ env: { KILN_WARM_POOL: "0" } });
+  // The user's files, made before the in-process server sets Kiln's private umask (077) for this whole process.
   ctx = mkdtempSync(join(tmpdir(), "kiln-cli-ctx-"));
   mkdirSync(join(ctx, "app"));
   writeFileSync(join(ctx, "app", "main.py"), "print('from the context')\n");
+  k = await startTestKiln({ env: { KILN_WARM_POOL: "0" } });
 });
 after(async () => {
   await k?.close();

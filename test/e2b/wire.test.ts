@@ -45,14 +45,18 @@ test("an envd request names its sandbox by header or by a 49983-<machine id>. ho
   assert.equal(portTargetOf("70000-mch_01m8278fg8qnyqh9sw8rwsfk2b.x", 49983), undefined);
 });
 
-test("access tokens are per sandbox and checked in constant time", () => {
+test("access tokens are per sandbox and key, name their key, and are checked in constant time", () => {
   const t = createTokens(Buffer.alloc(32, 7));
-  const a = t.tokenOf("mch_a");
-  assert.equal(t.verify("mch_a", a), true);
-  assert.equal(t.verify("mch_b", a), false);
-  assert.equal(t.verify("mch_a", a.slice(1)), false);
-  assert.equal(t.verify("mch_a", undefined), false);
-  assert.notEqual(createTokens(Buffer.alloc(32, 8)).tokenOf("mch_a"), a);
+  const a = t.tokenOf("mch_a", "key_one");
+  assert.equal(t.verify("mch_a", a), "key_one");
+  assert.equal(t.verify("mch_b", a), undefined);
+  assert.equal(t.verify("mch_a", a.slice(0, -1)), undefined);
+  assert.equal(t.verify("mch_a", undefined), undefined);
+  // Another key's token differs, and naming another key in a token does not make it that key's.
+  const b = t.tokenOf("mch_a", "key_two");
+  assert.notEqual(b, a);
+  assert.equal(t.verify("mch_a", "key_two" + a.slice(a.indexOf("."))), undefined);
+  assert.notEqual(createTokens(Buffer.alloc(32, 8)).tokenOf("mch_a", "key_one"), a);
 });
 
 test("e2b-format keys match the SDK's ^e2b_[0-9a-f]+$ and differ every time", () => {

@@ -31,6 +31,7 @@ export async function codeRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/machines/:id/code/contexts",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Start a kernel context (python: ipykernel; javascript: a Node kernel)",
@@ -44,19 +45,19 @@ export async function codeRoutes(app: App, opts: { services: Services }) {
 
   app.get(
     "/v1/machines/:id/code/contexts",
-    { schema: { tags, summary: "List the machine's kernel contexts", params: Params, response: { 200: Type.Object({ contexts: Type.Array(CodeContext) }), ...errors(404, 409) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "List the machine's kernel contexts", params: Params, response: { 200: Type.Object({ contexts: Type.Array(CodeContext) }), ...errors(404, 409) } } },
     async (req) => code.list(req.params.id),
   );
 
   app.post(
     "/v1/machines/:id/code/contexts/:ctx_id/restart",
-    { schema: { tags, summary: "Restart a context's kernel (its state is lost)", params: CtxParams, response: { 200: CodeContext, ...errors(404, 409) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Restart a context's kernel (its state is lost)", params: CtxParams, response: { 200: CodeContext, ...errors(404, 409) } } },
     async (req) => code.restart(req.params.id, req.params.ctx_id),
   );
 
   app.delete(
     "/v1/machines/:id/code/contexts/:ctx_id",
-    { schema: { tags, summary: "Remove a kernel context; its kernel process is stopped", params: CtxParams, response: { 204: Type.Null(), ...errors(404, 409) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Remove a kernel context; its kernel process is stopped", params: CtxParams, response: { 204: Type.Null(), ...errors(404, 409) } } },
     async (req, reply) => {
       await code.remove(req.params.id, req.params.ctx_id);
       return reply.code(204).send(null);
@@ -66,6 +67,7 @@ export async function codeRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/machines/:id/code/execute",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: `Run code in a context; answers application/x-ndjson frames {type: ${CODE_FRAME_TYPES.join("|")}}, the last one end`,

@@ -142,13 +142,14 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
 
   app.post(
     "/v1/agent-deployments",
-    { schema: { tags, summary: "Create a deployment: its first version and its replicas (starting)", body: CreateDeployment, response: { 201: Deployment, ...errors(400, 404, 503) } }, preValidation: stringEnvsOnly },
+    { config: { auth: "key" }, schema: { tags, summary: "Create a deployment: its first version and its replicas (starting)", body: CreateDeployment, response: { 201: Deployment, ...errors(400, 404, 503) } }, preValidation: stringEnvsOnly },
     async (req, reply) => reply.code(201).send(await deployments.create(req.body)),
   );
 
   app.get(
     "/v1/agent-deployments",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "List deployments, newest first (deleted ones are left out)",
@@ -165,13 +166,14 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
 
   app.get(
     "/v1/agent-deployments/:deployment_id",
-    { schema: { tags, summary: "Get a deployment with its versions, newest first", params: DepParams, response: { 200: Deployment, ...errors(404) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Get a deployment with its versions, newest first", params: DepParams, response: { 200: Deployment, ...errors(404) } } },
     async (req) => deployments.get(req.params.deployment_id),
   );
 
   app.patch(
     "/v1/agent-deployments/:deployment_id",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Update a deployment: a new version, rolled onto the replicas one at a time (an old replica stops once its successor is ready)",
@@ -186,13 +188,14 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
 
   app.delete(
     "/v1/agent-deployments/:deployment_id",
-    { schema: { tags, summary: "Delete a deployment: every service stops and its machine is destroyed", params: DepParams, response: { 200: Deployment, ...errors(404) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Delete a deployment: every service stops and its machine is destroyed", params: DepParams, response: { 200: Deployment, ...errors(404) } } },
     async (req) => deployments.remove(req.params.deployment_id),
   );
 
   app.get(
     "/v1/agent-deployments/:deployment_id/services",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "List a deployment's service instances, newest first",
@@ -206,13 +209,14 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
 
   app.get(
     "/v1/agent-deployments/:deployment_id/services/:service_id",
-    { schema: { tags, summary: "Get a service instance", params: SvcParams, response: { 200: ServiceInstance, ...errors(404) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Get a service instance", params: SvcParams, response: { 200: ServiceInstance, ...errors(404) } } },
     async (req) => deployments.getService(req.params.deployment_id, req.params.service_id),
   );
 
   app.get(
     "/v1/agent-deployments/:deployment_id/services/:service_id/logs",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "The service's recent output (stdout and stderr, up to 256 KiB kept)",
@@ -227,6 +231,7 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/agent-deployments/:deployment_id/services/:service_id/restart",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Restart an agent service instance",

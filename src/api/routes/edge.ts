@@ -133,6 +133,17 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
   }
 
   /**
+   * The `edge-token` check of the Fastify edge route, run by the server's auth hook before the handler: the raw
+   * target must be an /edge/<id>/… one (as handleRequest reads it) and carry that service's token.
+   */
+  function verifyUpgrade(req: FastifyRequest): undefined {
+    const target = edgeTarget(req.url);
+    if (!target || "redirect" in target) throw new KilnError("unauthorized", "The edge needs /edge/<service_id>/… with its edge_token", { detail: { code: "unauthorized", phase: "auth" } });
+    authorize(target.serviceId, target.queryToken, req.headers.cookie);
+    return undefined;
+  }
+
+  /**
    * WebSocket upgrades (through Fastify and @fastify/websocket's upgrade hand-off). Only a WebSocket handshake is
    * honoured (the server hands every other Upgrade to handleRequest as a plain request), and only the service's
    * 101 to it makes a pipe; the pipe closes when the token that opened it expires.
@@ -156,7 +167,7 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
     }
   }
 
-  return { handleRequest, handleUpgrade, close: () => proxy.close() };
+  return { handleRequest, handleUpgrade, verifyUpgrade, close: () => proxy.close() };
 }
 
 export type Edge = ReturnType<typeof createEdge>;
@@ -175,7 +186,8 @@ export async function edgeRoutes(app: App, opts: { edge: Edge }) {
     opts.edge.close();
     done();
   });
-  const route = { schema: { hide: true }, handler: (req: FastifyRequest, reply: FastifyReply) => opts.edge.handleUpgrade(req, reply) };
+  // Authenticated by the service's edge token (server.ts gives edge.verifyUpgrade for `edge-token`), never a key.
+  const route = { config: { auth: "edge-token" as const }, schema: { hide: true }, handler: (req: FastifyRequest, reply: FastifyReply) => opts.edge.handleUpgrade(req, reply) };
   app.route({ method: "GET", url: "/edge/:service_id", ...route });
   app.route({ method: "GET", url: "/edge/:service_id/*", ...route });
 }

@@ -20,6 +20,7 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/machines/:id/files/info",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "File metadata (lstat) of a machine path",
@@ -33,7 +34,7 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
 
   app.get(
     "/v1/machines/:id/files",
-    { schema: { tags, summary: "Read a file's bytes", params: Params, querystring: PathQuery, response: { ...fileErrors } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Read a file's bytes", params: Params, querystring: PathQuery, response: { ...fileErrors } } },
     async (req, reply) => {
       const stream = await files.read(req.params.id, req.query);
       return reply.type("application/octet-stream").send(stream);
@@ -43,6 +44,7 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
   app.put(
     "/v1/machines/:id/files",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Write a file from the request body (application/octet-stream); parents are created",
@@ -69,6 +71,7 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
   app.get(
     "/v1/machines/:id/files/list",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "List a directory",
@@ -83,6 +86,7 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
   app.delete(
     "/v1/machines/:id/files",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Remove a file or directory",
@@ -100,6 +104,7 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/machines/:id/files/mkdir",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Make a directory and its parents",
@@ -114,6 +119,7 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/machines/:id/files/move",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Move or rename a file or directory",

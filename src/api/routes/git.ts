@@ -63,13 +63,14 @@ export async function gitRoutes(app: App, opts: { services: Services }) {
 
   app.post(
     "/v1/machines/:id/git/push",
-    { schema: { tags, summary: "Push to a remote", params: Params, body: GitPushRequest, response: { 200: Summary, ...gitErrors } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Push to a remote", params: Params, body: GitPushRequest, response: { 200: Summary, ...gitErrors } } },
     async (req, reply) => git.push(req.params.id, req.body as Parameters<typeof git.push>[1], abortOnClientGone(reply)),
   );
 
   app.post(
     "/v1/machines/:id/git/clone",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Clone a repository into path",
@@ -84,6 +85,7 @@ export async function gitRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/machines/:id/git/pull",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Fetch and merge (or rebase) from a remote; without remote and branch, from the upstream",
@@ -98,6 +100,7 @@ export async function gitRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/machines/:id/git/fetch",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Fetch from a remote",
@@ -111,13 +114,14 @@ export async function gitRoutes(app: App, opts: { services: Services }) {
 
   app.post(
     "/v1/machines/:id/git/status",
-    { schema: { tags, summary: "Branch, ahead/behind its upstream, and changed files", params: Params, body: body({}), response: { 200: GitStatus, ...gitErrors } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Branch, ahead/behind its upstream, and changed files", params: Params, body: body({}), response: { 200: GitStatus, ...gitErrors } } },
     async (req) => git.status(req.params.id, req.body as Parameters<typeof git.status>[1]),
   );
 
   app.post(
     "/v1/machines/:id/git/add",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Stage files (all changes when files is absent); answers the status after",
@@ -132,6 +136,7 @@ export async function gitRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/machines/:id/git/commit",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Commit what is staged",
@@ -154,6 +159,7 @@ export async function gitRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/machines/:id/git/branches",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Local branches",
@@ -174,6 +180,7 @@ export async function gitRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/machines/:id/git/checkout",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Switch to a branch (create makes it from HEAD)",

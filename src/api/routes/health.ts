@@ -1,4 +1,5 @@
-// Health (public liveness) and readiness (store, driver and the capacity machines use, authenticated).
+// Health (public liveness) and readiness (store, driver, the base template and the capacity machines use,
+// authenticated). Not ready answers 503 `unavailable` (retryable) with the same body, so a script can wait on it.
 
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
@@ -7,6 +8,15 @@ import { errors } from "../schemas.ts";
 
 const ReadyBody = Type.Object({
   status: Type.Union([Type.Literal("ready"), Type.Literal("not_ready")]),
+  base_template: Type.Object(
+    { ready: Type.Boolean(), reason: Type.Optional(Type.String()) },
+    { description: "The base template (local/base) is made on first start; until it is recorded, creates from it answer 503" },
+  ),
+  // When not ready: the error envelope's fields beside the report (code `unavailable`, retryable).
+  error: Type.Optional(Type.String()),
+  code: Type.Optional(Type.Literal("unavailable")),
+  request_id: Type.Optional(Type.String()),
+  error_detail: Type.Optional(Type.Object({ retryable: Type.Boolean(), request_id: Type.String() })),
   store: Type.Object({ dialect: Type.String(), ok: Type.Boolean(), error: Type.Optional(Type.String()) }),
   driver: Type.Object({}, { additionalProperties: true }),
   capacity: Type.Object(
@@ -28,7 +38,7 @@ const ReadyBody = Type.Object({
 });
 
 export async function healthRoutes(app: App, opts: { services: Services }) {
-  const { store, driver, admission } = opts.services;
+  const { store, driver, admission, templates } = opts.services;
   // Readiness probes arrive often and from many places: the store is asked at most every 250 ms.
   let lastPing: { at: number; error: string | undefined } | undefined;
   async function storeError(): Promise<string | undefined> {
@@ -45,24 +55,28 @@ export async function healthRoutes(app: App, opts: { services: Services }) {
 
   app.get(
     "/health",
-    { config: { public: true }, schema: { tags: ["Health"], summary: "Process liveness", security: [], response: { 200: Type.Object({ status: Type.Literal("ok") }) } } },
+    { config: { auth: "none" }, schema: { tags: ["Health"], summary: "Process liveness", security: [], response: { 200: Type.Object({ status: Type.Literal("ok") }) } } },
     async () => ({ status: "ok" as const }),
   );
 
   app.get(
     "/v1/ready",
-    { schema: { tags: ["Health"], summary: "Store and driver readiness, and what the host enforces", response: { 200: ReadyBody, 503: ReadyBody, ...errors() } } },
-    async (_req, reply) => {
+    { config: { auth: "key" }, schema: { tags: ["Health"], summary: "Store, driver and base-template readiness, and what the host enforces (503 unavailable until ready)", response: { 200: ReadyBody, 503: ReadyBody, ...errors() } } },
+    async (req, reply) => {
       const error = await storeError();
       const [readiness, capacity] = await Promise.all([driver.readiness(), admission.capacity()]);
-      const ready = error === undefined && readiness.ready;
+      const baseReason = templates.pendingReason();
+      const ready = error === undefined && readiness.ready && baseReason === null;
       const body = {
         status: ready ? ("ready" as const) : ("not_ready" as const),
+        base_template: { ready: baseReason === null, ...(baseReason ? { reason: baseReason } : {}) },
         store: { dialect: store.dialect, ok: error === undefined, ...(error ? { error } : {}) },
         driver: readiness as unknown as Record<string, unknown>,
         capacity,
       };
-      return ready ? reply.code(200).send(body) : reply.code(503).send(body);
+      if (ready) return reply.code(200).send(body);
+      const why = error ? `the store is not reachable: ${error}` : baseReason ?? "the machine driver is not ready";
+      return reply.code(503).send({ ...body, error: `Not ready: ${why}`, code: "unavailable" as const, request_id: req.id, error_detail: { retryable: true, request_id: req.id } });
     },
   );
 }

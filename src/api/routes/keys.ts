@@ -21,6 +21,7 @@ export async function keyRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/keys",
     {
+      config: { auth: "key" },
       schema: {
         tags: ["API Keys"],
         summary: "Create an API key; the key is in this response only",
@@ -36,13 +37,14 @@ export async function keyRoutes(app: App, opts: { services: Services }) {
 
   app.get(
     "/v1/keys",
-    { schema: { tags: ["API Keys"], summary: "List API keys", response: { 200: Type.Object({ keys: Type.Array(KeySummary) }), ...errors() } } },
+    { config: { auth: "key" }, schema: { tags: ["API Keys"], summary: "List API keys", response: { 200: Type.Object({ keys: Type.Array(KeySummary) }), ...errors() } } },
     async () => ({ keys: await keys.list() }),
   );
 
   app.delete(
     "/v1/keys/:id",
     {
+      config: { auth: "key" },
       schema: {
         tags: ["API Keys"],
         summary: "Revoke an API key",

@@ -24,6 +24,7 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
   app.get(
     "/v1/machines/:id/ws",
     {
+      config: { auth: "key" },
       websocket: true,
       schema: {
         tags: ["WebSocket"],

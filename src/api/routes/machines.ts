@@ -101,13 +101,14 @@ export async function machineRoutes(app: App, opts: { services: Services }) {
 
   app.post(
     "/v1/machines",
-    { schema: { tags, summary: "Create a machine from a template", body: CreateMachine, response: { 201: Machine, ...errors(400, 404, 503) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Create a machine from a template", body: CreateMachine, response: { 201: Machine, ...errors(400, 404, 503) } } },
     async (req, reply) => reply.code(201).send(await machines.create(req.body)),
   );
 
   app.get(
     "/v1/machines",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "List machines, newest first (destroyed ones only when asked by status)",
@@ -125,41 +126,41 @@ export async function machineRoutes(app: App, opts: { services: Services }) {
     },
   );
 
-  app.get("/v1/machines/:id", { schema: { tags, summary: "Get a machine", params: Params, response: { 200: Machine, ...errors(404) } } }, async (req) =>
+  app.get("/v1/machines/:id", { config: { auth: "key" }, schema: { tags, summary: "Get a machine", params: Params, response: { 200: Machine, ...errors(404) } } }, async (req) =>
     machines.get(req.params.id),
   );
 
   app.get(
     "/v1/machines/:id/metrics",
-    { schema: { tags, summary: "A running machine's CPU, memory and disk use now (cgroup counters and its disk); see docs/e2b.md", params: Params, response: { 200: MachineMetrics, ...errors(404, 409) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "A running machine's CPU, memory and disk use now (cgroup counters and its disk); see docs/e2b.md", params: Params, response: { 200: MachineMetrics, ...errors(404, 409) } } },
     async (req) => opts.services.machineMetrics.get(req.params.id),
   );
 
   app.patch(
     "/v1/machines/:id",
-    { schema: { tags, summary: "Update a machine; timeout_s restarts its clock from now", params: Params, body: UpdateMachine, response: { 200: Machine, ...errors(400, 404, 409) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Update a machine; timeout_s restarts its clock from now", params: Params, body: UpdateMachine, response: { 200: Machine, ...errors(400, 404, 409) } } },
     async (req) => machines.update(req.params.id, req.body),
   );
 
-  app.delete("/v1/machines/:id", { schema: { tags, summary: "Destroy a machine", params: Params, response: { 200: Machine, ...errors(404) } } }, async (req) =>
+  app.delete("/v1/machines/:id", { config: { auth: "key" }, schema: { tags, summary: "Destroy a machine", params: Params, response: { 200: Machine, ...errors(404) } } }, async (req) =>
     machines.destroy(req.params.id),
   );
 
   app.post(
     "/v1/machines/:id/hibernate",
-    { schema: { tags, summary: "Freeze every process of a running machine", params: Params, response: { 200: Machine, ...errors(404, 409) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Freeze every process of a running machine", params: Params, response: { 200: Machine, ...errors(404, 409) } } },
     async (req) => machines.hibernate(req.params.id),
   );
 
   app.post(
     "/v1/machines/:id/resume",
-    { schema: { tags, summary: "Resume a hibernated machine", params: Params, response: { 200: Machine, ...errors(404, 409) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Resume a hibernated machine", params: Params, response: { 200: Machine, ...errors(404, 409) } } },
     async (req) => machines.resume(req.params.id),
   );
 
   app.post(
     "/v1/machines/:id/exec",
-    { schema: { tags, summary: "Run a command and wait for it", params: Params, body: ExecRequest, response: { 200: ExecResult, ...errors(400, 404, 409, 504) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Run a command and wait for it", params: Params, body: ExecRequest, response: { 200: ExecResult, ...errors(400, 404, 409, 504) } } },
     async (req) => exec.exec(req.params.id, req.body),
   );
 }

@@ -15,7 +15,6 @@ import { KilnError } from "../../errors.ts";
 
 /** SSE comment sent while nothing else is, so proxies and clients keep the stream open. */
 const KEEPALIVE_MS = 15_000;
-const MAX_BLOB_BYTES = 4 * 1024 * 1024 * 1024;
 
 const CacheSummary = Type.Record(Type.String(), Type.Integer());
 const BuildRecord = Type.Object({
@@ -88,6 +87,7 @@ export async function templateRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/templates/build",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Build a template; the answer is an SSE stream of build log entries ending in end, error or cancelled",
@@ -105,6 +105,7 @@ export async function templateRoutes(app: App, opts: { services: Services }) {
   app.put(
     "/v1/templates/blobs/:sha256",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Upload a build-context blob (application/octet-stream); the bytes must hash to the sha256 in the path",
@@ -115,9 +116,13 @@ export async function templateRoutes(app: App, opts: { services: Services }) {
     async (req, reply) => {
       const body = req.body as Readable | Buffer | string | undefined;
       if (body === undefined || body === null) throw new KilnError("invalid_request", "Send the blob's bytes as the request body (Content-Type: application/octet-stream)");
+      // Blobs are held to KILN_BODY_LIMIT_BYTES like every other body: by their declared length before a byte is
+      // read, and by counting while they stream (a chunked upload declares none).
+      const limit = app.initialConfig.bodyLimit ?? 1024 * 1024;
+      if (Number(req.headers["content-length"] ?? 0) > limit) throw new KilnError("payload_too_large", `A context blob may hold at most ${limit} bytes (KILN_BODY_LIMIT_BYTES)`);
       const { Readable: R } = await import("node:stream");
       const stream = typeof body === "string" || Buffer.isBuffer(body) ? R.from([Buffer.from(body)]) : body;
-      const r = await builds.blobs.put(req.params.sha256, stream, MAX_BLOB_BYTES);
+      const r = await builds.blobs.put(req.params.sha256, stream, limit);
       return reply.code(r.created ? 201 : 200).send({ sha256: req.params.sha256, size: r.size });
     },
   );
@@ -125,6 +130,7 @@ export async function templateRoutes(app: App, opts: { services: Services }) {
   app.get(
     "/v1/templates/blobs/:sha256",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Whether a context blob is stored (HEAD answers 200 or 404 without a body)",
@@ -139,23 +145,24 @@ export async function templateRoutes(app: App, opts: { services: Services }) {
     },
   );
 
-  app.get("/v1/templates", { schema: { tags, summary: "List templates", response: { 200: Type.Object({ templates: Type.Array(Template) }) } } }, async () => templateCatalog.list());
+  app.get("/v1/templates", { config: { auth: "key" }, schema: { tags, summary: "List templates", response: { 200: Type.Object({ templates: Type.Array(Template) }) } } }, async () => templateCatalog.list());
 
   app.get(
     "/v1/templates/:id",
-    { schema: { tags, summary: "Get a template by id, artifact id or unnamespaced ref", params: TemplateParams, response: { 200: Template, ...errors(404) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Get a template by id, artifact id or unnamespaced ref", params: TemplateParams, response: { 200: Template, ...errors(404) } } },
     async (req) => templateCatalog.get(req.params.id),
   );
 
   app.delete(
     "/v1/templates/:id",
-    { schema: { tags, summary: "Delete a template (refused while machines use it)", params: TemplateParams, response: { 200: Template, ...errors(404, 409) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Delete a template (refused while machines use it)", params: TemplateParams, response: { 200: Template, ...errors(404, 409) } } },
     async (req) => templateCatalog.remove(req.params.id),
   );
 
   app.get(
     "/v1/templates/:id/builds",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Build history of a template, newest first; id is an artifact id or a legacy unnamespaced ref",
@@ -178,13 +185,14 @@ export async function templateRoutes(app: App, opts: { services: Services }) {
 
   app.get(
     "/v1/templates/:id/builds/:build_id",
-    { schema: { tags, summary: "One build record", params: BuildParams, response: { 200: BuildRecord, ...errors(404) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "One build record", params: BuildParams, response: { 200: BuildRecord, ...errors(404) } } },
     async (req) => builds.get(req.params.id, req.params.build_id),
   );
 
   app.get(
     "/v1/templates/:id/builds/:build_id/logs",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Replay a build's log as SSE and follow it while it runs; honours Last-Event-ID",
@@ -204,7 +212,7 @@ export async function templateRoutes(app: App, opts: { services: Services }) {
 
   app.post(
     "/v1/templates/:id/builds/:build_id/cancel",
-    { schema: { tags, summary: "Cancel a running build (its build machine is destroyed; the record ends cancelled)", params: BuildParams, response: { 200: BuildRecord, ...errors(404, 409) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Cancel a running build (its build machine is destroyed; the record ends cancelled)", params: BuildParams, response: { 200: BuildRecord, ...errors(404, 409) } } },
     async (req) => builds.cancel(req.params.id, req.params.build_id),
   );
 
@@ -213,6 +221,7 @@ export async function templateRoutes(app: App, opts: { services: Services }) {
   app.get(
     "/v1/templates/refs/*",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Read-only aliases of a logical template: GET /v1/templates/refs/{ref}/aliases",

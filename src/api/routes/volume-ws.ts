@@ -35,6 +35,7 @@ export async function volumeWsRoutes(app: App, opts: { services: Services; pingI
   app.get(
     "/v1/volumes/:id/ws",
     {
+      config: { auth: "key" },
       websocket: true,
       schema: {
         tags: ["WebSocket"],

@@ -39,13 +39,14 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
 
   app.post(
     "/v1/volumes",
-    { schema: { tags, summary: "Create a volume (an ext4 filesystem of size_mb, mounted into machines at create)", body: CreateVolume, response: { 201: Volume, ...errors(400) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Create a volume (an ext4 filesystem of size_mb, mounted into machines at create)", body: CreateVolume, response: { 201: Volume, ...errors(400) } } },
     async (req, reply) => reply.code(201).send(await volumes.create(req.body)),
   );
 
   app.get(
     "/v1/volumes",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "List volumes, newest first",
@@ -60,11 +61,11 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
     },
   );
 
-  app.get("/v1/volumes/:id", { schema: { tags, summary: "Get a volume", params: Params, response: { 200: Volume, ...errors(404) } } }, async (req) => volumes.get(req.params.id));
+  app.get("/v1/volumes/:id", { config: { auth: "key" }, schema: { tags, summary: "Get a volume", params: Params, response: { 200: Volume, ...errors(404) } } }, async (req) => volumes.get(req.params.id));
 
   app.delete(
     "/v1/volumes/:id",
-    { schema: { tags, summary: "Delete a volume and its data (409 while a live machine mounts it)", params: Params, response: { 204: Type.Null(), ...errors(404, 409) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Delete a volume and its data (409 while a live machine mounts it)", params: Params, response: { 204: Type.Null(), ...errors(404, 409) } } },
     async (req, reply) => {
       await volumes.remove(req.params.id);
       return reply.code(204).send(null);
@@ -74,6 +75,7 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/volumes/:id/files/info",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "File metadata (lstat) of a volume path",
@@ -87,7 +89,7 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
 
   app.get(
     "/v1/volumes/:id/files",
-    { schema: { tags, summary: "Read a file's bytes", params: Params, querystring: Type.Object({ path: VolumePath }, { additionalProperties: false }), response: { ...fileErrors } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Read a file's bytes", params: Params, querystring: Type.Object({ path: VolumePath }, { additionalProperties: false }), response: { ...fileErrors } } },
     async (req, reply) => {
       const stream = await (await files(req.params.id)).read(req.query.path);
       return reply.type("application/octet-stream").send(stream);
@@ -97,6 +99,7 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
   app.put(
     "/v1/volumes/:id/files",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Write a file from the request body (application/octet-stream); parents are created",
@@ -126,6 +129,7 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
   app.get(
     "/v1/volumes/:id/files/list",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "List a directory",
@@ -140,6 +144,7 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
   app.delete(
     "/v1/volumes/:id/files",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Remove a file or directory (a symlink itself, never what it points at)",
@@ -157,6 +162,7 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/volumes/:id/files/mkdir",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Make a directory and its parents",
@@ -171,6 +177,7 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/volumes/:id/files/move",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Move or rename a file or directory inside the volume",

@@ -60,6 +60,7 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/lifecycle/webhooks",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Register a lifecycle webhook; a generated signing_secret is in this response only",
@@ -73,6 +74,7 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
   app.get(
     "/v1/lifecycle/webhooks",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "List webhooks, newest first",
@@ -88,13 +90,14 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
 
   app.get(
     "/v1/lifecycle/webhooks/:webhook_id",
-    { schema: { tags, summary: "Get a webhook", params: HookParams, response: { 200: Webhook, ...errors(404) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Get a webhook", params: HookParams, response: { 200: Webhook, ...errors(404) } } },
     async (req) => webhooks.get(req.params.webhook_id),
   );
 
   app.patch(
     "/v1/lifecycle/webhooks/:webhook_id",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Update a webhook; a new signing_secret rotates it (the old one keeps signing beside it for 24 h)",
@@ -112,6 +115,7 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
   app.delete(
     "/v1/lifecycle/webhooks/:webhook_id",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Delete a webhook; its pending deliveries are never sent",
@@ -125,6 +129,7 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
   app.get(
     "/v1/lifecycle/webhooks/:webhook_id/deliveries",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "List a webhook's deliveries, newest first, with their attempts",
@@ -145,6 +150,7 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
   app.get(
     "/v1/lifecycle/webhooks/:webhook_id/deliveries/:delivery_id",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Get a delivery: its status, every attempt, and the payload as sent",
@@ -158,6 +164,7 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
   app.post(
     "/v1/lifecycle/webhooks/:webhook_id/deliveries/:delivery_id/retry",
     {
+      config: { auth: "key" },
       schema: {
         tags,
         summary: "Queue a dead_letter delivery again for another run of the retry schedule",

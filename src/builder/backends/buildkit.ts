@@ -189,11 +189,18 @@ function mask(text: string, values: string[]): string {
 /** The uploaded context files at their paths (copies: the builder may change them), with their modes. */
 async function layOutContext(dir: string, files: ContextFileInput[]): Promise<string> {
   await mkdir(dir, { recursive: true });
+  await chmod(dir, 0o755);
   for (const f of files) {
     const rel = f.path.replace(/^\.?\/+/, "");
     if (!rel || isAbsolute(rel) || rel.split("/").includes("..")) throw new KilnError("invalid_request", `context path ${JSON.stringify(f.path)} must stay inside the context`);
     const dest = join(dir, rel);
-    await mkdir(join(dest, ".."), { recursive: true });
+    // Directories the context implies are 0755, as on a developer's machine (COPY keeps them): set by hand, since
+    // Kiln's own umask (077) would make them 0700 and close them to the image's non-root users.
+    const parts = rel.split("/").slice(0, -1);
+    for (let i = 1; i <= parts.length; i++) {
+      const sub = join(dir, ...parts.slice(0, i));
+      if ((await mkdir(sub, { recursive: true })) !== undefined) await chmod(sub, 0o755);
+    }
     await copyFile(f.blobPath, dest);
     const mode = typeof f.mode === "string" ? parseInt(f.mode, 8) : f.mode;
     await chmod(dest, Number.isInteger(mode) ? mode! & 0o7777 : 0o644);

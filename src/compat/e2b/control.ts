@@ -13,7 +13,8 @@ import { E2bUnserved } from "./errors.ts";
 
 export interface ControlDeps {
   services: Services;
-  tokenOf: (sandboxId: string) => string;
+  /** The sandbox's envd access token for the key this request was authenticated with. */
+  tokenOf: (sandboxId: string, keyId: string) => string;
   /** The domain sandboxes are reached under (the host of KILN_PUBLIC_URL); undefined: the Host the client used. */
   domain: string | undefined;
   /** Told about every sandbox this API made or resumed (envd warms its per-machine state). */
@@ -72,8 +73,8 @@ const Params = Type.Object({ id: Type.String({ minLength: 1, maxLength: 64 }) })
 
 export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   const { machines } = deps.services;
-  const route = { config: { e2b: "control" }, schema: { hide: true, params: Params } };
-  const withBody = (body: unknown) => ({ config: { e2b: "control" }, schema: { hide: true, params: Params, body } });
+  const route = { config: { e2b: "control", auth: "key" as const }, schema: { hide: true, params: Params } };
+  const withBody = (body: unknown) => ({ config: { e2b: "control", auth: "key" as const }, schema: { hide: true, params: Params, body } });
 
   /** A machine that is gone (destroyed, failed) is, to E2B clients, a sandbox that does not exist. */
   async function live(id: string): Promise<MachineView> {
@@ -90,7 +91,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   const domainFor = (req: FastifyRequest) => deps.domain ?? req.headers.host ?? "localhost";
 
   function created(m: MachineView, req: FastifyRequest) {
-    return { sandboxID: m.id, templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, envdAccessToken: deps.tokenOf(m.id), domain: domainFor(req) };
+    return { sandboxID: m.id, templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, envdAccessToken: deps.tokenOf(m.id, req.apiKeyId!), domain: domainFor(req) };
   }
 
   function listed(m: MachineView) {
@@ -112,7 +113,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   }
 
   function detail(m: MachineView, req: FastifyRequest) {
-    return { ...listed(m), allowInternetAccess: m.internet, envdAccessToken: deps.tokenOf(m.id), domain: domainFor(req) };
+    return { ...listed(m), allowInternetAccess: m.internet, envdAccessToken: deps.tokenOf(m.id, req.apiKeyId!), domain: domainFor(req) };
   }
 
   async function create(req: FastifyRequest) {
@@ -136,7 +137,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     return created(m, req);
   }
 
-  const createRoute = { config: { e2b: "control" }, schema: { hide: true, body: NewSandbox } };
+  const createRoute = { config: { e2b: "control", auth: "key" as const }, schema: { hide: true, body: NewSandbox } };
   app.post("/sandboxes", createRoute, async (req, reply) => reply.code(201).send(await create(req)));
   app.post("/v2/sandboxes", createRoute, async (req, reply) => reply.code(201).send(await create(req)));
 
@@ -232,7 +233,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     return { items: out, next };
   }
 
-  const listRoute = { config: { e2b: "control" }, schema: { hide: true, querystring: ListQuery } };
+  const listRoute = { config: { e2b: "control", auth: "key" as const }, schema: { hide: true, querystring: ListQuery } };
   app.get("/v2/sandboxes", listRoute, async (req, reply) => {
     const { items, next } = await list(req.query as Record<string, unknown>, STATES);
     if (next) reply.header("x-next-token", next);
@@ -242,7 +243,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
 
   // E2B APIs Kiln does not serve yet answer 501 in E2B's shape (the SDK then raises a clear error), not a 404
   // that would read as "no such sandbox".
-  const unserved = { config: { e2b: "control" }, schema: { hide: true } };
+  const unserved = { config: { e2b: "control", auth: "key" as const }, schema: { hide: true } };
   const notYet = (what: string) => async () => {
     throw new E2bUnserved(`${what} is not supported by Kiln's E2B API yet (see docs/e2b.md)`);
   };
@@ -264,7 +265,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     };
   }
   const MetricsQuery = Type.Object({ start: Type.Optional(Type.Integer({ minimum: 0 })), end: Type.Optional(Type.Integer({ minimum: 0 })) }, { additionalProperties: false });
-  app.get("/sandboxes/:id/metrics", { config: { e2b: "control" }, schema: { hide: true, params: Params, querystring: MetricsQuery } }, async (req) => {
+  app.get("/sandboxes/:id/metrics", { config: { e2b: "control", auth: "key" as const }, schema: { hide: true, params: Params, querystring: MetricsQuery } }, async (req) => {
     const m = await live((req.params as { id: string }).id);
     const { start, end } = req.query as Static<typeof MetricsQuery>;
     const nowS = Date.now() / 1000;
@@ -274,7 +275,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   // Comma-separated as E2B documents, or repeated (sandbox_ids=a&sandbox_ids=b) as an OpenAPI client sends arrays.
   const Ids = Type.String({ minLength: 1, maxLength: 100 * 40 });
   const ManyQuery = Type.Object({ sandbox_ids: Type.Union([Ids, Type.Array(Ids, { maxItems: 100 })]) }, { additionalProperties: false });
-  app.get("/sandboxes/metrics", { config: { e2b: "control" }, schema: { hide: true, querystring: ManyQuery } }, async (req) => {
+  app.get("/sandboxes/metrics", { config: { e2b: "control", auth: "key" as const }, schema: { hide: true, querystring: ManyQuery } }, async (req) => {
     const asked = (req.query as Static<typeof ManyQuery>).sandbox_ids;
     const ids = [...new Set((Array.isArray(asked) ? asked : [asked]).flatMap((x) => x.split(",")).map((x) => x.trim()).filter(Boolean))];
     if (ids.length > 100) bad("sandbox_ids names at most 100 sandboxes");

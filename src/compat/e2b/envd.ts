@@ -162,7 +162,7 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
   const resolvePath = (path: string, home: string) => (path.startsWith("/") ? posix.normalize(path) : posix.resolve(home, path));
 
   function unary(method: string, fn: (msg: Record<string, unknown>, req: FastifyRequest) => Promise<unknown>) {
-    app.post(`/${method}`, { config: { e2b: "envd" }, constraints: { e2bEnvd: "envd" } }, async (req, reply) => {
+    app.post(`/${method}`, { config: { e2b: "envd", auth: "envd-token" as const }, constraints: { e2bEnvd: "envd" } }, async (req, reply) => {
       try {
         const ct = String(req.headers["content-type"] ?? "");
         if (!ct.startsWith("application/json")) throw new ConnectFailure("unimplemented", "only the Connect JSON codec (application/json) is served");
@@ -176,7 +176,7 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
   }
 
   function serverStream(method: string, fn: (msg: Record<string, unknown>, req: FastifyRequest, stream: () => ServerStream) => Promise<void>) {
-    app.post(`/${method}`, { config: { e2b: "envd" }, constraints: { e2bEnvd: "envd" } }, async (req, reply) => {
+    app.post(`/${method}`, { config: { e2b: "envd", auth: "envd-token" as const }, constraints: { e2bEnvd: "envd" } }, async (req, reply) => {
       const ct = String(req.headers["content-type"] ?? "");
       if (!ct.startsWith("application/connect+json")) return sendUnaryError(reply, new ConnectFailure("unimplemented", "only the Connect JSON codec (application/connect+json) is served"));
       let opened: ReturnType<typeof openServerStream> | undefined;
@@ -404,7 +404,7 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
   });
 
   // ── /files and /health (envd's plain HTTP API; errors as {code, message}) ───────────────────────────────────
-  const envdRoute = { config: { e2b: "envd" }, constraints: { e2bEnvd: "envd" } };
+  const envdRoute = { config: { e2b: "envd", auth: "envd-token" as const }, constraints: { e2bEnvd: "envd" } };
 
   app.get("/health", envdRoute, async (_req, reply) => reply.code(204).send());
 

@@ -1,7 +1,7 @@
 // Drop-in E2B compatibility at the root of Kiln's address: E2B's control plane (/sandboxes, /v2/sandboxes …)
 // and, for requests naming a sandbox (E2b-Sandbox-Id, or a `49983-<id>.` Host), that sandbox's envd.
-// It authenticates its own routes (Kiln's hook only guards /v1): X-API-Key for the control plane,
-// the sandbox's X-Access-Token for envd.
+// Its routes declare their auth like Kiln's own (auth.ts): `key` (X-API-Key) for the control plane, `envd-token` (the
+// sandbox's X-Access-Token, checked here and enforced by the server's one auth hook) for envd.
 
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import type { Services } from "../../services/index.ts";
@@ -14,11 +14,15 @@ import { createProcessRegistry } from "./processes.ts";
 import { createTokens, loadTokenSecret } from "./token.ts";
 import { installPortProxy, SANDBOX_HOST_RE } from "./ports.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
+import type { Auth } from "../../api/auth.ts";
+import { unauthorized } from "../../api/auth.ts";
 
 export const ENVD_PORT = 49983;
 
 export interface E2bOptions {
   services: Services;
+  /** The server's auth: this layer provides the `envd-token` check. */
+  auth: Auth;
   dataDir: string;
   /** KILN_PUBLIC_URL: its host is the `domain` sandboxes report. */
   publicUrl: string;
@@ -64,37 +68,30 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
   app.addContentTypeParser("application/connect+json", { parseAs: "buffer" }, (_req, body, done) => done(null, body));
   app.addContentTypeParser("multipart/form-data", { parseAs: "buffer" }, (_req, body, done) => done(null, body));
 
-  app.addHook("onRequest", (req, _reply, done) => {
-    const kind = (req.routeOptions.config as { e2b?: string } | undefined)?.e2b;
-    if (kind === "envd") {
-      const id = sandboxIdOf(req)!;
-      if (!tokens.verify(id, req.headers["x-access-token"])) return done(new KilnError("unauthorized", "invalid or missing X-Access-Token for this sandbox"));
-      return done();
-    }
-    if (kind !== "control") return done();
-    const header = req.headers["x-api-key"];
-    const bearer = /^Bearer\s+(\S+)\s*$/i.exec(String(req.headers.authorization ?? ""))?.[1];
-    const key = typeof header === "string" && header ? header : bearer;
-    if (!key) return done(new KilnError("unauthorized", "missing API key: send X-API-Key"));
-    services.keys.verify(key).then((keyId) => {
-      if (!keyId) return done(new KilnError("unauthorized", "invalid API key"));
-      req.apiKeyId = keyId;
-      done();
-    }, done);
+  // An envd token names the key it was issued to: it works while that key is active, and its sockets are that key's.
+  const envdKeyOf = async (sandboxId: string | undefined, presented: unknown): Promise<string | undefined> => {
+    const keyId = sandboxId ? tokens.verify(sandboxId, presented) : undefined;
+    return keyId !== undefined && (await services.keys.isActive(keyId)) ? keyId : undefined;
+  };
+  opts.auth.provide("envd-token", async (req) => {
+    const keyId = await envdKeyOf(sandboxIdOf(req), req.headers["x-access-token"]);
+    if (keyId === undefined) throw unauthorized("invalid or missing X-Access-Token for this sandbox");
+    return keyId;
   });
 
   app.setErrorHandler((err, req, reply) => {
     const isRpc = (req.routeOptions.config as { e2b?: string } | undefined)?.e2b === "envd" && /^\/[a-z]+\.[A-Za-z]+\//.test(req.url);
     if (isRpc) return sendUnaryError(reply, err);
     const { status, body } = e2bError(err);
-    if (status >= 500) req.log.error({ err }, "request failed");
+    // As Kiln's own handler: 503 `unavailable` (try again) is an expected refusal, logged at info.
+    if (status >= 500 && !(err instanceof KilnError && err.code === "unavailable")) req.log.error({ err }, "request failed");
     else req.log.info({ code: status }, "request refused");
     return reply.code(status).type("application/json; charset=utf-8").send(body);
   });
 
   // After ready, so the websocket plugin's upgrade listener is among those it passes everything else to.
   app.addHook("onReady", (done) => {
-    installPortProxy(app.server, { machines: services.machines, verify: tokens.verify, isKey: services.keys.isKey, envdPort: ENVD_PORT, proto: new URL(opts.publicUrl).protocol.replace(":", ""), limits: opts.limits });
+    installPortProxy(app.server, { machines: services.machines, verify: async (id, token) => (await envdKeyOf(id, token)) !== undefined, isKey: services.keys.isKey, envdPort: ENVD_PORT, proto: new URL(opts.publicUrl).protocol.replace(":", ""), limits: opts.limits });
     done();
   });
 

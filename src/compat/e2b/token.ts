@@ -1,5 +1,6 @@
-// envd access tokens: one per sandbox, HMAC-SHA256 of its id under a secret kept in the data dir (0600), so no
-// token is ever stored and every server on the same data dir gives the same answer after a restart.
+// envd access tokens: one per sandbox and API key, `<key id>.<HMAC-SHA256 of both under a secret kept in the data dir
+// (0600)>`, so no token is ever stored, every server on the same data dir gives the same answer after a restart, and
+// a token dies with the key it was issued to (the auth hook checks the key id it names).
 
 import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 import { chmod, mkdir, readFile, writeFile } from "node:fs/promises";
@@ -25,15 +26,23 @@ export async function loadTokenSecret(dataDir: string): Promise<Buffer> {
   return Buffer.from((await readFile(file, "utf8")).trim(), "hex");
 }
 
+const KEY_ID = /^key_[0-9a-z]{1,64}$/;
+
 export function createTokens(secret: Buffer) {
-  const tokenOf = (sandboxId: string) => createHmac("sha256", secret).update(`envd:${sandboxId}`).digest("base64url");
+  const mac = (sandboxId: string, keyId: string) => createHmac("sha256", secret).update(`envd:${sandboxId}:${keyId}`).digest("base64url");
+  /** The token a holder of key `keyId` uses for sandbox `sandboxId`. */
+  const tokenOf = (sandboxId: string, keyId: string) => `${keyId}.${mac(sandboxId, keyId)}`;
   return {
     tokenOf,
-    verify(sandboxId: string, presented: unknown): boolean {
-      if (typeof presented !== "string") return false;
-      const want = Buffer.from(tokenOf(sandboxId));
-      const got = Buffer.from(presented);
-      return got.length === want.length && timingSafeEqual(got, want);
+    /** The key id a valid token for `sandboxId` was issued to; undefined for anything else (constant-time MAC check). */
+    verify(sandboxId: string, presented: unknown): string | undefined {
+      if (typeof presented !== "string") return undefined;
+      const dot = presented.indexOf(".");
+      const keyId = presented.slice(0, dot);
+      if (dot < 0 || !KEY_ID.test(keyId)) return undefined;
+      const want = Buffer.from(mac(sandboxId, keyId));
+      const got = Buffer.from(presented.slice(dot + 1));
+      return got.length === want.length && timingSafeEqual(got, want) ? keyId : undefined;
     },
   };
 }

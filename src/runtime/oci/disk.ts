@@ -6,7 +6,7 @@
 
 import { execFile } from "node:child_process";
 import { existsSync, readFileSync, statSync } from "node:fs";
-import { chown, mkdir, readdir, rename, rm, truncate, writeFile } from "node:fs/promises";
+import { chmod, chown, mkdir, readdir, rename, rm, truncate, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import type { Logger } from "../../log.ts";
@@ -73,8 +73,10 @@ async function mountLayer(layer: WritableLayer, sizeMb: number, owner: number, b
       throw new Error(`mounting the disk ${layer.image} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
     }
   }
-  await Promise.all([mkdir(layer.upper, { recursive: true }), mkdir(layer.work, { recursive: true })]);
-  // The merged root's top directory takes its owner from the upper dir: machine root, not host root.
+  const [madeUpper] = await Promise.all([mkdir(layer.upper, { recursive: true }), mkdir(layer.work, { recursive: true })]);
+  // The merged root's top directory takes its owner and mode from the upper dir: machine root's, 0755 (set by hand:
+  // Kiln's umask is 077), and once made, whatever the machine sets.
+  if (madeUpper !== undefined) await chmod(layer.upper, 0o755);
   await chown(layer.upper, owner, owner);
 }
 

@@ -218,13 +218,16 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
 
   async function writeEtc(spec: MachineSpec, p: Paths) {
     await mkdir(p.etc, { recursive: true });
+    await chmod(p.etc, 0o711);
     const hosts = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback", `127.0.1.1\t${spec.hostname}`];
     if (opts.hostAccess && spec.internet) hosts.push(`${SLIRP_GATEWAY}\t${HOST_ALIAS}`);
-    await Promise.all([
-      writeFile(join(p.etc, "hosts"), hosts.join("\n") + "\n"),
-      writeFile(join(p.etc, "hostname"), spec.hostname + "\n"),
-      writeFile(join(p.etc, "resolv.conf"), spec.internet ? `nameserver ${SLIRP_DNS}\noptions edns0\n` : ""),
-    ]);
+    // Bound into the machine, where every user reads them (Kiln's umask would leave them 0600).
+    const files: [string, string][] = [
+      ["hosts", hosts.join("\n") + "\n"],
+      ["hostname", spec.hostname + "\n"],
+      ["resolv.conf", spec.internet ? `nameserver ${SLIRP_DNS}\noptions edns0\n` : ""],
+    ];
+    await Promise.all(files.map(([name, text]) => writeFile(join(p.etc, name), text).then(() => chmod(join(p.etc, name), 0o644))));
   }
 
   /**
@@ -352,9 +355,13 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     await Promise.all([mkdir(machinesDir, { recursive: true }), mkdir(stateRoot, { recursive: true })]);
     ensureTraversable(opts.dataDir);
     ensureTraversable(machinesDir);
-    await mkdir(p.dir, { mode: 0o711 });
+    // Only root and machine root (the machines' group) may enter: its root fs is mounted here (umask 077: set by hand).
+    await mkdir(p.dir);
+    await chmod(p.dir, 0o710);
     if (!passFd) await mkdir(p.run);
-    await Promise.all([writeEtc(spec, p), writeFile(p.spec, JSON.stringify(spec)), identities.assign(p.dir, spec.layers)]);
+    const [, , identity] = await Promise.all([writeEtc(spec, p), writeFile(p.spec, JSON.stringify(spec)), identities.assign(p.dir, spec.layers)]);
+    // The group is this machine's root: no other machine's root may enter.
+    await chown(p.dir, 0, identity.hostBase);
     opts.log.debug({ machine_id: spec.id, prepare_ms: Math.round((performance.now() - t0) * 10) / 10 }, "machine prepared");
     return boot(spec);
   }

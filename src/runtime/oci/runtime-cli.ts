@@ -86,8 +86,11 @@ export function createRuntimeCli(opts: { runtime: OciRuntime; stateRoot: string;
       const fds = req.passListener ? ["--preserve-fds", "1"] : [];
       const verb = req.restoreFrom ? ["restore", "--image-path", req.restoreFrom] : ["run"];
       const args = [...globalArgs(), ...network, ...verb, "--detach", "--pid-file", req.pidFile, ...fds, "--bundle", req.bundleDir, name(req.id)];
-      if (runtime !== "runsc" || !req.internet) return [runtime, args];
-      const hide = 'mount -t tmpfs -o size=4k,mode=555 kiln-hidden /proc/sys/net && exec "$0" "$@"';
+      // With umask 022, not Kiln's 077: what the runtime makes for the machine (its cgroup dirs, mount points in its
+      // root) must stay readable by the machine's own users (its OOM counters, for one).
+      const umask = "umask 022 && ";
+      if (runtime !== "runsc" || !req.internet) return ["/bin/sh", ["-c", umask + 'exec "$0" "$@"', runtime, ...args]];
+      const hide = umask + 'mount -t tmpfs -o size=4k,mode=555 kiln-hidden /proc/sys/net && exec "$0" "$@"';
       return ["unshare", ["--mount", "--propagation", "private", "sh", "-c", hide, runtime, ...args]];
     },
 

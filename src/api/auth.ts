@@ -1,0 +1,187 @@
+// Authentication as a property of the matched route: every route declares `config.auth`, a route without it stops
+// the server from starting, and one onRequest hook (after routing, for HTTP and WebSocket upgrades alike) enforces it.
+// Sockets remember the API keys they carried and close within a second of a key's revocation.
+
+import type { IncomingMessage, ServerResponse } from "node:http";
+import type { FastifyRequest, RouteOptions } from "fastify";
+import type { WebSocket } from "ws";
+import type { App } from "./app-type.ts";
+import { KilnError } from "../errors.ts";
+import type { KeyService } from "../services/keys.ts";
+
+/**
+ * DESIGN.md §6. `key`: an API key (Authorization: Bearer, or E2B's X-API-Key); `none`: public; `envd-token`: an E2B
+ * sandbox's access token; `edge-token`: a deployment service's signed edge token; `cluster`: host-to-host calls (no
+ * route uses it yet, so it refuses everything).
+ */
+export const AUTH_KINDS = ["key", "none", "envd-token", "edge-token", "cluster"] as const;
+export type AuthKind = (typeof AUTH_KINDS)[number];
+
+/**
+ * Checks a request's credential for one kind: answers the id of the API key the credential stands for (undefined
+ * when it stands for none, as an edge token), or throws the refusal (a KilnError, 401 for a bad credential).
+ */
+export type Verifier = (req: FastifyRequest) => string | undefined | Promise<string | undefined>;
+
+/** One registered route as the auth hook sees it; `constrained`: it matches only with its constraint (E2B's envd routes). */
+export interface RouteAuth {
+  method: string;
+  url: string;
+  auth: AuthKind;
+  websocket: boolean;
+  constrained: boolean;
+}
+
+/** WebSocket close code sent when the key a socket was opened with is revoked (1008: policy violation). */
+export const REVOKED_CLOSE_CODE = 1008;
+/** A revoked socket that does not finish its close handshake in this long is cut. */
+const CLOSE_GRACE_MS = 500;
+
+const kWebSocket = Symbol("kiln.webSocket");
+type RawRequest = IncomingMessage & { [kWebSocket]?: WebSocket };
+
+const KINDS = new Set<string>(AUTH_KINDS);
+
+export function unauthorized(message: string): KilnError {
+  return new KilnError("unauthorized", message, { detail: { code: "unauthorized", phase: "auth" } });
+}
+
+/** The API key a request presents: `Authorization: Bearer <key>`, else `X-API-Key: <key>` (the E2B SDK's header). */
+export function presentedKey(req: FastifyRequest): string | undefined {
+  const header = req.headers.authorization;
+  if (typeof header === "string") {
+    const match = /^Bearer\s+(\S+)\s*$/i.exec(header);
+    return match ? match[1] : undefined;
+  }
+  const apiKey = req.headers["x-api-key"];
+  return typeof apiKey === "string" && apiKey ? apiKey : undefined;
+}
+
+export function createAuth(keys: KeyService) {
+  const verifiers = new Map<AuthKind, Verifier>();
+  /** Requests in flight (a WebSocket for as long as it is open, an SSE stream until it ends) by the key they carry. */
+  const live = new Map<string, Map<RawRequest, ServerResponse>>();
+
+  const keyVerifier: Verifier = (req) => {
+    const key = presentedKey(req);
+    if (!key) throw unauthorized("Missing API key: send Authorization: Bearer <key>");
+    const checked = keys.verify(key);
+    const answer = (keyId: string | null) => {
+      if (!keyId) throw unauthorized("Invalid or revoked API key");
+      return keyId;
+    };
+    return typeof checked === "string" || checked === null ? answer(checked) : checked.then(answer);
+  };
+  verifiers.set("key", keyVerifier);
+  verifiers.set("none", () => undefined);
+
+  /** Lets the part of the server that owns a credential (the edge, the E2B layer) check it for its kind. */
+  function provide(kind: Exclude<AuthKind, "key" | "none">, verifier: Verifier) {
+    verifiers.set(kind, verifier);
+  }
+
+  /**
+   * Remembers a request of key `keyId` until its response closes (for an upgrade: until the socket does). Only the
+   * request is tracked, not its keep-alive connection: the next request on it is authenticated again.
+   */
+  function track(req: RawRequest, res: ServerResponse, keyId: string) {
+    let requests = live.get(keyId);
+    if (!requests) live.set(keyId, (requests = new Map()));
+    requests.set(req, res);
+    res.once("close", () => {
+      requests.delete(req);
+      if (requests.size === 0 && live.get(keyId) === requests) live.delete(keyId);
+    });
+  }
+
+  /**
+   * A revoked key's requests in flight: a WebSocket gets a close frame (and is cut if it does not close), anything
+   * else still unanswered after a short grace (an SSE stream, a long exec) has its connection cut. The grace lets
+   * the request that revoked its own key get its answer.
+   */
+  function closeRevoked(ids: string[]) {
+    for (const id of ids) {
+      const requests = live.get(id);
+      if (!requests) continue;
+      live.delete(id);
+      for (const [req, res] of requests) {
+        const ws = req[kWebSocket];
+        if (ws && ws.readyState === ws.OPEN) ws.close(REVOKED_CLOSE_CODE, "the API key was revoked");
+        const socket = req.socket;
+        setTimeout(() => {
+          if (ws ? ws.readyState !== ws.CLOSED : !res.writableEnded) socket?.destroy();
+        }, CLOSE_GRACE_MS).unref();
+      }
+    }
+  }
+  keys.onRevoked(closeRevoked);
+
+  /** Every route the server registered, with its declared auth: the route table the hostile-input suite walks. */
+  const table: RouteAuth[] = [];
+
+  /** The one authentication hook: the matched route's declared kind decides; an unmatched request needs a key. */
+  function install(app: App) {
+    // Fail closed: a route (ours or a plugin's) that does not say how it is authenticated does not register.
+    app.addHook("onRoute", (route: RouteOptions) => {
+      const auth = (route.config as { auth?: unknown } | undefined)?.auth;
+      const methods = Array.isArray(route.method) ? route.method : [route.method];
+      if (typeof auth !== "string" || !KINDS.has(auth)) {
+        throw new Error(`route ${methods.join(",")} ${route.url} declares no auth (config.auth must be one of ${AUTH_KINDS.join(", ")}): refusing to start`);
+      }
+      const constraints = (route as { constraints?: Record<string, unknown> }).constraints ?? {};
+      for (const method of methods) table.push({ method, url: route.url, auth: auth as AuthKind, websocket: Boolean((route as { websocket?: boolean }).websocket), constrained: Object.keys(constraints).length > 0 });
+    });
+    app.decorate("routeTable", () => table.map((r) => ({ ...r })));
+
+    // Callback style: this runs on every request, and a promise per request is measurable at this rate.
+    app.addHook("onRequest", (req, reply, done) => {
+      reply.header("x-request-id", req.id);
+      // An unmatched path needs a key like any API route, so route existence is not revealed to strangers.
+      const kind: AuthKind = req.is404 ? "key" : (req.routeOptions.config as { auth: AuthKind }).auth;
+      if (kind === "none") return done();
+      const verifier = verifiers.get(kind);
+      if (!verifier) return done(unauthorized(`This route's credential (${kind}) is not accepted by this server`));
+      const accept = (keyId: string | undefined) => {
+        if (keyId !== undefined) {
+          // A revocation that landed while the credential was being checked wins.
+          if (keys.isRevoked(keyId)) throw unauthorized("Invalid or revoked API key");
+          req.apiKeyId = keyId;
+          track(req.raw, reply.raw, keyId);
+        }
+      };
+      let result: ReturnType<Verifier>;
+      try {
+        result = verifier(req);
+        if (typeof result === "string" || result === undefined) {
+          accept(result);
+          return done();
+        }
+      } catch (err) {
+        return done(err as Error);
+      }
+      result.then(
+        (keyId) => {
+          try {
+            accept(keyId);
+          } catch (err) {
+            return done(err as Error);
+          }
+          done();
+        },
+        (err: Error) => done(err),
+      );
+    });
+  }
+
+  /** Call once @fastify/websocket is registered: a revoked key's WebSocket is then closed with a close frame. */
+  function watchWebSockets(app: App) {
+    const wss = (app as unknown as { websocketServer: { on(e: "connection", fn: (ws: WebSocket, req: RawRequest) => void): void } }).websocketServer;
+    wss.on("connection", (ws, rawReq) => {
+      rawReq[kWebSocket] = ws;
+    });
+  }
+
+  return { install, provide, watchWebSockets };
+}
+
+export type Auth = ReturnType<typeof createAuth>;
