@@ -38,7 +38,7 @@ before(async () => {
   if (skip) return;
   [reg, priv] = await Promise.all([startRegistry(), startRegistry({ auth: { username: "builder", password } })]);
   dir = await mkdtemp(join(tmpdir(), "kiln-oci-dockerfile-"));
-  await chmod(dir, 0o755); // RUN steps run as the machines' unprivileged uids and must reach their rootfs below here
+  await chmod(dir, 0o700); // private, as a data dir is: the builder works through its own traversable view
   await pushImage(reg, "mini/shell", "v1", { layers: [{ entries: shellRootfs() }] });
   await pushImage(priv, "mini/private", "v1", { layers: [{ entries: shellRootfs() }, { entries: [{ name: "private-marker", content: "p" }] }] });
 });

@@ -13,7 +13,7 @@ import { spawn } from "node:child_process";
 import type { ChildProcess } from "node:child_process";
 import { lookup } from "node:dns/promises";
 import { existsSync, lstatSync, readFileSync, realpathSync } from "node:fs";
-import { chmod, copyFile, mkdir, mkdtemp, rm, writeFile } from "node:fs/promises";
+import { chmod, copyFile, mkdir, mkdtemp, rm, rmdir, writeFile } from "node:fs/promises";
 import { basename, isAbsolute, join, relative, resolve } from "node:path";
 import { HOST_ID_BASE, ID_RANGE } from "../../runtime/oci/idmap.ts";
 import { createEgress } from "../../runtime/oci/egress.ts";
@@ -168,20 +168,23 @@ export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers>
   await sweepDockerfileBuilds(b.scratchParent, egress);
   // The name says which process owns the build, so a later start can tell a dead build's leftovers from a live one.
   const scratch = await mkdtemp(join(b.scratchParent, `bld-${ownerTag() ?? process.pid}-`));
-  // Traversable, not listable: runc reaches the RUN steps' rootfs below here from inside the build's user
-  // namespace; the secret, auth and state dirs inside stay 0700 (the builder, host root, reads them).
+  // Traversable, not listable: runc reaches the RUN steps' rootfs (and bind-mount sources) below here from inside
+  // the build's user namespace; the secret, auth and state dirs inside stay 0700 (the builder, host root, reads them).
   await chmod(scratch, 0o711);
   const guard = createGuard(b);
   let sandbox: Sandbox | undefined;
   try {
+    // The data dir itself may be private: the builder works through a bind mount every ancestor of which the
+    // build's ids may traverse.
+    const dir = b.buildkitHost ? scratch : await exposeScratch(scratch);
     // No context at all is an empty one: a Dockerfile without COPY needs none.
-    const contextDir = b.contextDir ?? (await layOutContext(join(scratch, "context"), b.contextFiles ?? []));
-    const dockerfile = join(scratch, "Dockerfile");
+    const contextDir = b.contextDir ?? (await layOutContext(join(dir, "context"), b.contextFiles ?? []));
+    const dockerfile = join(dir, "Dockerfile");
     await writeFile(dockerfile, text, { mode: 0o600 });
     const secretArgs: string[] = [];
-    await mkdir(join(scratch, "secrets"), { mode: 0o700 });
+    await mkdir(join(dir, "secrets"), { mode: 0o700 });
     for (const [i, s] of (b.secrets ?? []).entries()) {
-      const file = join(scratch, "secrets", String(i));
+      const file = join(dir, "secrets", String(i));
       await writeFile(file, s.value, { mode: 0o600 });
       secretArgs.push("--secret", `id=${s.id},src=${file}`);
     }
@@ -192,17 +195,18 @@ export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers>
       if (cred?.kind === "basic") auths[authKey(hosts[0])] = { auth: Buffer.from(`${cred.username}:${cred.password}`).toString("base64") };
       if (cred?.kind === "bearer") auths[authKey(hosts[0])] = { registrytoken: cred.token };
     }
-    const authFile = join(scratch, "auth", "config.json");
-    await mkdir(join(scratch, "auth"), { mode: 0o700 });
+    const authFile = join(dir, "auth", "config.json");
+    await mkdir(join(dir, "auth"), { mode: 0o700 });
     await writeFile(authFile, JSON.stringify({ auths }), { mode: 0o600 });
-    const out = join(scratch, "out");
+    const out = join(dir, "out");
     // A RUN that prints a secret must not put it in the build log: every secret value is masked in builder output.
     const hidden = secretValues(b);
     const onLine = (line: string) => b.onMessage?.(mask(line, hidden));
     if (b.buildkitHost) {
-      await buildWithBuildctl(b, contextDir, scratch, secretArgs, out, onLine, guard);
+      await buildWithBuildctl(b, contextDir, dir, secretArgs, out, onLine, guard);
     } else {
       const vm = b.vm ?? DOCKERFILE_DEFAULTS;
+      // Only host root uses the state (namespace files, the shim's policy): it stays on the private path.
       await mkdir(join(scratch, "state"), { mode: 0o700 });
       sandbox = await openSandbox({
         key: basename(scratch),
@@ -215,7 +219,7 @@ export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers>
         egress,
       });
       guard.onExpire(() => void sandbox?.kill());
-      await buildWithBuildah(b, contextDir, scratch, dockerfile, secretArgs, authFile, out, onLine, sandbox, guard);
+      await buildWithBuildah(b, contextDir, dir, dockerfile, secretArgs, authFile, out, onLine, sandbox, guard);
     }
     guard.check();
     return await importOciLayout(out, { cacheDir: b.cacheDir, onMessage: b.onMessage, onLayer: b.onLayer });
@@ -442,14 +446,30 @@ async function buildWithBuildctl(b: DockerfileBuild, contextDir: string, scratch
   await rm(tar, { force: true });
 }
 
-/** Unmounts anything left mounted below the scratch dir (a killed RUN), then removes it. */
+/** The builders' view of the scratch dirs: traversable by the build's ids whatever the data dir's mode is. */
+const EXPOSED = "/run/kiln-builds";
+
+/** Binds the scratch dir at /run/kiln-builds/<name> (private: mounts the builder makes there stay there). */
+async function exposeScratch(scratch: string): Promise<string> {
+  await mkdir(EXPOSED, { recursive: true, mode: 0o711 });
+  await chmod(EXPOSED, 0o711);
+  const at = join(EXPOSED, basename(scratch));
+  await mkdir(at, { mode: 0o711 });
+  await run("mount", ["--bind", scratch, at], { env: process.env, onLine: () => {} });
+  await run("mount", ["--make-private", at], { env: process.env, onLine: () => {} });
+  return at;
+}
+
+/** Unmounts anything left mounted below the scratch dir or its exposed view (a killed RUN), then removes both. */
 async function removeScratch(scratch: string) {
+  const exposed = join(EXPOSED, basename(scratch));
   const mounts = readFileSync("/proc/self/mounts", "utf8")
     .split("\n")
     .map((l) => l.split(" ")[1]?.replace(/\\040/g, " "))
-    .filter((m): m is string => !!m && (m === scratch || m.startsWith(`${scratch}/`)))
+    .filter((m): m is string => !!m && [scratch, exposed].some((d) => m === d || m.startsWith(`${d}/`)))
     .sort((a, b) => b.length - a.length);
   for (const m of mounts) await run("umount", ["-l", m], { env: process.env, onLine: () => {} }).catch(() => {});
+  await rmdir(exposed).catch(() => {});
   await rm(scratch, { recursive: true, force: true });
 }
 
