@@ -10,6 +10,8 @@ PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certif
 # Image imports and Dockerfile builds: xattrs on layer dirs (attr), the embedded Dockerfile builder (buildah), and
 # what the tests and benchmarks run against (a loopback registry with bcrypt htpasswd, skopeo as the baseline).
 PACKAGES+=(attr buildah skopeo docker-registry apache2-utils)
+# The Dockerfile isolation tests build FROM an image made of Debian's static busybox (ps, kill, nc, … in one file).
+PACKAGES+=(busybox-static)
 # Any Node with npm will do to bootstrap: npm ci then brings Node 24 itself.
 command -v npm >/dev/null 2>&1 || PACKAGES+=(nodejs npm)
 

@@ -12,7 +12,8 @@
 import { execFile, spawn } from "node:child_process";
 import type { ChildProcess } from "node:child_process";
 import { existsSync, readFileSync, readdirSync, statSync } from "node:fs";
-import { appendFile, chmod, mkdir, readdir, rm, rmdir, writeFile } from "node:fs/promises";
+import { appendFile, chmod, mkdir, mkdtemp, readdir, rm, rmdir, writeFile } from "node:fs/promises";
+import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { promisify } from "node:util";
@@ -125,7 +126,6 @@ function startReaper(reapFile: string, hold: boolean): { child: ChildProcess; do
     child.once("exit", (code) => resolve(code === 0));
     child.once("error", () => resolve(false));
   });
-  child.unref();
   return { child, done };
 }
 
@@ -283,16 +283,59 @@ async function release(key: string, stateDir: string, egress: Egress): Promise<v
   await removeCgroupTree(key);
 }
 
+/** Where egress.ts keeps its cgroups (`kiln-egress/<group>/<id>`): found by name when a build's markers are gone. */
+const EGRESS_ROOTS = [`${CGROUP_ROOT}/unified/kiln-egress`, `${CGROUP_ROOT}/kiln-egress`];
+const EGRESS_GROUPS = ["isolated", "host-access"];
+
+function egressDirs(key: string): { id: string; group: string; dir: string }[] {
+  const ids = egressIds(key);
+  const out = [];
+  for (const root of EGRESS_ROOTS) for (const group of EGRESS_GROUPS) for (const id of [ids.run, ids.fetch]) if (existsSync(join(root, group, id))) out.push({ id, group, dir: join(root, group, id) });
+  return out;
+}
+
+/** Egress cgroups and rules of a dead build whose markers are lost: released as if their markers said so. */
+async function releaseOrphanEgress(key: string, egress: Egress): Promise<void> {
+  const found = egressDirs(key);
+  if (!found.length) return;
+  const tmp = await mkdtemp(join(tmpdir(), "kiln-egress-"));
+  try {
+    for (const { id, group } of found) {
+      const marker = join(tmp, id);
+      await writeFile(marker, JSON.stringify({ group, rules: true }));
+      await egress.release(id, marker).catch(() => undefined);
+    }
+  } finally {
+    await rm(tmp, { recursive: true, force: true });
+  }
+}
+
+/** Kills every process in `dirs` (cgroup dirs and their descendants) and waits until none is left. */
+async function reap(dirs: string[]): Promise<void> {
+  const tmp = await mkdtemp(join(tmpdir(), "kiln-reap-"));
+  try {
+    await writeFile(join(tmp, "reap"), dirs.map((d) => d + "\n").join(""), { mode: 0o600 });
+    await startReaper(join(tmp, "reap"), false).done;
+  } finally {
+    await rm(tmp, { recursive: true, force: true });
+  }
+}
+
+const deadOwner = (key: string) => {
+  const owner = /^bld-(\d+(?:\.\d+)?)-/.exec(key)?.[1];
+  return owner !== undefined && !ownerAlive(owner);
+};
+
 /**
  * What builds of dead Kilns left: for each scratch dir under `scratchParent` whose owner is gone, its processes are
- * killed and its namespaces, egress rules and cgroups removed (the caller then removes the dir); build cgroups of
- * dead owners elsewhere on the host (another data dir) lose their processes and go too. Returns the dead keys here.
+ * killed and its namespaces, egress rules and cgroups removed (the caller then removes the dir). Build and egress
+ * cgroups of dead owners found elsewhere on the host (another data dir, or markers lost) lose their processes and
+ * go too. Returns the dead builds' names under `scratchParent`.
  */
 export async function sweepSandboxes(scratchParent: string, egress: Egress): Promise<string[]> {
   const dead: string[] = [];
   for (const name of await readdir(scratchParent).catch(() => [] as string[])) {
-    const owner = /^bld-(\d+(?:\.\d+)?)-/.exec(name)?.[1];
-    if (!owner || ownerAlive(owner)) continue;
+    if (!deadOwner(name)) continue;
     const stateDir = join(scratchParent, name, "state");
     if (existsSync(join(stateDir, "reap"))) {
       await startReaper(join(stateDir, "reap"), false).done;
@@ -300,14 +343,21 @@ export async function sweepSandboxes(scratchParent: string, egress: Egress): Pro
     }
     dead.push(name);
   }
+  const orphans = new Set<string>(dead);
   const root = killRoot("");
-  for (const key of await readdir(root ?? "/nonexistent").catch(() => [] as string[])) {
-    const owner = /^bld-(\d+(?:\.\d+)?)-/.exec(key)?.[1];
-    if (!owner || ownerAlive(owner) || dead.includes(key)) continue;
-    const list = join(scratchParent, `.reap-${key}`);
-    await writeFile(list, join(root!, key) + "\n", { mode: 0o600 });
-    await startReaper(list, false).done;
-    await rm(list, { force: true });
+  for (const key of root ? await readdir(root).catch(() => [] as string[]) : []) if (deadOwner(key)) orphans.add(key);
+  for (const base of EGRESS_ROOTS) {
+    for (const group of EGRESS_GROUPS) {
+      for (const id of await readdir(join(base, group)).catch(() => [] as string[])) {
+        const key = /^(?:run|fetch)-(bld-.+)$/.exec(id)?.[1];
+        if (key && deadOwner(key)) orphans.add(key);
+      }
+    }
+  }
+  for (const key of orphans) {
+    const dirs = [...(root ? [join(root, key)] : []), ...egressDirs(key).map((e) => e.dir)].filter((d) => existsSync(d));
+    if (dirs.length) await reap(dirs);
+    await releaseOrphanEgress(key, egress);
     await removeCgroupTree(key);
   }
   return dead;
