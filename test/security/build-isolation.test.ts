@@ -6,6 +6,9 @@ import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { randomBytes } from "node:crypto";
 import { lookup } from "node:dns/promises";
+import { chmod, mkdtemp, rm, writeFile } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import type { TestRegistry } from "../support/oci-registry.ts";
@@ -130,6 +133,23 @@ test("a RUN step cannot signal a machine: the machine survives kill -9 -1 and ki
     assert.equal((await k.call("GET", `/v1/machines/${m}`)).body.status, "running");
   } finally {
     await k.call("DELETE", `/v1/machines/${m}`);
+  }
+});
+
+test("RUN --mount binds and caches reach only the build context and the build's own cache, never a host path", { skip }, async () => {
+  const dir = await mkdtemp(join(tmpdir(), "kiln-mount-probe-"));
+  const marker = `hostfile-${randomBytes(8).toString("hex")}`;
+  await writeFile(join(dir, "secret.txt"), marker, { mode: 0o644 });
+  await chmod(dir, 0o755);
+  try {
+    const up = "../".repeat(12) + dir.slice(1);
+    for (const mount of [`type=bind,source=${dir}`, `type=bind,source=${up}`, "type=bind,source=/", `type=cache,source=${up}`, `type=cache,source=${dir}`]) {
+      const events = await dockerfile(`RUN --mount=${mount},target=/h cat /h/secret.txt /h${dir}/secret.txt 2>&1; ls /h | sed "s/^/ls: /"; true`);
+      assert.ok(!JSON.stringify(events).includes(marker), `--mount=${mount} showed a host file`);
+      assert.equal(terminal(events).event, "end", `--mount=${mount}: ${JSON.stringify(terminal(events).data)}`);
+    }
+  } finally {
+    await rm(dir, { recursive: true, force: true });
   }
 });
 
