@@ -278,9 +278,14 @@ async function release(key: string, stateDir: string, egress: Egress): Promise<v
   const p = paths(stateDir);
   const ids = egressIds(key);
   await stopSlirp(p.slirpPid);
-  await Promise.all([egress.release(ids.run, p.runEgress).catch(() => undefined), egress.release(ids.fetch, p.fetchEgress).catch(() => undefined)]);
-  await Promise.all([removeNetns(p.netns), removeNetns(p.userns)]);
-  await removeCgroupTree(key);
+  // Independent of each other once the build's processes are gone.
+  await Promise.all([
+    egress.release(ids.run, p.runEgress).catch(() => undefined),
+    egress.release(ids.fetch, p.fetchEgress).catch(() => undefined),
+    removeNetns(p.netns),
+    removeNetns(p.userns),
+    removeCgroupTree(key),
+  ]);
 }
 
 /** Where egress.ts keeps its cgroups (`kiln-egress/<group>/<id>`): found by name when a build's markers are gone. */
