@@ -13,7 +13,6 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { request } from "undici";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
-import type { TestKiln } from "../support/kiln.ts";
 import type { TestRegistry } from "../support/oci-registry.ts";
 import { TEST_CACHE_DIR } from "../support/paths.ts";
 import { build, parseSse } from "../builds/support.ts";

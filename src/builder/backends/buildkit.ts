@@ -9,8 +9,6 @@
 // reach only the builder, as files in a private scratch directory removed with the builder's storage; build args
 // reach it through its environment, never its command line.
 
-import { spawn } from "node:child_process";
-import type { ChildProcess } from "node:child_process";
 import { lookup } from "node:dns/promises";
 import { existsSync, lstatSync, readFileSync, realpathSync } from "node:fs";
 import { chmod, copyFile, mkdir, mkdtemp, rm, rmdir, writeFile } from "node:fs/promises";
@@ -19,7 +17,6 @@ import { HOST_ID_BASE, ID_RANGE } from "../../runtime/oci/idmap.ts";
 import { createEgress } from "../../runtime/oci/egress.ts";
 import type { Egress } from "../../runtime/oci/egress.ts";
 import { KilnError } from "../../errors.ts";
-import { BuildFailure } from "../failure.ts";
 import type { BaseImageAuth } from "../oci/auth.ts";
 import { credentialFor } from "../oci/auth.ts";
 import { importOciLayout } from "../oci/import.ts";
@@ -27,6 +24,8 @@ import { parseReference, sameRegistry } from "../oci/reference.ts";
 import { importError } from "../oci/types.ts";
 import type { ImportEvents, SourceLayers } from "../oci/types.ts";
 import { dockerfileImages, externalFroms } from "./dockerfile-images.ts";
+import { createGuard, run } from "./builder-process.ts";
+import type { Guard, RunOptions } from "./builder-process.ts";
 import { BUILD_HOST_ID_BASE, BUILD_ID_RANGE, openSandbox, ownerTag, sweepSandboxes } from "./isolation/sandbox.ts";
 import type { Sandbox } from "./isolation/sandbox.ts";
 
@@ -82,8 +81,6 @@ export const DOCKERFILE_DEFAULTS = { vcpus: 1, memoryMb: 1024, internet: true, s
 const BUILDER_ENV = /^(PATH|HOME|TMPDIR|TZ|NOTIFY_SOCKET|LISTEN_FDS|LISTEN_PID|LISTEN_FDNAMES|REGISTRY_AUTH_FILE|DOCKER_CONFIG|DOCKER_CERT_PATH|SSL_CERT_FILE|SSL_CERT_DIR|GODEBUG|GOGC|GOMAXPROCS|GOMEMLIMIT|GOTRACEBACK|GORACE)$|^(LD_|BUILDAH_|_BUILDAH|CONTAINERS_|_CONTAINERS|STORAGE_|XDG_)/;
 /** Build args are an environment: together they must fit the kernel's argument and environment limit with room. */
 const BUILD_ARGS_MAX_BYTES = 512 * 1024;
-/** Builder output lines longer than this reach the log in pieces (a RUN printing one endless line cannot grow memory). */
-const MAX_LINE = 16 * 1024;
 
 /** An uploaded context file: its path in the context and where its verified bytes are. */
 export interface ContextFileInput {
@@ -171,7 +168,7 @@ export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers>
   // Traversable, not listable: runc reaches the RUN steps' rootfs (and bind-mount sources) below here from inside
   // the build's user namespace; the secret, auth and state dirs inside stay 0700 (the builder, host root, reads them).
   await chmod(scratch, 0o711);
-  const guard = createGuard(b);
+  const guard = createGuard(b.stepTimeoutMs ?? DOCKERFILE_DEFAULTS.stepTimeoutMs, b.buildTimeoutMs ?? DOCKERFILE_DEFAULTS.buildTimeoutMs);
   let sandbox: Sandbox | undefined;
   try {
     // The data dir itself may be private: the builder works through a bind mount every ancestor of which the
@@ -257,50 +254,6 @@ async function registryAddresses(registries: string[]): Promise<{ address: strin
     for (const a of found) for (const port of ports) out.push({ address: a.address, port });
   }
   return out;
-}
-
-/** The step and build timeouts: which one fired (if any), and what to do when one does. */
-interface Guard {
-  /** A builder output line: a `STEP n/m:` line starts the next step's clock. */
-  line(text: string): void;
-  onExpire(kill: () => void): void;
-  /** Throws the timeout's build_error if one fired. */
-  check(): void;
-  stop(): void;
-}
-
-function createGuard(b: DockerfileBuild): Guard {
-  const stepMs = b.stepTimeoutMs ?? DOCKERFILE_DEFAULTS.stepTimeoutMs;
-  const buildMs = b.buildTimeoutMs ?? DOCKERFILE_DEFAULTS.buildTimeoutMs;
-  let expired: BuildFailure | undefined;
-  let kill: (() => void) | undefined;
-  let step = "";
-  const fire = (message: string) => {
-    expired ??= new BuildFailure(message, { phase: "step", retryable: false, suggestedAction: "make the step faster or split it; the limits are KILN_BUILD_STEP_TIMEOUT_S and KILN_BUILD_TIMEOUT_S" });
-    kill?.();
-  };
-  const whole = setTimeout(() => fire(`the Dockerfile build ran longer than ${buildMs / 1000} s and was stopped`), buildMs);
-  let stepTimer = setTimeout(() => fire(`a step ran longer than ${stepMs / 1000} s and was stopped`), stepMs);
-  return {
-    line(text) {
-      const m = /^STEP (\d+\/\d+): /.exec(text);
-      if (!m) return;
-      step = `${m[1]} (${text.slice(m[0].length, m[0].length + 80)})`;
-      clearTimeout(stepTimer);
-      stepTimer = setTimeout(() => fire(`step ${step} ran longer than ${stepMs / 1000} s and was stopped`), stepMs);
-    },
-    onExpire(k) {
-      kill = k;
-      if (expired) k();
-    },
-    check() {
-      if (expired) throw expired;
-    },
-    stop() {
-      clearTimeout(whole);
-      clearTimeout(stepTimer);
-    },
-  };
 }
 
 function authSecrets(auth: BaseImageAuth | undefined): string[] {
@@ -471,70 +424,4 @@ async function removeScratch(scratch: string) {
   for (const m of mounts) await run("umount", ["-l", m], { env: process.env, onLine: () => {} }).catch(() => {});
   await rmdir(exposed).catch(() => {});
   await rm(scratch, { recursive: true, force: true });
-}
-
-interface RunOptions {
-  env: NodeJS.ProcessEnv;
-  onLine: (line: string) => void;
-  /** Builder commands run inside the build's sandbox; cancel and timeouts kill the whole sandbox. */
-  sandbox?: Sandbox;
-  signal?: AbortSignal;
-  /** The command's stdout is its answer (an id, a path): kept, up to 64 KiB. */
-  keepStdout?: boolean;
-  backpressure?: () => Promise<void> | undefined;
-  guard?: Guard;
-}
-
-/** Runs a builder command; its output goes to `onLine` line by line. A failure becomes a build_error with its tail. */
-function run(cmd: string, args: string[], o: RunOptions): Promise<string> {
-  return new Promise((resolvePromise, reject) => {
-    if (o.signal?.aborted) return reject(importError("the build was cancelled"));
-    const child: ChildProcess = o.sandbox ? o.sandbox.spawn(cmd, args, o.env) : spawn(cmd, args, { env: o.env, stdio: ["ignore", "pipe", "pipe"] });
-    const stop = () => (o.sandbox ? void o.sandbox.kill() : child.kill("SIGKILL"));
-    o.signal?.addEventListener("abort", stop, { once: true });
-    let stdout = "";
-    let tail = "";
-    let partial = "";
-    const emit = (l: string) => {
-      if (!l.trim()) return;
-      o.guard?.line(l);
-      o.onLine(l.trimEnd());
-    };
-    const feed = (chunk: Buffer, keep: boolean) => {
-      const s = chunk.toString();
-      if (keep && o.keepStdout && stdout.length < 65_536) stdout += s;
-      tail = (tail + s).slice(-2000);
-      const lines = (partial + s).split("\n");
-      partial = lines.pop() ?? "";
-      for (const l of lines) for (let i = 0; i < l.length || i === 0; i += MAX_LINE) emit(l.slice(i, i + MAX_LINE));
-      while (partial.length > MAX_LINE) {
-        emit(partial.slice(0, MAX_LINE));
-        partial = partial.slice(MAX_LINE);
-      }
-      // The log's store is behind: stop reading, so the builder (and the RUN printing) waits on a full pipe.
-      const wait = o.backpressure?.();
-      if (wait) {
-        child.stdout!.pause();
-        child.stderr!.pause();
-        void wait.then(() => {
-          child.stdout!.resume();
-          child.stderr!.resume();
-        });
-      }
-    };
-    child.stdout!.on("data", (c: Buffer) => feed(c, true));
-    child.stderr!.on("data", (c: Buffer) => feed(c, false));
-    child.on("error", (e) => reject(importError(`${cmd} could not run: ${e.message}`)));
-    child.on("close", (code) => {
-      o.signal?.removeEventListener("abort", stop);
-      if (partial.trim()) emit(partial);
-      if (code === 0) resolvePromise(stdout);
-      else if (o.signal?.aborted) reject(importError("the build was cancelled"));
-      else reject(importError(`the Dockerfile build failed: ${cmd} exited ${code}: ${lastLines(tail)}`));
-    });
-  });
-}
-
-function lastLines(text: string): string {
-  return text.trim().split("\n").slice(-3).join(" | ");
 }
