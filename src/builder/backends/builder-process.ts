@@ -15,6 +15,7 @@ const MAX_LINE = 16 * 1024;
 export interface Guard {
   /** A builder output line: a `STEP n/m:` line starts the next step's clock. */
   line(text: string): void;
+  /** What a timeout kills: the command running when it fires (each command registers itself). */
   onExpire(kill: () => void): void;
   /** Throws the timeout's build_error if one fired. */
   check(): void;
@@ -72,12 +73,13 @@ export function run(cmd: string, args: string[], o: RunOptions): Promise<string>
     const child: ChildProcess = o.sandbox ? o.sandbox.spawn(cmd, args, o.env) : spawn(cmd, args, { env: o.env, stdio: ["ignore", "pipe", "pipe"] });
     const stop = () => (o.sandbox ? void o.sandbox.kill() : child.kill("SIGKILL"));
     o.signal?.addEventListener("abort", stop, { once: true });
+    // A timeout kills what runs now: the whole sandbox, or this command (buildctl: the daemon's own work is its own).
+    o.guard?.onExpire(stop);
     let stdout = "";
     let tail = "";
     let partial = "";
     const emit = (l: string) => {
       if (!l.trim()) return;
-      o.guard?.line(l);
       o.onLine(l.trimEnd());
     };
     const feed = (chunk: Buffer, keep: boolean) => {

@@ -198,7 +198,11 @@ export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers>
     const out = join(dir, "out");
     // A RUN that prints a secret must not put it in the build log: every secret value is masked in builder output.
     const hidden = secretValues(b);
-    const onLine = (line: string) => b.onMessage?.(mask(line, hidden));
+    const onLine = (line: string) => {
+      const shown = mask(line, hidden);
+      guard.line(shown);
+      b.onMessage?.(shown);
+    };
     if (b.buildkitHost) {
       await buildWithBuildctl(b, contextDir, dir, secretArgs, out, onLine, guard);
     } else {
@@ -215,7 +219,6 @@ export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers>
         fetchAllow: await registryAddresses(b.insecureRegistries ?? []),
         egress,
       });
-      guard.onExpire(() => void sandbox?.kill());
       await buildWithBuildah(b, contextDir, dir, dockerfile, secretArgs, authFile, out, onLine, sandbox, guard);
     }
     guard.check();
