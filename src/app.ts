@@ -9,6 +9,7 @@ import { openStore } from "./store/db.ts";
 import type { Store } from "./store/db.ts";
 import { createServices } from "./services/index.ts";
 import { createOciImportSource } from "./builder/sources/oci-import.ts";
+import { createOciCacheRetention } from "./builder/oci/cache-retention.ts";
 import { createBuildkitBackend } from "./builder/sources/dockerfile.ts";
 import { templateBaseSource } from "./builder/sources/template-base.ts";
 import type { SourceLayers } from "./builder/sources/source.ts";
@@ -49,9 +50,11 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   // resolved through the template service the pipeline itself is part of (bound once the services exist).
   let templateLayers: ((name: string) => Promise<SourceLayers | undefined>) | undefined;
   const buildExtensions = {
-    ociImport: createOciImportSource({ cacheDir: config.cacheDir, insecureRegistries: config.insecureRegistries }),
+    ociImport: createOciImportSource({ ociDir: join(config.dataDir, "oci"), insecureRegistries: config.insecureRegistries, limits: config.ociLimits }),
+    ociCache: createOciCacheRetention(join(config.dataDir, "oci")),
     buildkit: createBuildkitBackend({
       cacheDir: config.cacheDir,
+      ociLimits: config.ociLimits,
       dataDir: config.dataDir,
       insecureRegistries: config.insecureRegistries,
       buildkitHost: config.buildkitHost,

@@ -2,6 +2,8 @@
 // validated once at start so a bad value stops the server with a message that names the variable.
 
 import { resolve } from "node:path";
+import { DEFAULT_IMPORT_LIMITS } from "./builder/oci/limits.ts";
+import type { ImportLimits } from "./builder/oci/limits.ts";
 
 export interface Config {
   host: string;
@@ -25,6 +27,8 @@ export interface Config {
   warmPool: number;
   /** Registry hosts (host or host:port) image imports and Dockerfile builds reach over plain HTTP. */
   insecureRegistries: string[];
+  /** Bounds on what an imported image may make Kiln read, hold and write (KILN_OCI_MAX_*). */
+  ociLimits: ImportLimits;
   /** A BuildKit daemon for Dockerfile builds (BuildKit's own BUILDKIT_HOST); unset builds with Buildah. */
   buildkitHost: string | undefined;
   /** How long an artifact no tag points at is kept before its layers may be collected. */
@@ -83,6 +87,12 @@ export const CONFIG_VARS = [
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
   ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
   ["KILN_INSECURE_REGISTRIES", "(none)", "comma-separated registry hosts (host[:port]) reached over plain HTTP"],
+  ["KILN_OCI_MAX_MANIFEST_BYTES", "4194304", "largest image manifest or index an import reads"],
+  ["KILN_OCI_MAX_CONFIG_BYTES", "8388608", "largest image config an import reads"],
+  ["KILN_OCI_MAX_ENTRY_BYTES", "8589934592", "largest single file in an imported layer"],
+  ["KILN_OCI_MAX_IMAGE_BYTES", "34359738368", "most uncompressed layer bytes one import unpacks (and compressed bytes it declares)"],
+  ["KILN_OCI_MAX_LAYERS", "39", "most layers an imported image may have (at most 39: a machine stacks 40, Kiln adds one)"],
+  ["KILN_OCI_MAX_LAYER_ENTRIES", "1000000", "most entries (files, dirs, links, whiteouts) in one imported layer"],
   ["KILN_BUILD_RETENTION_S", "604800", "seconds an untagged template artifact is kept before the collector removes it"],
   ["KILN_BUILD_STEP_TIMEOUT_S", "3600", "a Dockerfile build step running longer than this is killed and the build fails"],
   ["KILN_BUILD_TIMEOUT_S", "14400", "a Dockerfile build running longer than this is killed and fails"],
@@ -137,6 +147,14 @@ export function loadConfig(env: Env = process.env): Config {
     debianMirror: env.KILN_DEBIAN_MIRROR || undefined,
     warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
     insecureRegistries: registryList(env, "KILN_INSECURE_REGISTRIES"),
+    ociLimits: {
+      manifestBytes: intVar(env, "KILN_OCI_MAX_MANIFEST_BYTES", DEFAULT_IMPORT_LIMITS.manifestBytes, 4096, 1 << 30),
+      configBytes: intVar(env, "KILN_OCI_MAX_CONFIG_BYTES", DEFAULT_IMPORT_LIMITS.configBytes, 4096, 1 << 30),
+      entryBytes: intVar(env, "KILN_OCI_MAX_ENTRY_BYTES", DEFAULT_IMPORT_LIMITS.entryBytes, 1, 2 ** 50),
+      imageBytes: intVar(env, "KILN_OCI_MAX_IMAGE_BYTES", DEFAULT_IMPORT_LIMITS.imageBytes, 1, 2 ** 50),
+      layers: intVar(env, "KILN_OCI_MAX_LAYERS", DEFAULT_IMPORT_LIMITS.layers, 1, DEFAULT_IMPORT_LIMITS.layers),
+      layerEntries: intVar(env, "KILN_OCI_MAX_LAYER_ENTRIES", DEFAULT_IMPORT_LIMITS.layerEntries, 1, 100_000_000),
+    },
     buildkitHost: env.BUILDKIT_HOST || undefined,
     buildRetentionS: intVar(env, "KILN_BUILD_RETENTION_S", 604_800, 0, 10 * 365 * 86_400),
     buildStepTimeoutS: intVar(env, "KILN_BUILD_STEP_TIMEOUT_S", 3600, 1, 7 * 86_400),

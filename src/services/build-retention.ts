@@ -5,8 +5,9 @@ import { readdir, rm, stat } from "node:fs/promises";
 import { dirname, join } from "node:path";
 import type { Db } from "../store/schema.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
+import type { OciCacheRetention } from "../builder/oci/cache-retention.ts";
 
-export function createBuildRetention(deps: { db: Db; layersDir: string; retentionS: number; buildsRunning: () => boolean }) {
+export function createBuildRetention(deps: { db: Db; layersDir: string; retentionS: number; buildsRunning: () => boolean; ociCache?: OciCacheRetention }) {
   const { db, layersDir } = deps;
 
   /**
@@ -14,7 +15,7 @@ export function createBuildRetention(deps: { db: Db; layersDir: string; retentio
    * artifact or running build needs. Layers only the cache knows about go once they have not been used for the
    * retention period, so rebuilds never grow disk use without bound.
    */
-  async function collect(now = new Date()): Promise<{ artifacts: number; layers: number }> {
+  async function collect(now = new Date()): Promise<{ artifacts: number; layers: number; ociLayers: number; ociBlobs: number }> {
     const iso = now.toISOString();
     const expired = await db.selectFrom("artifacts").select("id").where("retention_expires_at", "is not", null).where("retention_expires_at", "<=", iso).execute();
     let artifacts = 0;
@@ -46,7 +47,12 @@ export function createBuildRetention(deps: { db: Db; layersDir: string; retentio
       await rm(dir, { recursive: true, force: true });
       layers++;
     }
-    return { artifacts, layers };
+    // The image importer's cache: what no artifact names and nothing used since the oldest running build began.
+    const running = await db.selectFrom("builds").select((eb) => eb.fn.min("queued_at").as("since")).where("status", "in", ["waiting", "building"]).executeTakeFirst();
+    const oci = deps.ociCache
+      ? await deps.ociCache.collect({ keep, staleBefore: Date.parse(staleBefore), runningSince: running?.since ? Date.parse(String(running.since)) : undefined })
+      : { layers: 0, blobs: 0 };
+    return { artifacts, layers, ociLayers: oci.layers, ociBlobs: oci.blobs };
   }
 
   return { collect };

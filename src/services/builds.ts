@@ -35,6 +35,7 @@ import { verifyStartCommand } from "../builder/phases/startup.ts";
 import { BuildCancelled, BuildFailure } from "../builder/failure.ts";
 import { encodeCursor, pageAfter } from "../store/cursor.ts";
 import { createBuildRetention } from "./build-retention.ts";
+import type { OciCacheRetention } from "../builder/oci/cache-retention.ts";
 
 export const BUILD_DEFAULTS = { tags: ["default"], vcpus: 1, memoryMb: 1024, internet: true, maxAttempts: 3 } as const;
 
@@ -45,6 +46,8 @@ export interface BuildExtensions {
     ref: string,
     opts: { auth?: BuildRequestT["base_image_auth"]; signal: AbortSignal; dataDir: string; log: (entry: LogInput) => void; count: (counter: string) => void },
   ) => Promise<SourceLayers & { digest: string }>;
+  /** The importer's layer and blob cache, collected with the build output it serves. */
+  ociCache?: OciCacheRetention;
   /** `validate` runs before the stream: what the Dockerfile's request gets wrong is an HTTP error, not a build. */
   buildkit?: BuildBackend & { validate?(input: DockerfileInput, context: ContextFile[]): void };
 }
@@ -101,7 +104,7 @@ export function createBuildService(deps: {
   const layerCache = createLayerCache(db);
   const native = createNativeBackend({ driver: deps.driver, layerCache, layersDir, log });
   const running = new Map<string, { abort: AbortController; done: Promise<void> }>();
-  const retention = createBuildRetention({ db, layersDir, retentionS: deps.retentionS, buildsRunning: () => running.size > 0 });
+  const retention = createBuildRetention({ db, layersDir, retentionS: deps.retentionS, buildsRunning: () => running.size > 0, ociCache: deps.extensions?.ociCache });
   let collector: NodeJS.Timeout | undefined;
   /** Set by close(): builds stopped by a shutdown end `error` (the server stopped), not `cancelled`. */
   let shuttingDown = false;

@@ -6,7 +6,8 @@ import assert from "node:assert/strict";
 import { parseReference } from "../../src/builder/oci/reference.ts";
 import { credentialFor, parseChallenge } from "../../src/builder/oci/auth.ts";
 import { selectPlatform } from "../../src/builder/oci/platform.ts";
-import { entryPath } from "../../src/builder/oci/unpack.ts";
+import { entryPath, namespacedCapability, xattrsToKeep } from "../../src/builder/oci/unpack.ts";
+import { checkDigest } from "../../src/builder/oci/types.ts";
 import { resolveUser } from "../../src/builder/oci/image-config.ts";
 import { accountFiles } from "../../src/builder/oci/stack.ts";
 import { importLogEvents } from "../../src/builder/oci/events.ts";
@@ -92,4 +93,37 @@ test("import progress becomes message entries and layer cache entries with count
   assert.deepEqual(counters, ["layer_misses", "layer_stores", "layer_hits"]);
   assert.deepEqual(entries.map((e) => [e.kind, e.cache_outcome]), [["message", undefined], ["cache", "miss"], ["cache", "stored"], ["cache", "hit"]]);
   assert.equal(entries[1].cache_reason, "missing_or_incompatible");
+});
+
+test("xattrs from a layer: user.* kept, security.capability rewritten as v3 rooted at machine root, the rest dropped", () => {
+  const v2 = Buffer.alloc(20);
+  v2.writeUInt32LE(0x02000001, 0);
+  v2.writeUInt32LE(1 << 13, 4);
+  const v3 = namespacedCapability(v2)!;
+  assert.equal(v3.length, 24);
+  assert.equal(v3.readUInt32LE(0), 0x03000001, "v3, effective flag kept");
+  assert.equal(v3.readUInt32LE(4), 1 << 13, "the same capabilities");
+  assert.equal(v3.readUInt32LE(20), 100000, "rooted at host uid 100000");
+  const rooted = Buffer.concat([Buffer.from(v3.subarray(0, 20)), Buffer.alloc(4)]);
+  rooted.writeUInt32LE(0x03000000, 0);
+  assert.equal(namespacedCapability(rooted)?.readUInt32LE(20), 100000, "a v3 rooted at the image's root is re-rooted");
+  rooted.writeUInt32LE(1000, 20);
+  assert.equal(namespacedCapability(rooted), undefined, "a v3 rooted elsewhere is dropped");
+  assert.equal(namespacedCapability(Buffer.alloc(12)), undefined, "v1 and malformed values are dropped");
+  const kept = xattrsToKeep({
+    "SCHILY.xattr.user.a": "1",
+    "SCHILY.xattr.user.bad name": "x",
+    "SCHILY.xattr.trusted.overlay.opaque": "y",
+    "SCHILY.xattr.security.selinux": "system_u:object_r:shadow_t:s0",
+    "SCHILY.xattr.system.posix_acl_access": "x",
+    "SCHILY.xattr.security.capability": v2.toString("latin1"),
+  });
+  assert.deepEqual(kept.map((x) => x.name), ["user.a", "security.capability"]);
+});
+
+test("digests are sha256 and 64 lowercase hex digits before any use", () => {
+  assert.equal(checkDigest(`sha256:${"a".repeat(64)}`, "x"), `sha256:${"a".repeat(64)}`);
+  for (const bad of ["sha256:../../../../srv/x/travcfg", `sha512:${"a".repeat(128)}`, `sha256:${"A".repeat(64)}`, `sha256:${"a".repeat(63)}/`, 42, undefined]) {
+    assert.throws(() => checkDigest(bad, "the config"), /the config has a digest Kiln cannot check/);
+  }
 });

@@ -37,7 +37,7 @@ after(async () => {
 });
 
 test("oci_import: layers and config with the manifest digest; layer cache entries and counters go to the build log", opt, async () => {
-  const ociImport = createOciImportSource({ cacheDir: join(dir, "cache"), insecureRegistries: [reg.host] });
+  const ociImport = createOciImportSource({ ociDir: join(dir, "cache", "oci"), insecureRegistries: [reg.host] });
   const run = async () => {
     const entries: ImportLogEntry[] = [];
     const counters: string[] = [];

@@ -20,6 +20,7 @@ import { KilnError } from "../../errors.ts";
 import type { BaseImageAuth } from "../oci/auth.ts";
 import { credentialFor } from "../oci/auth.ts";
 import { importOciLayout } from "../oci/import.ts";
+import type { ImportLimits } from "../oci/limits.ts";
 import { parseReference, sameRegistry } from "../oci/reference.ts";
 import { importError } from "../oci/types.ts";
 import type { ImportEvents, SourceLayers } from "../oci/types.ts";
@@ -49,8 +50,10 @@ export interface DockerfileBuild extends ImportEvents {
   baseImageAuth?: BaseImageAuth;
   /** FROM names that are Kiln templates resolve here to their layers; anything else is pulled by the builder. */
   resolveTemplate?: (name: string) => Promise<SourceLayers | undefined>;
-  /** The importer's cache (`<KILN_CACHE_DIR>/oci`). */
+  /** The importer's cache (`$KILN_DATA_DIR/oci`). */
   cacheDir: string;
+  /** KILN_OCI_MAX_* for importing the built image; the defaults when not given. */
+  ociLimits?: ImportLimits;
   /** Parent of the per-build scratch directory (builder storage, secrets, output); on the data disk. */
   scratchParent: string;
   insecureRegistries?: string[];
@@ -222,7 +225,7 @@ export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers>
       await buildWithBuildah(b, contextDir, dir, dockerfile, secretArgs, authFile, out, onLine, sandbox, guard);
     }
     guard.check();
-    return await importOciLayout(out, { cacheDir: b.cacheDir, onMessage: b.onMessage, onLayer: b.onLayer });
+    return await importOciLayout(out, { cacheDir: b.cacheDir, limits: b.ociLimits, onMessage: b.onMessage, onLayer: b.onLayer });
   } catch (err) {
     // A build killed by its timeout fails for that reason, whatever the killed builder said on its way out.
     guard.check();

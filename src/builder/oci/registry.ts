@@ -2,16 +2,17 @@
 // with their sha256 checked on the way and resumed with Range after a cut, and registry auth answered per repo.
 
 import { createHash } from "node:crypto";
-import { createReadStream, createWriteStream } from "node:fs";
-import { mkdir, rename, rm, stat, truncate } from "node:fs/promises";
+import { createReadStream } from "node:fs";
+import { mkdir, open, rename, rm, stat, truncate } from "node:fs/promises";
 import { dirname } from "node:path";
-import { once } from "node:events";
 import { Agent, request } from "undici";
 import type { Dispatcher } from "undici";
 import { basicHeader, credentialFor, parseChallenge } from "./auth.ts";
 import type { BaseImageAuth, RegistryCredential } from "./auth.ts";
 import { sameRegistry } from "./reference.ts";
-import { MANIFEST_ACCEPT, importError } from "./types.ts";
+import { DEFAULT_IMPORT_LIMITS, overLimit } from "./limits.ts";
+import type { ImportLimits } from "./limits.ts";
+import { MANIFEST_ACCEPT, checkDigest, importError } from "./types.ts";
 
 export interface RegistryClientOptions {
   auth?: BaseImageAuth;
@@ -21,6 +22,7 @@ export interface RegistryClientOptions {
   timeoutMs?: number;
   /** Cancels every request in flight (a cancelled build). */
   signal?: AbortSignal;
+  limits?: ImportLimits;
 }
 
 export interface Manifest {
@@ -30,8 +32,9 @@ export interface Manifest {
   json: Record<string, unknown>;
 }
 
-const MAX_MANIFEST_BYTES = 4 * 1024 * 1024;
 const BLOB_ATTEMPTS = 5;
+/** A token service's answer: a JSON object with a token in it. */
+const MAX_TOKEN_BYTES = 1 << 20;
 
 /** One client per import: it keeps the bearer tokens it was given for each repository. */
 export function createRegistryClient(registry: string, opts: RegistryClientOptions = {}) {
@@ -41,6 +44,7 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
   const timeout = opts.timeoutMs ?? 60_000;
   const dispatcher = new Agent({ headersTimeout: timeout, bodyTimeout: timeout, connectTimeout: Math.min(timeout, 15_000) });
   const tokens = new Map<string, string>();
+  const limits = opts.limits ?? DEFAULT_IMPORT_LIMITS;
 
   function authorization(repository: string): string | undefined {
     const token = tokens.get(repository);
@@ -73,8 +77,8 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
     realm.searchParams.set("scope", `repository:${repository}:pull`);
     const headers: Record<string, string> = {};
     if (credential?.kind === "basic") headers.authorization = basicHeader(credential.username, credential.password);
-    const res = await request(realm, { headers, dispatcher, signal: opts.signal });
-    const text = await res.body.text();
+    const res = await send(realm, headers);
+    const text = (await readCapped(res, MAX_TOKEN_BYTES, () => importError(`registry ${registry}'s token service answered more than ${MAX_TOKEN_BYTES} bytes`))).toString();
     if (res.statusCode === 401 || res.statusCode === 403) throw importError(`registry ${registry} refused the credentials for ${repository} (${res.statusCode})`);
     if (res.statusCode !== 200) throw importError(`registry ${registry}'s token service answered ${res.statusCode}`);
     let body: { token?: string; access_token?: string };
@@ -119,7 +123,11 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
 
   async function send(url: URL, headers: Record<string, string>): Promise<Dispatcher.ResponseData> {
     try {
-      return await request(url, { headers, dispatcher, signal: opts.signal });
+      const res = await request(url, { headers, dispatcher, signal: opts.signal });
+      // A body that errors (a reset connection, a cancel) while nobody reads it must not be an unhandled 'error'
+      // event, which would end the process; whoever reads it still sees the error.
+      res.body.on("error", () => {});
+      return res;
     } catch (err) {
       if (opts.signal?.aborted) throw err;
       throw importError(`registry ${registry} could not be reached: ${(err as Error).message}`);
@@ -127,6 +135,7 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
   }
 
   async function getManifest(repository: string, reference: string): Promise<Manifest> {
+    if (reference.includes(":")) checkDigest(reference, `a manifest of ${repository}`);
     const res = await get(repository, `manifests/${reference}`, { accept: MANIFEST_ACCEPT });
     if (res.statusCode === 404) {
       await res.body.dump();
@@ -136,8 +145,7 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
       await res.body.dump();
       throw importError(`registry ${registry} answered ${res.statusCode} for the manifest of ${repository}:${reference}`);
     }
-    const body = Buffer.from(await res.body.arrayBuffer());
-    if (body.length > MAX_MANIFEST_BYTES) throw importError(`the manifest of ${repository}:${reference} is larger than 4 MiB`);
+    const body = await readCapped(res, limits.manifestBytes, () => overLimit(`the manifest of ${repository}:${reference}`, limits, "manifestBytes"));
     const digest = `sha256:${createHash("sha256").update(body).digest("hex")}`;
     if (reference.startsWith("sha256:") && digest !== reference) throw importError(`the manifest of ${repository}@${reference} does not match its digest (got ${digest})`);
     let json: Record<string, unknown>;
@@ -151,59 +159,74 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
   }
 
   /**
-   * Streams a blob into `dest`, checking its sha256 as it arrives. A cut connection is resumed with Range from
+   * Streams a blob into `dest`, checking its sha256 as it arrives and never past `size`, the size its descriptor
+   * declares (a registry that sends more is refused at that byte). A cut connection is resumed with Range from
    * the bytes already on disk (a `.partial` file kept beside `dest`); a mismatch deletes the partial and fails.
    */
-  async function downloadBlob(repository: string, digest: string, dest: string, onBytes?: (n: number) => void): Promise<number> {
+  async function downloadBlob(repository: string, digest: string, size: number, dest: string, onBytes?: (n: number) => void): Promise<number> {
+    checkDigest(digest, `a blob of ${repository}`);
     const partial = `${dest}.partial`;
     await mkdir(dirname(dest), { recursive: true });
     let hash = createHash("sha256");
     let offset = 0;
     const have = await stat(partial).catch(() => undefined);
-    if (have) {
+    if (have && have.size > size) await truncate(partial, 0);
+    else if (have) {
       for await (const chunk of createReadStream(partial)) hash.update(chunk as Buffer);
       offset = have.size;
     }
     let lastError: unknown;
     for (let attempt = 0; attempt < BLOB_ATTEMPTS; attempt++) {
+      // A file handle, not a write stream: a full disk is a rejection here, never an unhandled 'error' event. It is
+      // open before the request, so the body is read the moment it arrives: a connection cut early still leaves
+      // what came on disk, for the next attempt to resume from.
+      const out = await open(partial, "a", 0o600);
       try {
         const res = await get(repository, `blobs/${digest}`, offset > 0 ? { range: `bytes=${offset}-` } : {});
         if (res.statusCode === 416 && offset > 0) {
           await res.body.dump(); // everything is here already
         } else if (res.statusCode === 200 || res.statusCode === 206) {
-          if (res.statusCode === 200 && offset > 0) {
-            // The server ignored Range: start over.
-            await truncate(partial, 0);
+          const restart = res.statusCode === 200 && offset > 0; // the server ignored Range: start over
+          if (restart) {
             hash = createHash("sha256");
             offset = 0;
           }
-          const out = createWriteStream(partial, { flags: "a" });
-          try {
-            for await (const chunk of res.body) {
-              hash.update(chunk);
-              offset += chunk.length;
-              onBytes?.(chunk.length);
-              if (!out.write(chunk)) await once(out, "drain");
+          let first = restart;
+          for await (const chunk of res.body) {
+            if (first) {
+              await out.truncate(0);
+              first = false;
             }
-          } finally {
-            out.end();
-            await once(out, "close");
+            if (offset + chunk.length > size) {
+              res.body.destroy();
+              await out.truncate(0);
+              throw importError(`blob ${digest} of ${registry}/${repository} is larger than the ${size} bytes its descriptor declares`);
+            }
+            hash.update(chunk);
+            offset += chunk.length;
+            onBytes?.(chunk.length);
+            await out.write(chunk);
           }
         } else {
           await res.body.dump();
           if (res.statusCode === 404) throw importError(`blob ${digest} of ${registry}/${repository} was not found`);
           throw importError(`registry ${registry} answered ${res.statusCode} for blob ${digest}`);
         }
+      } catch (err) {
+        await out.close();
+        if ((err as { detail?: unknown }).detail || opts.signal?.aborted) throw err; // a verdict or a cancel, not a cut connection
+        lastError = err;
+        continue;
+      }
+      await out.close();
+      try {
         const got = `sha256:${hash.copy().digest("hex")}`;
-        if (got !== digest) {
-          await rm(partial, { force: true });
-          throw importError(`blob ${digest} of ${registry}/${repository} does not match its digest (got ${got})`);
-        }
+        if (got !== digest) throw importError(`blob ${digest} of ${registry}/${repository} does not match its digest (got ${got})`);
         await rename(partial, dest);
         return offset;
       } catch (err) {
-        if ((err as { detail?: unknown }).detail || opts.signal?.aborted) throw err; // a verdict or a cancel, not a cut connection
-        lastError = err;
+        await rm(partial, { force: true });
+        throw err;
       }
     }
     throw importError(`blob ${digest} of ${registry}/${repository} could not be downloaded after ${BLOB_ATTEMPTS} attempts: ${(lastError as Error)?.message}`);
@@ -213,6 +236,26 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
 }
 
 export type RegistryClient = ReturnType<typeof createRegistryClient>;
+
+/** The whole body, refused (and the connection dropped) as soon as it passes `max` bytes. */
+async function readCapped(res: Dispatcher.ResponseData, max: number, tooLarge: () => Error): Promise<Buffer> {
+  const declared = Number(header(res.headers["content-length"]));
+  if (declared > max) {
+    res.body.destroy();
+    throw tooLarge();
+  }
+  const chunks: Buffer[] = [];
+  let n = 0;
+  for await (const chunk of res.body) {
+    n += chunk.length;
+    if (n > max) {
+      res.body.destroy();
+      throw tooLarge();
+    }
+    chunks.push(chunk);
+  }
+  return Buffer.concat(chunks);
+}
 
 function header(v: string | string[] | undefined): string | undefined {
   return Array.isArray(v) ? v[0] : v;

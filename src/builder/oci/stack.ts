@@ -3,45 +3,48 @@
 
 import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
-import { chmod, lchown, lstat, mkdir, readFile, rename, rm, writeFile } from "node:fs/promises";
-import { execFileSync } from "node:child_process";
+import { chmod, lchown, mkdir, rename, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { HOST_ID_BASE } from "../../runtime/oci/idmap.ts";
 import { parseAccounts } from "./image-config.ts";
+import { ConfinedRoot } from "./confined-root.ts";
+import { importError } from "./types.ts";
 
-/** A whiteout is a character device 0:0. */
-async function isWhiteout(path: string): Promise<boolean> {
-  const st = await lstat(path).catch(() => undefined);
-  return !!st && st.isCharacterDevice() && st.rdev === 0;
-}
-
-function isOpaque(dir: string): boolean {
-  try {
-    return execFileSync("getfattr", ["--only-values", "-n", "trusted.overlay.opaque", dir], { stdio: ["ignore", "pipe", "ignore"] }).toString() === "y";
-  } catch {
-    return false;
-  }
-}
+/** /etc/passwd and /etc/group are read whole: an image's own are far smaller than this. */
+const MAX_ACCOUNT_FILE = 4 << 20;
 
 /**
  * The content of `path` (absolute, in the image) as the stacked `layers` (lowest first) show it, or undefined when
- * no layer has it or a higher layer deleted it. Only regular files are read; symlinks are not followed.
+ * no layer has it or a higher layer deleted it. Each layer is read through a ConfinedRoot: only regular files are
+ * read, and no symlink is followed, on the way or at the end (a symlink or file on the way hides what is below it,
+ * as in overlayfs).
  */
 export async function readFromStack(layers: string[], path: string): Promise<Buffer | undefined> {
   const parts = path.split("/").filter(Boolean);
   for (let i = layers.length - 1; i >= 0; i--) {
-    const layer = layers[i];
-    // A whiteout or an opaque directory on the way down hides everything below this layer.
-    let hidden = false;
-    for (let k = 1; k <= parts.length; k++) {
-      const p = join(layer, ...parts.slice(0, k));
-      if (await isWhiteout(p)) return undefined;
-      if (k < parts.length && existsSync(p) && isOpaque(p)) hidden = true;
+    const root = await ConfinedRoot.open(layers[i]);
+    try {
+      // A whiteout or an opaque directory on the way down hides everything below this layer.
+      let hidden = false;
+      for (let k = 1; k <= parts.length; k++) {
+        const rel = parts.slice(0, k).join("/");
+        const kind = await root.kind(rel);
+        if (kind === "whiteout") return undefined;
+        if (kind === undefined) break;
+        if (k === parts.length) {
+          if (kind !== "file") return undefined;
+          const body = await root.readFile(rel, MAX_ACCOUNT_FILE).catch((err: Error) => {
+            throw err instanceof RangeError ? importError(`the image's ${path} is larger than ${MAX_ACCOUNT_FILE} bytes`) : err;
+          });
+          return body;
+        }
+        if (kind !== "dir") return undefined;
+        if ((await root.getXattr(rel, "trusted.overlay.opaque"))?.toString() === "y") hidden = true;
+      }
+      if (hidden) return undefined;
+    } finally {
+      await root.close();
     }
-    const st = await lstat(join(layer, ...parts)).catch(() => undefined);
-    if (st?.isFile()) return readFile(join(layer, ...parts));
-    if (st) return undefined;
-    if (hidden) return undefined;
   }
   return undefined;
 }

@@ -42,3 +42,14 @@ export interface ImportEvents {
 export function importError(message: string, details?: Record<string, unknown>): KilnError {
   return new KilnError("build_rejected", message, { detail: { code: "build_error", phase: "preparing", message, ...(details ? { details } : {}) } });
 }
+
+/**
+ * A digest Kiln can check and may use in a path or URL: `sha256:` and 64 lowercase hex digits, nothing else. Every
+ * digest a manifest, index, config or OCI layout names passes here before anything is fetched, read or written.
+ */
+export function checkDigest(digest: unknown, what: string): string {
+  if (typeof digest !== "string" || !/^sha256:[a-f0-9]{64}$/.test(digest)) {
+    throw importError(`${what} has a digest Kiln cannot check (${JSON.stringify(String(digest).slice(0, 100))}); only sha256 digests are supported`);
+  }
+  return digest;
+}

@@ -1,11 +1,10 @@
 // One image layer (a tar, raw or gzip or zstd) written out as a directory overlayfs can stack: ownership shifted
-// into the machines' uid range, OCI whiteouts in overlayfs's own form, nothing outside the directory ever touched.
+// into the machines' uid range, OCI whiteouts in overlayfs's own form. Every filesystem operation goes through a
+// ConfinedRoot on the layer dir, so nothing a layer's names or symlinks say can reach outside it.
 
-import { spawn } from "node:child_process";
 import { createHash } from "node:crypto";
-import { constants, createReadStream } from "node:fs";
-import { chmod, lchown, link, lstat, lutimes, mkdir, open, rm, symlink, utimes, writeFile } from "node:fs/promises";
-import { join } from "node:path";
+import { createReadStream } from "node:fs";
+import { chmod, lchown, mkdir } from "node:fs/promises";
 import { Transform } from "node:stream";
 import type { Readable } from "node:stream";
 import { pipeline } from "node:stream/promises";
@@ -13,6 +12,9 @@ import { createGunzip, createZstdDecompress } from "node:zlib";
 import { extract } from "tar-stream";
 import type { Header as Headers } from "tar-stream";
 import { HOST_ID_BASE, ID_RANGE } from "../../runtime/oci/idmap.ts";
+import { BlockedPath, ConfinedRoot } from "./confined-root.ts";
+import { ByteBudget, DEFAULT_IMPORT_LIMITS, overLimit } from "./limits.ts";
+import type { ImportLimits } from "./limits.ts";
 import { importError } from "./types.ts";
 import type { LayerCompression } from "./types.ts";
 
@@ -21,6 +23,9 @@ const MACHINE_PROVIDED = new Set(["dev", "proc", "sys"]);
 const WHITEOUT = ".wh.";
 const OPAQUE = ".wh..wh..opq";
 const NOBODY = 65_534;
+/** Linux's PATH_MAX and NAME_MAX: a longer entry could never be used in a machine. */
+const PATH_MAX = 4096;
+const NAME_MAX = 255;
 /** zlib's default 16 KiB output chunks cost a thread-pool round trip each; 256 KiB inflates ~1.5× faster here. */
 const INFLATE_CHUNK = 256 << 10;
 
@@ -30,64 +35,224 @@ export interface UnpackResult {
   files: number;
 }
 
+export interface UnpackOptions {
+  /** The diff id the image config records; a layer whose tar hashes otherwise is refused. */
+  expectDiffId?: string;
+  limits?: ImportLimits;
+  /** The import's running count of uncompressed bytes (shared by its layers). */
+  budget?: ByteBudget;
+  signal?: AbortSignal;
+}
+
 /**
  * Unpacks `source` into the empty directory `dest`. Refuses (build_error naming the path) special files, entries
- * that would leave `dest`, hard links to anything not already in this layer, and a diff id other than `expectDiffId`.
+ * that would leave `dest` or lie under a symlink or file of this layer, hard links to anything not already in this
+ * layer, anything over its limit, and a diff id other than `expectDiffId`. Every failure, a stream's included, is
+ * a build_error; `dest` is then the caller's to remove.
  */
-export async function unpackLayer(source: string | Readable, compression: LayerCompression, dest: string, expectDiffId?: string): Promise<UnpackResult> {
+export async function unpackLayer(source: string | Readable, compression: LayerCompression, dest: string, opts: UnpackOptions = {}): Promise<UnpackResult> {
+  const limits = opts.limits ?? DEFAULT_IMPORT_LIMITS;
+  const budget = opts.budget ?? new ByteBudget(limits);
   await mkdir(dest, { recursive: true });
   await lchown(dest, HOST_ID_BASE, HOST_ID_BASE);
   await chmod(dest, 0o755);
+  const root = await ConfinedRoot.open(dest, { uid: HOST_ID_BASE, gid: HOST_ID_BASE, mode: 0o755 });
   const input = typeof source === "string" ? createReadStream(source, { highWaterMark: 1 << 20 }) : source;
   const hash = createHash("sha256");
   const tap = new Transform({
-    transform(chunk, _enc, cb) {
+    transform(chunk: Buffer, _enc, cb) {
+      try {
+        budget.take(chunk.length);
+      } catch (err) {
+        return cb(err as Error);
+      }
       hash.update(chunk);
       cb(null, chunk);
     },
   });
   const ex = extract();
-  const piping =
-    compression === "gzip"
-      ? pipeline(input, createGunzip({ chunkSize: INFLATE_CHUNK }), tap, ex)
-      : compression === "zstd"
-        ? pipeline(input, createZstdDecompress({ chunkSize: INFLATE_CHUNK }), tap, ex)
-        : pipeline(input, tap, ex);
-  const state: LayerState = { dest, dirs: new Set([""]), written: new Set(), dirTimes: [], xattrs: [], whiteouts: [], files: 0 };
+  // The iterator listens from here on: a tar that fails (or a cancel) before the first entry ends it too. Made
+  // after an await, it could miss the extractor's 'close' and wait forever.
+  const entries = ex[Symbol.asyncIterator]();
+  const streams = compression === "gzip" ? [createGunzip({ chunkSize: INFLATE_CHUNK })] : compression === "zstd" ? [createZstdDecompress({ chunkSize: INFLATE_CHUNK })] : [];
+  const piping = pipeline([input, ...streams, tap, ex], { signal: opts.signal });
+  // The stream may fail while an entry is being written (a truncated tar, a corrupt gzip): that rejection is
+  // handled below, and must never be left unhandled, which would end the whole process.
+  piping.catch(() => {});
+  const layer = new LayerWriter(root, limits);
   try {
-    for await (const entry of ex) {
+    for await (const entry of { [Symbol.asyncIterator]: () => entries }) {
       try {
-        await writeEntry(state, entry.header, entry as unknown as Readable);
+        await root.trim();
+        await layer.write(entry.header, entry as unknown as Readable);
       } finally {
         entry.resume();
       }
     }
     await piping;
+    const diffId = `sha256:${hash.digest("hex")}`;
+    if (opts.expectDiffId && diffId !== opts.expectDiffId) throw importError(`a layer's content (${diffId}) does not match the diff id ${opts.expectDiffId} the image config records`);
+    await layer.finish();
+    return { diffId, files: layer.files };
   } catch (err) {
     ex.destroy();
-    await piping.catch(() => {});
-    if ((err as { detail?: unknown }).detail) throw err;
-    throw importError(`a layer could not be unpacked: ${(err as Error).message}`);
+    const cause = await piping.then(() => undefined, (e: unknown) => e);
+    throw asImportError(opts.signal?.aborted ? importError("the import was cancelled") : (err as Error), cause);
+  } finally {
+    await root.close();
   }
-  const diffId = `sha256:${hash.digest("hex")}`;
-  if (expectDiffId && diffId !== expectDiffId) throw importError(`a layer's content (${diffId}) does not match the diff id ${expectDiffId} the image config records`);
-  await applyWhiteouts(dest, state.whiteouts);
-  await applyXattrs(dest, state.xattrs);
-  // Directory times last, deepest first: writing inside a directory moves its mtime.
-  for (const [rel, mtime] of state.dirTimes.reverse()) await utimes(join(dest, rel), mtime, mtime);
-  return { diffId, files: state.files };
 }
 
-interface LayerState {
-  dest: string;
-  /** Directories (relative paths) known to be real directories of this layer, never symlinks. */
-  dirs: Set<string>;
-  /** Every non-directory path written so far: the layer dir starts empty, so only these can need replacing. */
-  written: Set<string>;
-  dirTimes: [string, Date][];
-  xattrs: { rel: string; name: string; value: Buffer }[];
-  whiteouts: string[];
-  files: number;
+/**
+ * What one layer's entries do to its directory, in tar order; what must wait for the whole layer (whiteouts,
+ * opaque markers, extended attributes, directory times) is recorded by path and applied by `finish`, through the
+ * same confined root, to what is then at that path.
+ */
+class LayerWriter {
+  files = 0;
+  private entries = 0;
+  private readonly whiteouts = new Set<string>();
+  private readonly opaque = new Set<string>();
+  private readonly xattrs = new Map<string, { ino?: number; attrs: { name: string; value: Buffer }[] }>();
+  private readonly dirTimes = new Map<string, Date>();
+  private readonly root: ConfinedRoot;
+  private readonly limits: ImportLimits;
+
+  constructor(root: ConfinedRoot, limits: ImportLimits) {
+    this.root = root;
+    this.limits = limits;
+  }
+
+  async write(h: Headers, body: Readable): Promise<void> {
+    if (++this.entries > this.limits.layerEntries) throw overLimit("a layer's entry count", this.limits, "layerEntries");
+    if (h.name.length > PATH_MAX) throw importError(`a layer entry's name is longer than ${PATH_MAX} bytes`);
+    const rel = entryPath(h.name);
+    if (!rel) return; // the root itself: the layer directory keeps Kiln's root ownership and mode
+    const top = rel.split("/")[0];
+    if (MACHINE_PROVIDED.has(top) && rel !== top) return;
+    const slash = rel.lastIndexOf("/");
+    const parent = slash >= 0 ? rel.slice(0, slash) : "";
+    const base = rel.slice(slash + 1);
+    if (Buffer.byteLength(base) > NAME_MAX) throw importError(`layer entry ${JSON.stringify(h.name.slice(0, 200))} has a name longer than ${NAME_MAX} bytes`);
+    const attrs = { uid: shift(h.uid), gid: shift(h.gid), mode: (h.mode ?? 0o644) & 0o7777, mtime: h.mtime ?? new Date(0) };
+
+    try {
+      await this.root.ensureDir(parent);
+      if (base === OPAQUE) {
+        this.opaque.add(parent);
+        return;
+      }
+      if (base.startsWith(WHITEOUT)) {
+        const name = base.slice(WHITEOUT.length);
+        if (!name || name === "." || name === "..") throw importError(`layer entry ${JSON.stringify(h.name)} is a whiteout without a name`);
+        this.whiteouts.add(parent ? `${parent}/${name}` : name);
+        return;
+      }
+      switch (h.type) {
+        case "directory":
+          await this.root.mkdir(rel, attrs);
+          this.dirTimes.set(rel, attrs.mtime);
+          break;
+        case "file":
+        case "contiguous-file": {
+          if ((h.size ?? 0) > this.limits.entryBytes) throw overLimit(`layer entry /${rel}`, this.limits, "entryBytes");
+          const ino = await this.root.writeFile(rel, body as AsyncIterable<Buffer>, attrs, xattrsToKeep(h.pax as Record<string, string> | undefined).length > 0);
+          this.keepXattrs(rel, h, ino);
+          this.files++;
+          return;
+        }
+        case "symlink":
+          await this.root.symlink(rel, h.linkname ?? "", attrs);
+          return;
+        case "link": {
+          const target = entryPath(h.linkname ?? "");
+          if (!target || !(await this.root.link(rel, target))) {
+            throw importError(`layer entry ${JSON.stringify(h.name)} is a hard link to ${JSON.stringify(h.linkname)}, which is not a file in the same layer`);
+          }
+          return;
+        }
+        case "character-device":
+        case "block-device":
+        case "fifo":
+          throw importError(`layer entry /${rel} is a ${h.type.replace("-", " ")}: OCI special files are not supported in imported images`);
+        default:
+          throw importError(`layer entry /${rel} has an unsupported type (${h.type})`);
+      }
+      this.keepXattrs(rel, h);
+    } catch (err) {
+      if (err instanceof BlockedPath) throw importError(`layer entry /${rel} lies under /${err.at}, which this layer made a ${err.kind}`);
+      // A file system's refusal names the entry; a stream's failure (truncated, corrupt) is phrased by unpackLayer.
+      if ((err as NodeJS.ErrnoException).syscall) throw importError(`layer entry /${rel} could not be written (${(err as NodeJS.ErrnoException).code})`);
+      throw err;
+    }
+  }
+
+  /** Whiteouts, opaque markers, extended attributes, then directory times (deepest first). */
+  async finish(): Promise<void> {
+    const mknod: string[] = [];
+    for (const rel of this.whiteouts) {
+      await this.root.trim(); // walks cache directory handles: keep them few, however many paths there are
+      const kind = await this.root.kind(rel).catch(() => "blocked" as const);
+      // Whiteouts hide what lower layers have. A path this layer itself fills already hides them, so it stays;
+      // a directory made here as well becomes opaque (the lower one is gone, this one is new).
+      if (kind === undefined) mknod.push(rel);
+      else if (kind === "dir") this.opaque.add(rel);
+    }
+    await this.root.mknodWhiteouts(mknod);
+    const xattrs = [...this.xattrs].map(([rel, x]) => ({ rel, ...x }));
+    for (const rel of this.opaque) {
+      await this.root.trim();
+      if ((await this.root.kind(rel).catch(() => undefined)) === "dir") xattrs.push({ rel, attrs: [{ name: "trusted.overlay.opaque", value: Buffer.from("y") }] });
+    }
+    await this.root.setXattrs(xattrs);
+    const dirs = [...this.dirTimes].sort(([a], [b]) => depth(b) - depth(a));
+    for (const [rel, mtime] of dirs) {
+      await this.root.trim();
+      await this.root.setDirTime(rel, mtime);
+    }
+  }
+
+  /** The extended attributes of an entry's PAX records Kiln keeps (see xattrsToKeep), set after the whole layer. */
+  private keepXattrs(rel: string, h: Headers, ino?: number): void {
+    this.xattrs.delete(rel);
+    const attrs = xattrsToKeep(h.pax as Record<string, string> | undefined);
+    if (attrs.length) this.xattrs.set(rel, { ino, attrs });
+  }
+}
+
+/**
+ * `user.*` attributes are kept as they are. `security.capability` is kept rewritten as a v3 (namespaced) capability
+ * whose root is the machines' root (host uid 100000): it works inside a machine and is inert on the host, where a v2
+ * capability on a layer file would grant its capabilities to any host user able to run that file. Everything else is
+ * dropped: `trusted.*` is overlayfs's own namespace (a layer could forge an opaque dir or a redirect), other
+ * `security.*` attributes are host labels (SELinux, IMA/EVM) and `system.*` carries ACLs naming unshifted ids.
+ * tar-stream decodes PAX values as UTF-8, so a value that does not survive that (U+FFFD) is skipped.
+ */
+export function xattrsToKeep(pax: Record<string, string> | undefined): { name: string; value: Buffer }[] {
+  const out: { name: string; value: Buffer }[] = [];
+  for (const [key, value] of Object.entries(pax ?? {})) {
+    if (!key.startsWith("SCHILY.xattr.") || typeof value !== "string" || value.includes("\uFFFD")) continue;
+    const name = key.slice("SCHILY.xattr.".length);
+    if (/^user\.[A-Za-z0-9._@:+-]{1,200}$/.test(name)) out.push({ name, value: Buffer.from(value, "utf8") });
+    else if (name === "security.capability") {
+      const cap = namespacedCapability(Buffer.from(value, "utf8"));
+      if (cap) out.push({ name, value: cap });
+    }
+  }
+  return out;
+}
+
+/** A v2 (or v3 with root 0) file capability as v3 rooted at the machines' root; anything else undefined. */
+export function namespacedCapability(v: Buffer): Buffer | undefined {
+  const magic = v.length >= 4 ? v.readUInt32LE(0) : 0;
+  const revision = magic & 0xff000000;
+  const ok = (revision === 0x02000000 && v.length === 20) || (revision === 0x03000000 && v.length === 24 && v.readUInt32LE(20) === 0);
+  if (!ok || (magic & 0x00fffffe) !== 0) return undefined;
+  const out = Buffer.alloc(24);
+  out.writeUInt32LE(0x03000000 | (magic & 1), 0);
+  v.copy(out, 4, 4, 20);
+  out.writeUInt32LE(HOST_ID_BASE, 20);
+  return out;
 }
 
 /** `a/./b/` → `a/b`; anything that climbs above the root is refused. */
@@ -96,8 +261,10 @@ export function entryPath(name: string): string {
   for (const p of name.split("/")) {
     if (!p || p === ".") continue;
     if (p === "..") {
-      if (!parts.length) throw importError(`layer entry ${JSON.stringify(name)} escapes the image root`);
+      if (!parts.length) throw importError(`layer entry ${JSON.stringify(name.slice(0, 200))} escapes the image root`);
       parts.pop();
+    } else if (p.includes("\0")) {
+      throw importError(`layer entry ${JSON.stringify(name.slice(0, 200))} has a NUL byte in its name`);
     } else parts.push(p);
   }
   return parts.join("/");
@@ -108,159 +275,17 @@ function shift(id: number | undefined): number {
   return HOST_ID_BASE + (n >= 0 && n < ID_RANGE ? n : NOBODY);
 }
 
-async function writeEntry(state: LayerState, h: Headers, body: Readable): Promise<void> {
-  const rel = entryPath(h.name);
-  if (!rel) return; // the root itself: the layer directory keeps Kiln's root ownership and mode
-  const top = rel.split("/")[0];
-  if (MACHINE_PROVIDED.has(top) && rel !== top) return;
-  const slash = rel.lastIndexOf("/");
-  const parent = slash >= 0 ? rel.slice(0, slash) : "";
-  const base = rel.slice(slash + 1);
-  await ensureDir(state, parent, rel);
-  const abs = join(state.dest, rel);
-  const uid = shift(h.uid);
-  const gid = shift(h.gid);
-  const mode = (h.mode ?? 0o644) & 0o7777;
-  const mtime = h.mtime ?? new Date(0);
-
-  if (base === OPAQUE) {
-    state.xattrs.push({ rel: parent || ".", name: "trusted.overlay.opaque", value: Buffer.from("y") });
-    return;
-  }
-  if (base.startsWith(WHITEOUT)) {
-    const hidden = parent ? `${parent}/${base.slice(WHITEOUT.length)}` : base.slice(WHITEOUT.length);
-    if (!base.slice(WHITEOUT.length)) throw importError(`layer entry ${JSON.stringify(h.name)} is a whiteout without a name`);
-    state.whiteouts.push(hidden);
-    return;
-  }
-
-  switch (h.type) {
-    case "directory": {
-      if (!state.dirs.has(rel)) {
-        if (state.written.delete(rel)) await replaceable(abs, true);
-        await mkdir(abs).catch((e) => (e.code === "EEXIST" ? undefined : Promise.reject(e)));
-        state.dirs.add(rel);
-      }
-      await lchown(abs, uid, gid);
-      await chmod(abs, mode);
-      state.dirTimes.push([rel, mtime]);
-      break;
-    }
-    case "file":
-    case "contiguous-file": {
-      await replace(state, rel, abs);
-      const fh = await open(abs, constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL | constants.O_NOFOLLOW, 0o600);
-      try {
-        for await (const chunk of body) await fh.write(chunk as Buffer);
-        await fh.chown(uid, gid);
-        await fh.chmod(mode); // after chown, which clears setuid/setgid
-        await fh.utimes(mtime, mtime);
-      } finally {
-        await fh.close();
-      }
-      state.files++;
-      break;
-    }
-    case "symlink": {
-      await replace(state, rel, abs);
-      await symlink(h.linkname ?? "", abs); // the target is kept verbatim and never followed
-      await lchown(abs, uid, gid);
-      await lutimes(abs, mtime, mtime);
-      break;
-    }
-    case "link": {
-      const target = entryPath(h.linkname ?? "");
-      const st = target ? await lstat(join(state.dest, target)).catch(() => undefined) : undefined;
-      if (!st || st.isDirectory()) throw importError(`layer entry ${JSON.stringify(h.name)} is a hard link to ${JSON.stringify(h.linkname)}, which is not a file in the same layer`);
-      await replace(state, rel, abs);
-      await link(join(state.dest, target), abs);
-      break;
-    }
-    case "character-device":
-    case "block-device":
-    case "fifo":
-      throw importError(`layer entry /${rel} is a ${h.type.replace("-", " ")}: OCI special files are not supported in imported images`);
-    default:
-      throw importError(`layer entry /${rel} has an unsupported type (${h.type})`);
-  }
-  if (h.type !== "symlink" && h.type !== "link") {
-    for (const [key, value] of Object.entries(h.pax ?? {})) {
-      if (!key.startsWith("SCHILY.xattr.")) continue;
-      const name = key.slice("SCHILY.xattr.".length);
-      // trusted.* is overlayfs's own namespace (opaque, redirect): a layer never gets to set it.
-      if (typeof value !== "string" || !/^(user|security)\./.test(name) || value.includes("\uFFFD")) continue;
-      state.xattrs.push({ rel, name, value: Buffer.from(value, "utf8") });
-    }
-  }
+function depth(rel: string): number {
+  let n = 0;
+  for (const c of rel) if (c === "/") n++;
+  return n;
 }
 
-/**
- * Makes sure `rel` is a real directory of this layer, creating missing ones (root-owned, 0755). A parent that is
- * a symlink or a file is refused: writing through it could land outside the layer.
- */
-async function ensureDir(state: LayerState, rel: string, entry: string): Promise<void> {
-  if (state.dirs.has(rel)) return;
-  const slash = rel.lastIndexOf("/");
-  await ensureDir(state, slash >= 0 ? rel.slice(0, slash) : "", entry);
-  const abs = join(state.dest, rel);
-  const st = await lstat(abs).catch(() => undefined);
-  if (!st) {
-    await mkdir(abs, { mode: 0o755 });
-    await lchown(abs, HOST_ID_BASE, HOST_ID_BASE);
-  } else if (!st.isDirectory()) {
-    throw importError(`layer entry /${entry} lies under /${rel}, which this layer made a ${st.isSymbolicLink() ? "symlink" : "file"}`);
-  }
-  state.dirs.add(rel);
-}
-
-/** Clears the way for a non-directory at `rel`: only a path this layer already wrote (or a directory) can be there. */
-async function replace(state: LayerState, rel: string, abs: string): Promise<void> {
-  if (state.written.has(rel) || state.dirs.has(rel)) {
-    await replaceable(abs, false);
-    state.dirs.delete(rel);
-    for (const d of state.dirs) if (d.startsWith(`${rel}/`)) state.dirs.delete(d);
-  }
-  state.written.add(rel);
-}
-
-/** A later entry for the same path replaces the earlier one (a directory stays when a directory comes again). */
-async function replaceable(abs: string, keepDir: boolean): Promise<void> {
-  const st = await lstat(abs).catch(() => undefined);
-  if (!st || (keepDir && st.isDirectory())) return;
-  await rm(abs, { recursive: true, force: true });
-}
-
-/** `.wh.<name>` becomes what overlayfs reads as a whiteout: a 0:0 character device (one mknod process per layer). */
-async function applyWhiteouts(dest: string, paths: string[]): Promise<void> {
-  if (!paths.length) return;
-  for (const p of paths) await rm(join(dest, p), { recursive: true, force: true });
-  await run("sh", ["-c", 'for p; do mknod -- "$p" c 0 0 || exit 1; done', "mknod", ...paths.map((p) => `./${p}`)], dest);
-}
-
-/** Extended attributes (the opaque marker and the tar's SCHILY.xattr records), set by one `setfattr --restore`. */
-async function applyXattrs(dest: string, xattrs: LayerState["xattrs"]): Promise<void> {
-  if (!xattrs.length) return;
-  const dump = xattrs.map((x) => `# file: ${escapePath(x.rel)}\n${x.name}=0x${x.value.toString("hex")}\n`).join("\n");
-  const file = join(dest, "..", `.xattrs-${process.pid}-${Date.now()}`);
-  await writeFile(file, dump + "\n", { mode: 0o600 });
-  try {
-    await run("setfattr", ["-h", `--restore=${file}`], dest);
-  } finally {
-    await rm(file, { force: true });
-  }
-}
-
-/** getfattr's dump escapes: backslash and control characters as octal. */
-function escapePath(rel: string): string {
-  return Array.from(Buffer.from(rel), (b) => (b < 0x21 || b === 0x5c || b >= 0x7f ? `\\${b.toString(8).padStart(3, "0")}` : String.fromCharCode(b))).join("");
-}
-
-function run(cmd: string, args: string[], cwd: string): Promise<void> {
-  return new Promise((resolve, reject) => {
-    const child = spawn(cmd, args, { cwd, stdio: ["ignore", "ignore", "pipe"] });
-    let err = "";
-    child.stderr.on("data", (c) => (err = (err + c).slice(-2000)));
-    child.on("error", (e) => reject(importError(`${cmd} could not run (${e.message}); is it installed?`)));
-    child.on("close", (code) => (code === 0 ? resolve() : reject(importError(`${cmd} failed while writing a layer: ${err.trim()}`))));
-  });
+/** Any failure as the build_error it becomes; a stream's own error (truncated, corrupt) says what it was. */
+function asImportError(err: Error, streamError?: unknown): Error {
+  if ((err as { detail?: unknown }).detail) return err;
+  const stream = streamError as (Error & { detail?: unknown }) | undefined;
+  if (stream?.detail) return stream;
+  const why = stream?.message ?? err.message;
+  return importError(`a layer could not be unpacked: ${why.replace(/\/proc\/(self|\d+)\/fd\/\d+\/?/g, "")}`);
 }

@@ -8,6 +8,7 @@ import type { ContextFileInput, RegistryCredentialInput } from "../backends/buil
 import { importLogEvents } from "../oci/events.ts";
 import type { ImportLogEntry } from "../oci/events.ts";
 import type { BaseImageAuth } from "../oci/auth.ts";
+import type { ImportLimits } from "../oci/limits.ts";
 import type { SourceLayers } from "../oci/types.ts";
 import type { BuildBackend, BuildContext, BuildOutput, DockerfileInput } from "../backends/backend.ts";
 import type { ContextFile } from "../context.ts";
@@ -15,6 +16,8 @@ import type { ContextFile } from "../context.ts";
 export interface DockerfileSourceDeps {
   cacheDir: string;
   dataDir: string;
+  /** KILN_OCI_MAX_*: the built image is imported within them. */
+  ociLimits?: ImportLimits;
   insecureRegistries: string[];
   /** BUILDKIT_HOST; unset uses Buildah. */
   buildkitHost?: string;
@@ -121,7 +124,8 @@ export function createDockerfileSource(deps: DockerfileSourceDeps) {
         ...input(req),
         target: req.target,
         resolveTemplate: call.resolveTemplate,
-        cacheDir: join(deps.cacheDir, "oci"),
+        cacheDir: join(deps.dataDir, "oci"), // the importer's cache, shared with base_image imports
+        ociLimits: deps.ociLimits,
         scratchParent: join(deps.dataDir, "builder"),
         insecureRegistries: deps.insecureRegistries,
         buildkitHost: deps.buildkitHost,
