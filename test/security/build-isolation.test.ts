@@ -13,7 +13,7 @@ import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import type { TestRegistry } from "../support/oci-registry.ts";
 import { TEST_CACHE_DIR } from "../support/paths.ts";
-import { build, machineFrom, sh } from "../builds/support.ts";
+import { build, machineFrom, putBlob, sh } from "../builds/support.ts";
 import type { SseEvent } from "../builds/support.ts";
 import { BUILD_UID_BASE, busyboxRegistry, cmdlinesHolding, buildSkip, filesHolding, hostAddress, listener, machinePids, processes } from "./build-support.ts";
 
@@ -147,6 +147,15 @@ test("RUN --mount binds and caches reach only the build context and the build's 
       const events = await dockerfile(`RUN --mount=${mount},target=/h cat /h/secret.txt /h${dir}/secret.txt 2>&1; ls /h | sed "s/^/ls: /"; true`);
       assert.ok(!JSON.stringify(events).includes(marker), `--mount=${mount} showed a host file`);
       assert.equal(terminal(events).event, "end", `--mount=${mount}: ${JSON.stringify(terminal(events).data)}`);
+    }
+    // The context itself is what a bind mount shows, also when Kiln runs with a private umask.
+    const sha = await putBlob(k, "from the context\n");
+    const previous = process.umask(0o077);
+    try {
+      const events = await dockerfile("RUN --mount=type=bind,source=sub,target=/c cat /c/file.txt | sed 's/^/ctx=/'", { context: { files: [{ path: "sub/file.txt", sha256: sha }] } });
+      assert.equal(printed(events, "ctx"), "from the context");
+    } finally {
+      process.umask(previous);
     }
   } finally {
     await rm(dir, { recursive: true, force: true });

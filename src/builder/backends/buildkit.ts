@@ -285,16 +285,21 @@ function mask(text: string, values: string[]): string {
 
 /** The uploaded context files at their paths (copies: the builder may change them), with their modes. */
 async function layOutContext(dir: string, files: ContextFileInput[]): Promise<string> {
+  // Directories 0755 whatever Kiln's umask: a RUN step's bind mount of the context is made from inside the build's
+  // user namespace, which must traverse them.
+  const dirs = new Set<string>([dir]);
   await mkdir(dir, { recursive: true });
   for (const f of files) {
     const rel = f.path.replace(/^\.?\/+/, "");
     if (!rel || isAbsolute(rel) || rel.split("/").includes("..")) throw new KilnError("invalid_request", `context path ${JSON.stringify(f.path)} must stay inside the context`);
     const dest = join(dir, rel);
+    for (let d = join(dest, ".."); d.startsWith(dir) && !dirs.has(d); d = join(d, "..")) dirs.add(d);
     await mkdir(join(dest, ".."), { recursive: true });
     await copyFile(f.blobPath, dest);
     const mode = typeof f.mode === "string" ? parseInt(f.mode, 8) : f.mode;
     await chmod(dest, Number.isInteger(mode) ? mode! & 0o7777 : 0o644);
   }
+  for (const d of dirs) await chmod(d, 0o755);
   return dir;
 }
 

@@ -258,7 +258,9 @@ export async function openSandbox(o: SandboxOptions): Promise<Sandbox> {
     budArgs: ["--network", `ns:${p.netns}`, "--dns", o.internet ? SLIRP_DNS : "none"],
     spawn(cmd, args, env) {
       // A shell moves itself into the build's cgroups, then becomes the command: nothing runs outside them.
-      const join = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"';
+      // umask 022: what the builder makes for RUN steps (bundles, mount points) must be traversable from inside the
+      // build's user namespace, whatever Kiln's own umask is.
+      const join = 'umask 022; n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"';
       return spawn("/bin/sh", ["-c", join, "kiln-build", String(builderProcs.length), ...builderProcs, cmd, ...args], { env, stdio: ["ignore", "pipe", "pipe"] });
     },
     kill,
