@@ -55,7 +55,8 @@ export interface Sandbox {
   budArgs: string[];
   /** Starts a builder command inside the build's cgroups: its processes are the build's, its sockets filtered. */
   spawn(cmd: string, args: string[], env: NodeJS.ProcessEnv): ChildProcess;
-  /** Kills every process of the build (builder, RUN trees, slirp4netns); resolves once none is left. Idempotent. */
+  /** Kills every process of the build (builder, RUN trees, slirp4netns); resolves once none is left. Nothing can be
+   * spawned after it; calling it again kills again. */
   kill(): Promise<void>;
   /** kill(), then removes the namespaces, egress rules and cgroups. The scratch dir is the caller's. */
   close(): Promise<void>;
@@ -199,12 +200,18 @@ export async function openSandbox(o: SandboxOptions): Promise<Sandbox> {
   await writeFile(p.reap, "", { mode: 0o600 });
   // First the reaper, so nothing the build starts can outlive Kiln.
   const reaper = startReaper(p.reap, true);
-  let killed: Promise<void> | undefined;
-  const kill = () =>
-    (killed ??= (async () => {
-      (reaper.child.stdin as NodeJS.WritableStream | null)?.end();
-      if (!(await reaper.done)) await startReaper(p.reap, false).done;
-    })());
+  // Once killed, the sandbox starts nothing more; a second kill sweeps again (the reaper that waited has exited).
+  let killed = false;
+  let killing = Promise.resolve();
+  const kill = () => {
+    const first = !killed;
+    killed = true;
+    killing = killing.then(async () => {
+      if (first) (reaper.child.stdin as NodeJS.WritableStream | null)?.end();
+      if (!first || !(await reaper.done)) await startReaper(p.reap, false).done;
+    });
+    return killing;
+  };
   const builderProcs: string[] = [];
   try {
     const root = killRoot(o.key);
@@ -257,6 +264,7 @@ export async function openSandbox(o: SandboxOptions): Promise<Sandbox> {
     runtime: p.runtime,
     budArgs: ["--network", `ns:${p.netns}`, "--dns", o.internet ? SLIRP_DNS : "none"],
     spawn(cmd, args, env) {
+      if (killed) throw new Error("the build was stopped");
       // A shell moves itself into the build's cgroups, then becomes the command: nothing runs outside them.
       // umask 022: what the builder makes for RUN steps (bundles, mount points) must be traversable from inside the
       // build's user namespace, whatever Kiln's own umask is.
@@ -265,7 +273,7 @@ export async function openSandbox(o: SandboxOptions): Promise<Sandbox> {
     },
     kill,
     async close() {
-      await kill();
+      await (killed ? killing : kill());
       await release(o.key, o.stateDir, o.egress);
     },
   };
