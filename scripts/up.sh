@@ -10,6 +10,9 @@ PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certif
 # Image imports and Dockerfile builds: xattrs on layer dirs (attr), the embedded Dockerfile builder (buildah), and
 # what the tests and benchmarks run against (a loopback registry with bcrypt htpasswd, skopeo as the baseline).
 PACKAGES+=(attr buildah skopeo docker-registry apache2-utils)
+# The mount helper (src/runtime/oci/idmount.c) is compiled at first start: it gives each machine its own host uid
+# range through idmapped mounts, which runc 1.1 and util-linux 2.38 cannot make.
+PACKAGES+=(gcc libc6-dev)
 # The Dockerfile isolation tests build FROM an image made of Debian's static busybox (ps, kill, nc, … in one file).
 PACKAGES+=(busybox-static)
 # Any Node with npm will do to bootstrap: npm ci then brings Node 24 itself.

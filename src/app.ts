@@ -41,7 +41,17 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const log = opts.log ?? createLogger({ level: config.logLevel });
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
-  const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, runscPlatform: config.runscPlatform, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
+  const driver = createOciDriver({
+    dataDir: config.dataDir,
+    runtime: config.ociRuntime,
+    runscPlatform: config.runscPlatform,
+    hostAccess: config.machineHostAccess,
+    log,
+    guestRuntimeDir,
+    identity: config.machineIdentity,
+    helperDir: join(config.cacheDir, "bin"),
+    idRangesDir: config.idRangesDir,
+  });
   const hostId = await ensureHostId(config.dataDir, config.hostId);
   const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs };
   const deployments = { dataDir: config.dataDir, publicUrl: config.publicUrl, maxCrashes: config.serviceMaxCrashes, backoffMs: config.serviceBackoffMs, edgeTokenTtlS: config.edgeTokenTtlS };
@@ -98,7 +108,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     });
   services.templates.setPending("the base template is being made (first start); try again in a minute");
 
-  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, volumeWatchQueue: config.volumeWatchQueue, publicUrl: config.publicUrl, e2b: { dataDir: config.dataDir, publicUrl: config.publicUrl } });
+  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, volumeWatchQueue: config.volumeWatchQueue, publicUrl: config.publicUrl, edgeLimits: config.edgeLimits, e2b: { dataDir: config.dataDir, publicUrl: config.publicUrl } });
   let url = "";
   if (opts.listen !== false) url = await app.listen({ host: config.host, port: config.port });
   // Port 0 means "any free port": public URLs can name the real one only now.

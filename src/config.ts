@@ -4,6 +4,8 @@
 import { resolve } from "node:path";
 import { DEFAULT_IMPORT_LIMITS } from "./builder/oci/limits.ts";
 import type { ImportLimits } from "./builder/oci/limits.ts";
+import { DEFAULT_PROXY_LIMITS } from "./deployments/proxy-limits.ts";
+import type { ProxyLimits } from "./deployments/proxy-limits.ts";
 
 export interface Config {
   host: string;
@@ -52,6 +54,8 @@ export interface Config {
   serviceBackoffMs: number;
   /** Lifetime of a signed edge_token in a service's public URL. */
   edgeTokenTtlS: number;
+  /** Each service's (and sandbox port's) share and waits through the edge. */
+  edgeLimits: ProxyLimits;
   /** Largest `disk_mb` a machine may ask for. */
   maxDiskMb: number;
   /** Creates answer 503 while the data dir's filesystem has less free space than this. */
@@ -60,6 +64,10 @@ export interface Config {
   minFreeMemoryMb: number | undefined;
   /** When set, the declared memory of live machines may not exceed this multiple of the host's RAM. */
   memoryOvercommit: number | undefined;
+  /** `auto`: each machine on its own host uid range where the host allows it; `shared`: every machine on one. */
+  machineIdentity: "auto" | "shared";
+  /** The host-wide directory of machines' uid range claims (one per host, shared by every server on it). */
+  idRangesDir: string;
 }
 
 /** DESIGN.md §4: immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. */
@@ -105,10 +113,16 @@ export const CONFIG_VARS = [
   ["KILN_SERVICE_MAX_CRASHES", "5", "crashes in a row after which a deployment's service ends failed"],
   ["KILN_SERVICE_BACKOFF_MS", "500", "first delay before a crashed service starts again (doubles per crash, up to 30 s)"],
   ["KILN_EDGE_TOKEN_TTL_S", "3600", "lifetime of the edge_token in a service's public URL (renewed whenever it is read)"],
+  ["KILN_EDGE_MAX_CONNECTIONS", "64", "requests in flight at once to one service (or sandbox port) through the edge"],
+  ["KILN_EDGE_QUEUE", "256", "requests that may wait for one of those; past it the edge answers 503 at once"],
+  ["KILN_EDGE_HEADERS_TIMEOUT_S", "60", "longest wait through the edge for a place, and for a service's response head (504)"],
+  ["KILN_EDGE_IDLE_TIMEOUT_S", "300", "longest silence of a request or response body through the edge"],
   ["KILN_MAX_DISK_MB", "102400", "largest disk_mb a machine may ask for (its writable layer; default 10240)"],
   ["KILN_MIN_FREE_DISK_MB", "2048", "creates answer 503 while the data dir has less free disk than this"],
   ["KILN_MIN_FREE_MEMORY_MB", "(10 % of RAM)", "creates answer 503 while the host's available memory is below this"],
   ["KILN_MEMORY_OVERCOMMIT", "(unset)", "caps the declared memory of live machines at this multiple of RAM (e.g. 4)"],
+  ["KILN_MACHINE_IDENTITY", "auto", "auto: each machine on its own host uid range (idmapped mounts) where the host allows; shared: one range for all"],
+  ["KILN_ID_RANGES_DIR", "/var/lib/kiln/id-ranges", "host-wide claims of machines' uid ranges: every server on a host must use the same"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -168,10 +182,19 @@ export function loadConfig(env: Env = process.env): Config {
     serviceMaxCrashes: intVar(env, "KILN_SERVICE_MAX_CRASHES", 5, 1, 1000),
     serviceBackoffMs: intVar(env, "KILN_SERVICE_BACKOFF_MS", 500, 0, 600_000),
     edgeTokenTtlS: intVar(env, "KILN_EDGE_TOKEN_TTL_S", 3600, 1, 30 * 24 * 3600),
+    edgeLimits: {
+      ...DEFAULT_PROXY_LIMITS,
+      connections: intVar(env, "KILN_EDGE_MAX_CONNECTIONS", DEFAULT_PROXY_LIMITS.connections, 1, 4096),
+      queue: intVar(env, "KILN_EDGE_QUEUE", DEFAULT_PROXY_LIMITS.queue, 0, 100_000),
+      headersTimeoutMs: intVar(env, "KILN_EDGE_HEADERS_TIMEOUT_S", DEFAULT_PROXY_LIMITS.headersTimeoutMs / 1000, 1, 86_400) * 1000,
+      idleTimeoutMs: intVar(env, "KILN_EDGE_IDLE_TIMEOUT_S", DEFAULT_PROXY_LIMITS.idleTimeoutMs / 1000, 1, 86_400) * 1000,
+    },
     maxDiskMb: intVar(env, "KILN_MAX_DISK_MB", 102_400, 128, 16 * 1024 * 1024),
     minFreeDiskMb: intVar(env, "KILN_MIN_FREE_DISK_MB", 2048, 0, 1 << 30),
     minFreeMemoryMb: env.KILN_MIN_FREE_MEMORY_MB ? intVar(env, "KILN_MIN_FREE_MEMORY_MB", 0, 0, 1 << 30) : undefined,
     memoryOvercommit: positiveNumberVar(env, "KILN_MEMORY_OVERCOMMIT"),
+    machineIdentity: oneOf(env, "KILN_MACHINE_IDENTITY", ["auto", "shared"] as const, "auto"),
+    idRangesDir: resolve(env.KILN_ID_RANGES_DIR || "/var/lib/kiln/id-ranges"),
   };
 }
 

@@ -1,9 +1,10 @@
-// Git inside the machine with per-operation credentials: a 0700 scratch directory owned by the running user holds
-// an askpass helper and the secret files (HTTPS password, SSH key, passphrase) and is removed however the run ends.
+// Git inside the machine with per-operation credentials: the secret files (HTTPS password, SSH key, passphrase) live
+// in a 0700 directory on a memory filesystem (never on the machine's disk, so never in its disk image), the askpass
+// helper that reads them in another on /tmp (it holds only their path); both are removed however the run ends.
 
 import { spawn } from "node:child_process";
 import type { ChildProcess } from "node:child_process";
-import { chmod, chown, lchown, mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
+import { chmod, chown, lchown, mkdtemp, readdir, rm, statfs, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { AgentFailure } from "./errors.ts";
@@ -13,13 +14,17 @@ import type { GitAuth, GitRunRequest, GitRunResult } from "./protocol.ts";
 
 const SCRATCH_PREFIX = "kiln-git-";
 const OUTPUT_CAP = 4 * 1024 * 1024;
+/** The machine's memory filesystem (a tmpfs in every machine's spec, runc and gVisor): secrets are written only here. */
+const SECRETS_ROOT = "/dev/shm";
+const TMPFS_MAGIC = 0x01021994;
 
 /**
  * One helper for every prompt: git asks "Username for …"/"Password for …" (HTTPS), ssh asks "Enter passphrase
- * for key …". It prints a file of its own directory, so no secret is ever in an argv, a URL or an environment.
+ * for key …". It prints a file of the secrets directory, so no secret is ever in an argv, a URL, an environment or
+ * a file on disk (the helper itself must be on an exec-able filesystem, which the memory one is not).
  */
-const ASKPASS = `#!/bin/sh
-d=$(dirname "$0")
+const askpass = (secrets: string) => `#!/bin/sh
+d='${secrets}'
 case "$1" in
   Username*) exec cat "$d/username" ;;
   Password*) exec cat "$d/password" ;;
@@ -28,11 +33,18 @@ esac
 exit 1
 `;
 
+/**
+ * Variables of the machine's environment that would make git write what it sends (traces of HTTP headers, of the
+ * packet exchange) or load configuration past the agent's `-c` options: dropped from a run that carries credentials.
+ */
+const UNSAFE_WITH_CREDENTIALS = /^(GIT_TRACE.*|GIT_CURL_VERBOSE|GIT_CONFIG_PARAMETERS|GIT_CONFIG_COUNT|GIT_CONFIG_KEY_\d+|GIT_CONFIG_VALUE_\d+|GIT_SSH|GIT_SSH_VARIANT|GIT_ASKPASS|SSH_ASKPASS.*|SSH_AUTH_SOCK|GIT_TERMINAL_PROMPT)$/;
+
 /** Scratch directories left by an agent that died mid-operation (the machine kept running): removed at start. */
 export async function sweepScratch(): Promise<void> {
-  const dir = tmpdir();
-  for (const name of await readdir(dir).catch(() => [] as string[])) {
-    if (name.startsWith(SCRATCH_PREFIX)) await rm(join(dir, name), { recursive: true, force: true }).catch(() => undefined);
+  for (const dir of [tmpdir(), SECRETS_ROOT]) {
+    for (const name of await readdir(dir).catch(() => [] as string[])) {
+      if (name.startsWith(SCRATCH_PREFIX)) await rm(join(dir, name), { recursive: true, force: true }).catch(() => undefined);
+    }
   }
 }
 
@@ -65,30 +77,36 @@ export function checkAuth(auth: unknown): GitAuth | undefined {
   throw new AgentFailure("invalid_request", "auth must be {kind:'https', username, password} or {kind:'ssh', private_key, passphrase?}");
 }
 
-/** Writes the scratch directory for one operation and returns the environment that makes git and ssh use it. */
-async function prepareScratch(auth: GitAuth, uid: number, gid: number): Promise<{ dir: string; env: Record<string, string> }> {
-  // Filled while it is still root's (0700), handed to the user only when complete: the user can never swap a file
-  // for a symlink between its write and its chown (lchown, too, never follows one).
-  const dir = await mkdtemp(join(tmpdir(), SCRATCH_PREFIX));
+/** Writes the scratch directories for one operation and returns the environment that makes git and ssh use them. */
+async function prepareScratch(auth: GitAuth, uid: number, gid: number): Promise<{ dirs: string[]; env: Record<string, string> }> {
+  const fs = await statfs(SECRETS_ROOT).catch(() => undefined);
+  if (!fs || Number(fs.type) !== TMPFS_MAGIC) throw new AgentFailure("internal", `${SECRETS_ROOT} is not a memory filesystem in this machine: credentials are never written to its disk`);
+  // Filled while they are still root's (0700), handed to the user only when complete: the user can never swap a
+  // file for a symlink between its write and its chown (lchown, too, never follows one).
+  const secrets = await mkdtemp(join(SECRETS_ROOT, SCRATCH_PREFIX));
+  const dirs = [secrets];
   const files: string[] = [];
   try {
-    await chmod(dir, 0o700);
-    const put = async (name: string, text: string, mode: number) => {
+    const helperDir = await mkdtemp(join(tmpdir(), SCRATCH_PREFIX));
+    dirs.push(helperDir);
+    for (const d of dirs) await chmod(d, 0o700);
+    const put = async (dir: string, name: string, text: string, mode: number) => {
       // Created with its final mode: there is no moment at which it is readable by others.
       await writeFile(join(dir, name), text, { mode, flag: "wx" });
       files.push(join(dir, name));
     };
-    await put("askpass", ASKPASS, 0o700);
-    const askpass = join(dir, "askpass");
-    const env: Record<string, string> = { GIT_ASKPASS: askpass, SSH_ASKPASS: askpass, SSH_ASKPASS_REQUIRE: "force" };
+    await put(helperDir, "askpass", askpass(secrets), 0o700);
+    const helper = join(helperDir, "askpass");
+    const env: Record<string, string> = { GIT_ASKPASS: helper, SSH_ASKPASS: helper, SSH_ASKPASS_REQUIRE: "force", GIT_TRACE_REDACT: "1" };
+    const dir = secrets;
     if (auth.kind === "https") {
-      await put("username", auth.username!, 0o600);
-      await put("password", auth.password!, 0o600);
+      await put(dir, "username", auth.username!, 0o600);
+      await put(dir, "password", auth.password!, 0o600);
     } else {
       const key = auth.private_key!.endsWith("\n") ? auth.private_key! : `${auth.private_key}\n`;
-      await put("id", key, 0o600);
-      if (auth.passphrase !== undefined) await put("passphrase", auth.passphrase, 0o600);
-      await put("known_hosts", "", 0o600);
+      await put(dir, "id", key, 0o600);
+      if (auth.passphrase !== undefined) await put(dir, "passphrase", auth.passphrase, 0o600);
+      await put(dir, "known_hosts", "", 0o600);
       // Known hosts: the user's own ~/.ssh/known_hosts pins what it lists (a mismatch fails); a host it does not
       // list is accepted into this directory's file, which goes with the operation (see docs/git-and-kernels.md).
       env.GIT_SSH_COMMAND = [
@@ -105,10 +123,10 @@ async function prepareScratch(auth: GitAuth, uid: number, gid: number): Promise<
       ].join(" ");
     }
     for (const f of files) await lchown(f, uid, gid);
-    await chown(dir, uid, gid);
-    return { dir, env };
+    for (const d of dirs) await chown(d, uid, gid);
+    return { dirs, env };
   } catch (err) {
-    await rm(dir, { recursive: true, force: true });
+    for (const d of dirs) await rm(d, { recursive: true, force: true });
     throw err;
   }
 }
@@ -126,12 +144,15 @@ export async function runGit(req: GitRunRequest, signal: AbortSignal): Promise<G
   const started = performance.now();
   const scratch = auth ? await prepareScratch(auth, user.uid, user.gid) : undefined;
   try {
-    const env = processEnv(user, {
+    const base = processEnv(user, undefined);
+    if (scratch) for (const name of Object.keys(base)) if (UNSAFE_WITH_CREDENTIALS.test(name)) delete base[name];
+    const env = {
+      ...base,
       GIT_TERMINAL_PROMPT: "0",
       // No askpass at all without credentials: a prompt must fail, not hang or reach a desktop helper.
       ...(scratch ? scratch.env : { GIT_ASKPASS: "/bin/false", SSH_ASKPASS: "/bin/false", SSH_ASKPASS_REQUIRE: "never", GIT_SSH_COMMAND: "ssh -o BatchMode=yes -o StrictHostKeyChecking=accept-new" }),
       ...req.envs,
-    });
+    };
     // protocol.ext runs arbitrary commands; an empty credential.helper resets the helper list from every config
     // file, so no store or cache ever sees the credentials. GIT_ASKPASS wins over any core.askPass.
     const argv = ["-c", "protocol.ext.allow=never", "-c", "credential.helper=", ...req.args];
@@ -189,7 +210,7 @@ export async function runGit(req: GitRunRequest, signal: AbortSignal): Promise<G
     });
     return result;
   } finally {
-    if (scratch) await rm(scratch.dir, { recursive: true, force: true });
+    if (scratch) for (const d of scratch.dirs) await rm(d, { recursive: true, force: true });
   }
 }
 

@@ -25,6 +25,8 @@ import { volumeRoutes } from "./routes/volumes.ts";
 import { volumeWsRoutes } from "./routes/volume-ws.ts";
 import { deploymentRoutes } from "./routes/deployments.ts";
 import { createEdge, edgeRoutes } from "./routes/edge.ts";
+import { isWebSocketUpgrade } from "../deployments/proxy.ts";
+import type { ProxyLimits } from "../deployments/proxy.ts";
 import { createServer } from "node:http";
 import { e2bCompat } from "../compat/e2b/index.ts";
 
@@ -39,16 +41,20 @@ export interface ServerOptions {
   volumeWatchQueue?: number;
   /** Base of public edge URLs; an https one makes the edge cookie Secure. */
   publicUrl?: string;
+  /** Each service's (and sandbox port's) share and waits through the edge (KILN_EDGE_*). */
+  edgeLimits?: ProxyLimits;
   /** Where the E2B compatibility layer keeps its token secret, and the public URL it reports as `domain`. */
   e2b?: { dataDir: string; publicUrl: string };
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
   // The public edge's HTTP requests are proxied before Fastify routes them: they are a data path, not API calls.
-  const edge = createEdge({ services: opts.services, log: opts.log, secureCookies: opts.publicUrl?.startsWith("https:") ?? false });
+  const edge = createEdge({ services: opts.services, log: opts.log, secureCookies: opts.publicUrl?.startsWith("https:") ?? false, limits: opts.edgeLimits });
   const app = Fastify({
     serverFactory: (handler) => {
-      const server = createServer((req, res) => {
+      // Kiln honours one upgrade, WebSocket: any other Upgrade header is served as the plain request it also is,
+      // never handed to an upgrade listener (where the edge would make the connection a pipe).
+      const server = createServer({ shouldUpgradeCallback: isWebSocketUpgrade }, (req, res) => {
         if (!edge.handleRequest(req, res)) handler(req, res);
       });
       // What Fastify sets on a server it makes itself (its defaults).
@@ -147,7 +153,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
   await app.register(volumeRoutes, { services: opts.services });
   await app.register(volumeWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs, queueSize: opts.volumeWatchQueue ?? 4096 });
-  if (opts.e2b) await app.register(e2bCompat, { services: opts.services, ...opts.e2b });
+  if (opts.e2b) await app.register(e2bCompat, { services: opts.services, ...opts.e2b, limits: opts.edgeLimits });
 
   app.get("/v1/openapi.json", { schema: { hide: true } }, async () => app.swagger());
   return app;

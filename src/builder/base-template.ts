@@ -1,6 +1,7 @@
 // The base template `local/base`: Debian bookworm minbase from the host's Debian mirror plus the tools agents
 // expect, a `user` account and /workspace — made once, cached, and written with ownership already shifted into
-// the machines' uid range (runc 1.1 has no idmapped mounts), so every machine can share it read-only.
+// the canonical uid range (machine uid 0 = host 100000), so every machine can share it read-only (seen through
+// idmapped mounts by machines on ranges of their own).
 
 import { spawn } from "node:child_process";
 import { createHash } from "node:crypto";

@@ -1,14 +1,24 @@
-// The edge data path: HTTP requests and WebSocket upgrades forwarded to a service's port through the guest agent's
-// port tunnel. Bodies stream both ways (nothing is buffered whole); tunnels are kept alive per service and reused.
+// The data path of the edge and of the E2B port proxy: HTTP requests and upgrades forwarded to a port inside a machine
+// through the guest agent's port tunnel. Bodies stream both ways (nothing is buffered whole); tunnels are kept alive
+// per upstream and reused. Every wait has a bound and each upstream a bounded share, so a service that never answers
+// stalls neither itself forever nor any other; a connection becomes a pipe only when the service switched protocols.
 
 import { Pool } from "undici";
 import type { Dispatcher } from "undici";
+import { request as httpRequest } from "node:http";
 import type { IncomingHttpHeaders, IncomingMessage, OutgoingHttpHeaders, ServerResponse } from "node:http";
 import type { Duplex } from "node:stream";
 import type { Socket } from "node:net";
+import { KilnError } from "../errors.ts";
+import { DEFAULT_PROXY_LIMITS } from "./proxy-limits.ts";
+import type { ProxyLimits } from "./proxy-limits.ts";
+
+export { DEFAULT_PROXY_LIMITS };
+export type { ProxyLimits };
 
 /** Headers that belong to one hop and never cross the proxy. */
 const HOP_BY_HOP = new Set(["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"]);
+
 
 export interface ForwardRequest {
   method: string;
@@ -18,117 +28,396 @@ export interface ForwardRequest {
   body: IncomingMessage | undefined;
 }
 
-export function createEdgeProxy(open: (serviceId: string) => Promise<Socket>) {
-  // undici pools whose connections are tunnels into the machine: kept alive and reused across requests.
-  const pools = new Map<string, Pool>();
+export interface UpgradeRequest {
+  method: string;
+  path: string;
+  headers: OutgoingHttpHeaders;
+}
 
-  function poolFor(serviceId: string): Pool {
-    let pool = pools.get(serviceId);
-    if (!pool) {
-      pool = new Pool("http://service", {
-        connections: 64,
-        pipelining: 1,
-        keepAliveTimeout: 30_000,
-        headersTimeout: 0,
-        bodyTimeout: 0,
-        connect: (_opts, callback) => {
-          open(serviceId).then(
-            (socket) => callback(null, socket),
-            (err: Error) => callback(err, null),
-          );
+export interface UpgradeOptions {
+  /** Whether the service's 101 may stand: `offered` are the client's Upgrade tokens, `answered` the service's. */
+  accept(offered: string[], answered: string[]): boolean;
+  /** When the pipe must close (the credential that opened it expires), epoch ms. */
+  until?: number;
+}
+
+/** One upstream (a service, a sandbox's port): its tunnels, its share of requests and its open pipes. */
+interface Upstream {
+  pool: Pool;
+  active: number;
+  waiting: { admit: () => void; fail: (err: Error) => void }[];
+  pipes: Set<Duplex>;
+  lastUsed: number;
+}
+
+/** An Upgrade header's protocol tokens, lower-cased (`websocket`, `h2c`); empty when there is none. */
+export function upgradeTokens(value: string | string[] | number | undefined): string[] {
+  if (value === undefined) return [];
+  return String(Array.isArray(value) ? value.join(",") : value)
+    .split(",")
+    .map((t) => t.trim().split("/")[0].toLowerCase())
+    .filter(Boolean);
+}
+
+/** The only upgrade Kiln's own routes and the edge honour: a WebSocket handshake (RFC 6455). */
+export function isWebSocketUpgrade(req: IncomingMessage): boolean {
+  return upgradeTokens(req.headers.upgrade).includes("websocket") && String(req.headers.connection ?? "").toLowerCase().includes("upgrade");
+}
+
+/** The only 101 Kiln splices: to a WebSocket handshake, switching to WebSocket and nothing else. */
+export function acceptWebSocket(offered: string[], answered: string[]): boolean {
+  return offered.includes("websocket") && answered.length === 1 && answered[0] === "websocket";
+}
+
+export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limits: ProxyLimits = DEFAULT_PROXY_LIMITS) {
+  const upstreams = new Map<string, Upstream>();
+  // A coarse clock the watchdog advances each tick, for when an upstream was last used (the sweep counts minutes).
+  let clock = Date.now();
+  // Pools of upstreams nobody used for a while go (a sandbox's port the client is done with, a stopped service).
+  const sweeper = setInterval(() => {
+    const now = Date.now();
+    for (const [key, u] of upstreams) if (u.active === 0 && u.waiting.length === 0 && u.pipes.size === 0 && now - u.lastUsed > 60_000) drop(key);
+  }, 30_000);
+  sweeper.unref();
+
+  /** A tunnel, or a clear failure within the connect bound (a tunnel that comes later is closed). */
+  function openTunnel(key: string): Promise<Socket> {
+    return new Promise((resolve, reject) => {
+      let late = false;
+      const timer = setTimeout(() => {
+        late = true;
+        reject(new KilnError("unavailable", `The service did not accept a connection within ${limits.connectTimeoutMs / 1000} s`, { detail: { retryable: true } }));
+      }, limits.connectTimeoutMs);
+      open(key).then(
+        (socket) => {
+          clearTimeout(timer);
+          if (late) socket.destroy();
+          else resolve(socket);
         },
-      });
-      pools.set(serviceId, pool);
+        (err: unknown) => {
+          clearTimeout(timer);
+          if (!late) reject(err);
+        },
+      );
+    });
+  }
+
+  function upstreamFor(key: string): Upstream {
+    let u = upstreams.get(key);
+    if (!u) {
+      u = {
+        pool: new Pool("http://service", {
+          connections: limits.connections,
+          pipelining: 1,
+          keepAliveTimeout: 30_000,
+          // The proxy's own timers bound each request (see forward): undici's would not see a live upload.
+          headersTimeout: 0,
+          bodyTimeout: 0,
+          connect: (_opts, callback) => {
+            openTunnel(key).then(
+              (socket) => callback(null, socket),
+              (err: Error) => callback(err, null),
+            );
+          },
+        }),
+        active: 0,
+        waiting: [],
+        pipes: new Set(),
+        lastUsed: Date.now(),
+      };
+      upstreams.set(key, u);
     }
-    return pool;
+    u.lastUsed = clock;
+    return u;
+  }
+
+  /** A place among the upstream's busy connections: after a bounded wait in its bounded queue, or 503. */
+  function waitForPlace(u: Upstream, res: ServerResponse): Promise<void> {
+    if (u.waiting.length >= limits.queue) {
+      return Promise.reject(new KilnError("unavailable", `The service has ${limits.connections} requests in flight and ${limits.queue} waiting: try again shortly`, { detail: { retryable: true } }));
+    }
+    return new Promise((resolve, reject) => {
+      const entry = {
+        admit: () => {
+          clearTimeout(timer);
+          res.off("close", gone);
+          u.active++;
+          resolve();
+        },
+        fail: (err: Error) => {
+          clearTimeout(timer);
+          res.off("close", gone);
+          const i = u.waiting.indexOf(entry);
+          if (i >= 0) u.waiting.splice(i, 1);
+          reject(err);
+        },
+      };
+      const timer = setTimeout(
+        () => entry.fail(new KilnError("unavailable", `The service stayed busy for ${limits.headersTimeoutMs / 1000} s: try again shortly`, { detail: { retryable: true } })),
+        limits.headersTimeoutMs,
+      );
+      const gone = () => entry.fail(new Error("the client went away"));
+      res.once("close", gone);
+      u.waiting.push(entry);
+    });
+  }
+
+  function release(u: Upstream): void {
+    u.active--;
+    u.lastUsed = clock;
+    const next = u.waiting.shift();
+    if (next) next.admit();
   }
 
   /**
    * Sends the request and writes the service's answer to `res` as it arrives, pausing the service whenever the
-   * client is slower. Rejects before any byte is written when the service cannot be reached; `headOf` adds
-   * headers (the edge cookie) to the response head.
+   * client is slower. Rejects before any byte is written when the service cannot be reached (503), is busy (503) or
+   * sends no head in time (504); `headOf` adds headers (the edge cookie) to the response head.
    */
-  function forward(serviceId: string, req: ForwardRequest, res: ServerResponse, headOf: (status: number) => Record<string, string[]>): Promise<number> {
+  function forward(key: string, req: ForwardRequest, res: ServerResponse, headOf: (status: number) => Record<string, string[]>): Promise<number> {
+    const u = upstreamFor(key);
+    const go = () => dispatch(u, req, res, headOf).finally(() => release(u));
+    // The common case takes a place at once, without a promise of its own.
+    if (u.active < limits.connections) {
+      u.active++;
+      return go();
+    }
+    return waitForPlace(u, res).then(go);
+  }
+
+  /**
+   * One watchdog for every request in flight (a timer per request would cost more than the proxying): each tick,
+   * a request that made no progress for longer than its phase allows is aborted.
+   */
+  interface Watch {
+    progress(): number;
+    seen: number;
+    quietSince: number;
+    phase: "head" | "body";
+    controller: Dispatcher.DispatchController | undefined;
+  }
+  const watched = new Set<Watch>();
+  const tick = Math.max(20, Math.min(1000, Math.floor(Math.min(limits.headersTimeoutMs, limits.idleTimeoutMs) / 4)));
+  const watchdog = setInterval(() => {
+    const now = (clock = Date.now());
+    for (const w of watched) {
+      const p = w.progress();
+      if (p !== w.seen) {
+        w.seen = p;
+        w.quietSince = now;
+        continue;
+      }
+      const bound = w.phase === "head" ? limits.headersTimeoutMs : limits.idleTimeoutMs;
+      if (now - w.quietSince < bound || !w.controller) continue; // no controller yet: the tunnel is still opening (bounded)
+      watched.delete(w);
+      w.controller.abort(
+        w.phase === "head"
+          ? new KilnError("timeout", `The service sent no answer within ${bound / 1000} s`, { detail: { retryable: true } })
+          : new Error(`the body was idle for ${bound / 1000} s`),
+      );
+    }
+  }, tick);
+  watchdog.unref();
+
+  function dispatch(u: Upstream, req: ForwardRequest, res: ServerResponse, headOf: (status: number) => Record<string, string[]>): Promise<number> {
     return new Promise((resolve, reject) => {
       let status = 0;
+      // Progress is anything moving: the client's upload (bytes read off its socket), the answer's bytes, a drain.
+      let moved = 0;
+      const socket = res.socket;
+      const w: Watch = { progress: () => (socket?.bytesRead ?? 0) + moved, seen: 0, quietSince: Date.now(), phase: "head", controller: undefined };
+      w.seen = w.progress();
+      watched.add(w);
+      const finish = () => watched.delete(w);
       const handler: Dispatcher.DispatchHandler = {
-        onRequestStart(controller) {
+        onRequestStart(c) {
+          w.controller = c;
           res.once("close", () => {
-            if (!res.writableFinished) controller.abort(new Error("the client went away"));
+            if (!res.writableFinished) c.abort(new Error("the client went away"));
           });
         },
-        onResponseStart(controller, statusCode, headers) {
+        onResponseStart(c, statusCode, headers) {
           status = statusCode;
           if (statusCode < 200) return; // 1xx informational answers are not relayed
+          w.phase = "body";
+          w.quietSince = Date.now();
           const out = returnedHeaders(headers as IncomingHttpHeaders);
           for (const [k, v] of Object.entries(headOf(statusCode))) {
             const prev = out[k];
             out[k] = prev === undefined ? v : [...(Array.isArray(prev) ? prev : [String(prev)]), ...v];
           }
           res.writeHead(statusCode, out);
-          res.on("drain", () => controller.resume());
+          res.on("drain", () => {
+            moved++;
+            c.resume();
+          });
         },
-        onResponseData(controller, chunk) {
-          if (!res.write(chunk)) controller.pause();
+        onResponseData(c, chunk) {
+          moved += chunk.length;
+          if (!res.write(chunk)) c.pause();
         },
         onResponseEnd() {
+          finish();
           res.end();
           resolve(status);
         },
-        onResponseError(_controller, err) {
+        onResponseError(_c, err) {
+          finish();
           if (res.headersSent) {
             res.destroy(err);
             resolve(status);
           } else reject(err);
         },
       };
-      poolFor(serviceId).dispatch(
+      u.pool.dispatch(
         { method: req.method as Dispatcher.HttpMethod, path: req.path, headers: req.headers as Record<string, string | string[]>, body: req.body ?? null },
         handler,
       );
     });
   }
 
-  /** Opens a fresh tunnel, replays the upgrade request on it and splices the two sockets together. */
-  async function upgrade(serviceId: string, req: { method: string; path: string; headers: IncomingHttpHeaders }, client: Duplex, head: Buffer): Promise<void> {
-    const upstream = await open(serviceId);
-    let text = `${req.method} ${req.path} HTTP/1.1\r\n`;
-    for (const [name, value] of Object.entries(req.headers)) {
-      if (value === undefined) continue;
-      for (const v of Array.isArray(value) ? value : [value]) text += `${name}: ${v}\r\n`;
-    }
-    upstream.write(text + "\r\n");
-    if (head.length) upstream.write(head);
-    upstream.pipe(client);
-    client.pipe(upstream);
+  /**
+   * Replays an upgrade request on a fresh tunnel. A 101 the options accept splices the two sockets (until `until`);
+   * any other answer is relayed as an ordinary response and the connection closed, so it never becomes a pipe the
+   * service did not agree to. Resolves with the status relayed; rejects (nothing written) when there was none.
+   */
+  async function upgrade(key: string, req: UpgradeRequest, client: Duplex, head: Buffer, opts: UpgradeOptions): Promise<number> {
+    const u = upstreamFor(key);
+    if (u.pipes.size >= limits.upgrades) throw new KilnError("unavailable", `The service has ${limits.upgrades} upgraded connections open: try again shortly`, { detail: { retryable: true } });
+    const tunnel = await openTunnel(key);
+    return new Promise((resolve, reject) => {
+      let settled = false;
+      const settle = (fn: () => void) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        client.off("close", clientGone);
+        fn();
+      };
+      const up = httpRequest({ method: req.method, path: req.path, headers: req.headers, createConnection: () => tunnel });
+      const timer = setTimeout(() => {
+        up.destroy();
+        settle(() => reject(new KilnError("timeout", `The service sent no answer to the upgrade within ${limits.headersTimeoutMs / 1000} s`, { detail: { retryable: true } })));
+      }, limits.headersTimeoutMs);
+      const clientGone = () => {
+        up.destroy();
+        settle(() => reject(new Error("the client went away")));
+      };
+      client.once("close", clientGone);
+      up.on("error", (err) => settle(() => reject(err)));
+      up.on("upgrade", (res, socket, upHead) => {
+        if (res.statusCode !== 101 || !opts.accept(upgradeTokens(req.headers.upgrade), upgradeTokens(res.headers.upgrade))) {
+          socket.destroy();
+          return settle(() => reject(new KilnError("unavailable", "The service switched to a protocol the request did not ask for", { detail: { retryable: false } })));
+        }
+        settle(() => {
+          client.write(responseHead(res, []));
+          if (upHead.length) client.write(upHead);
+          if (head.length) socket.write(head);
+          splice(u, client, socket, opts.until);
+          resolve(101);
+        });
+      });
+      up.on("response", (res) => {
+        settle(() => {
+          // Not a switch: an ordinary answer, then the connection ends (its later bytes must never reach the service).
+          client.write(responseHead(res, ["connection: close"]));
+          let idle = setTimeout(() => client.destroy(), limits.idleTimeoutMs);
+          res.on("data", (chunk: Buffer) => {
+            idle.refresh();
+            if (!client.write(chunk)) {
+              res.pause();
+              client.once("drain", () => res.resume());
+            }
+          });
+          res.on("end", () => {
+            clearTimeout(idle);
+            client.end();
+            tunnel.destroy();
+          });
+          res.on("error", () => client.destroy());
+          client.once("close", () => {
+            clearTimeout(idle);
+            idle = undefined as never;
+            tunnel.destroy();
+          });
+          resolve(res.statusCode ?? 502);
+        });
+      });
+      up.end();
+    });
+  }
+
+  /** Joins the client and the service byte for byte until either side ends, the upstream is dropped, or `until`. */
+  function splice(u: Upstream, client: Duplex, service: Duplex, until: number | undefined): void {
+    u.pipes.add(client);
+    let expiry: NodeJS.Timeout | undefined;
     const end = () => {
-      upstream.destroy();
+      if (expiry) clearTimeout(expiry);
+      u.pipes.delete(client);
+      u.lastUsed = Date.now();
+      service.destroy();
       client.destroy();
     };
-    upstream.once("close", end);
+    if (until !== undefined) {
+      // setTimeout holds at most 2^31-1 ms: a far expiry is reached in steps.
+      const arm = () => {
+        const left = until - Date.now();
+        if (left <= 0) return end();
+        expiry = setTimeout(arm, Math.min(left, 0x7fffffff));
+      };
+      arm();
+    }
+    service.pipe(client);
+    client.pipe(service);
+    service.once("close", end);
     client.once("close", end);
-    upstream.on("error", end);
+    service.on("error", end);
     client.on("error", end);
   }
 
-  /** Drops kept-alive tunnels of a service whose machine is going away. */
-  function drop(serviceId: string) {
-    void pools.get(serviceId)?.destroy().catch(() => undefined);
-    pools.delete(serviceId);
+  /** Drops the kept-alive tunnels and open pipes of an upstream that is going away. */
+  function drop(key: string) {
+    const u = upstreams.get(key);
+    if (!u) return;
+    upstreams.delete(key);
+    void u.pool.destroy().catch(() => undefined);
+    for (const pipe of u.pipes) pipe.destroy();
+    for (const w of [...u.waiting]) w.fail(new KilnError("unavailable", "The service is going away", { detail: { retryable: true } }));
   }
 
   function close() {
-    for (const p of pools.values()) void p.destroy().catch(() => undefined);
-    pools.clear();
+    clearInterval(sweeper);
+    clearInterval(watchdog);
+    for (const key of [...upstreams.keys()]) drop(key);
   }
 
-  return { forward, upgrade, drop, close };
+  /** What the proxy holds for one upstream (tests and diagnostics). */
+  function stats(key: string) {
+    const u = upstreams.get(key);
+    return { active: u?.active ?? 0, waiting: u?.waiting.length ?? 0, pipes: u?.pipes.size ?? 0 };
+  }
+
+  return { forward, upgrade, drop, close, stats };
 }
 
-export type EdgeProxy = ReturnType<typeof createEdgeProxy>;
+export type UpstreamProxy = ReturnType<typeof createUpstreamProxy>;
+
+/** The status line and headers of an upstream answer as the client receives them, plus `extra` lines. */
+function responseHead(res: IncomingMessage, extra: string[]): string {
+  const lines = [`HTTP/1.1 ${res.statusCode} ${res.statusMessage ?? ""}`.trimEnd()];
+  const switching = res.statusCode === 101;
+  for (let i = 0; i < res.rawHeaders.length; i += 2) {
+    const name = res.rawHeaders[i].toLowerCase();
+    // A 101 keeps its Connection/Upgrade (they are the switch); other answers lose every hop-by-hop header.
+    if (!switching && (HOP_BY_HOP.has(name) || name === "content-length")) continue;
+    lines.push(`${res.rawHeaders[i]}: ${res.rawHeaders[i + 1]}`);
+  }
+  return [...lines, ...extra, "", ""].join("\r\n");
+}
 
 /** Request headers as the service receives them: no hop-by-hop headers and none of Kiln's edge credentials. */
-export function forwardedHeaders(headers: IncomingHttpHeaders, opts: { stripCookie: string; clientIp?: string; proto: string; keepUpgrade: boolean }): OutgoingHttpHeaders {
+export function forwardedHeaders(headers: IncomingHttpHeaders, opts: { stripCookie?: string; clientIp?: string; proto: string; keepUpgrade: boolean }): OutgoingHttpHeaders {
   const out: OutgoingHttpHeaders = {};
   const connectionTokens = new Set(String(headers.connection ?? "").toLowerCase().split(",").map((t) => t.trim()));
   for (const [name, value] of Object.entries(headers)) {
@@ -138,7 +427,7 @@ export function forwardedHeaders(headers: IncomingHttpHeaders, opts: { stripCook
     if (connectionTokens.has(name) && !opts.keepUpgrade) continue;
     out[name] = value;
   }
-  if (typeof headers.cookie === "string") {
+  if (opts.stripCookie && typeof headers.cookie === "string") {
     const kept = headers.cookie
       .split(";")
       .map((c) => c.trim())

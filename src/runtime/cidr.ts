@@ -21,15 +21,15 @@ export function parseCidr(text: string): Cidr | { error: string } {
   return { cidr: `${family === 4 ? bigIntToV4(value & mask) : bigIntToV6(value & mask)}/${bits}`, family };
 }
 
-function v4ToBigInt(addr: string): bigint {
+export function v4ToBigInt(addr: string): bigint {
   return addr.split(".").reduce((acc, o) => (acc << 8n) | BigInt(Number(o)), 0n);
 }
 
-function bigIntToV4(n: bigint): string {
+export function bigIntToV4(n: bigint): string {
   return [24n, 16n, 8n, 0n].map((s) => String((n >> s) & 255n)).join(".");
 }
 
-function v6ToBigInt(addr: string): bigint {
+export function v6ToBigInt(addr: string): bigint {
   let text = addr;
   // An embedded IPv4 tail (::ffff:1.2.3.4) becomes two groups.
   const v4 = /(\d+\.\d+\.\d+\.\d+)$/.exec(text);
@@ -44,6 +44,6 @@ function v6ToBigInt(addr: string): bigint {
   return groups.reduce((acc, g) => (acc << 16n) | BigInt(parseInt(g, 16)), 0n);
 }
 
-function bigIntToV6(n: bigint): string {
+export function bigIntToV6(n: bigint): string {
   return Array.from({ length: 8 }, (_, i) => ((n >> BigInt((7 - i) * 16)) & 0xffffn).toString(16)).join(":");
 }

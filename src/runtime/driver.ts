@@ -13,7 +13,7 @@ export interface EgressRules {
 export interface MachineSpec {
   /** Kiln machine id (`mch_…`); drivers use it to name their runtime objects. */
   id: string;
-  /** Read-only template layer directories, lowest first, already shifted into the mapped uid range. */
+  /** Read-only template layer directories, lowest first, owned in the canonical uid range (see oci/idmap.ts). */
   layers: string[];
   hostname: string;
   vcpus: number;
@@ -70,6 +70,13 @@ export interface DriverReadiness {
   runtime: string;
   ready: boolean;
   detail: string;
+  /** Whose host ids machines run on and who the kernel charges their per-user counters to. */
+  identity: {
+    uid_ranges: "per-machine" | "shared";
+    idmapped_mounts: boolean;
+    kernel_quotas: "per-machine" | "shared" | "gvisor";
+    detail: string;
+  };
   cgroup: { version: "v1" | "v2" | "hybrid" | "none"; enforced: string[] };
   network: string;
 }

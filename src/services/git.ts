@@ -112,11 +112,33 @@ export function parseStatus(out: string): GitStatus {
   return st;
 }
 
-/** A clone URL git may fetch from: no `<transport>::` helpers (ext:: runs commands) and no password in the URL. */
+/** Schemes whose user part is a credential (a token as the user name is common), so no user part is allowed. */
+const CREDENTIAL_USER_SCHEMES = new Set(["http", "https", "ftp", "ftps"]);
+
+/**
+ * A URL git may talk to, as a clone `url` or a `remote` given as an address: no `<transport>::` helpers (ext:: runs
+ * commands) and no credentials in it — no password in any scheme, no user part at all over HTTP(S) — because git
+ * writes remote addresses into .git/config (clone's origin, push --set-upstream's branch remote) and FETCH_HEAD.
+ * An ssh login name (`ssh://git@host/…`, `git@host:repo`) is not a credential and passes.
+ */
+export function checkRemoteUrl(value: string, field: "url" | "remote"): void {
+  if (value.startsWith("-")) throw new KilnError("invalid_request", `${field} must not start with '-'`);
+  if (/[\x00-\x1f\x7f]/.test(value)) throw new KilnError("invalid_request", `${field} must not hold control characters`);
+  if (/^[A-Za-z][A-Za-z0-9+.-]*::/.test(value)) throw new KilnError("invalid_request", `${field} must not name a git remote helper (<transport>::<address>)`);
+  const url = /^([A-Za-z][A-Za-z0-9+.-]*):\/\/([^/?#]*)/.exec(value);
+  if (!url) return; // a remote name, a path, or scp-like user@host:path (ssh, whose user part is a login name)
+  const authority = url[2];
+  const at = authority.lastIndexOf("@");
+  if (at < 0) return;
+  const userinfo = authority.slice(0, at);
+  if (userinfo.includes(":") || CREDENTIAL_USER_SCHEMES.has(url[1].toLowerCase())) {
+    throw new KilnError("invalid_request", `${field} must not carry credentials (user:password@ or a token as the user): pass them in auth, which is never written to the repository or the machine`);
+  }
+}
+
+/** A clone URL git may fetch from (see checkRemoteUrl). */
 export function checkCloneUrl(url: string): void {
-  if (url.startsWith("-")) throw new KilnError("invalid_request", "url must not start with '-'");
-  if (/^[A-Za-z][A-Za-z0-9+.-]*::/.test(url)) throw new KilnError("invalid_request", "url must not name a git remote helper (<transport>::<address>)");
-  if (/^[a-z][a-z0-9+.-]*:\/\/[^/@]*:[^/@]*@/i.test(url)) throw new KilnError("invalid_request", "url must not carry a password: pass credentials in auth, they are then never written to the repository's config");
+  checkRemoteUrl(url, "url");
 }
 
 /** SPEC.md's credentials object by kind: https needs username and password, ssh needs private_key. */
@@ -182,6 +204,7 @@ export function createGitService(machines: MachineService) {
       // Without a branch: the current one by name (so git's summary says `main -> main` and -u has a branch to track).
       // The lookup is local: it gets no credentials.
       checkAuth(input.auth);
+      if (input.remote !== undefined) checkRemoteUrl(input.remote, "remote");
       const local = { path: input.path, user: input.user, timeout_s: input.timeout_s };
       const branch = input.branch ?? (await git(id, local, ["symbolic-ref", "--quiet", "--short", "HEAD"]).catch(() => undefined))?.stdout.trim();
       const args = ["push", ...(input.set_upstream ? ["--set-upstream"] : []), "--end-of-options", input.remote ?? GIT_DEFAULT_REMOTE, branch || "HEAD"];
@@ -200,12 +223,14 @@ export function createGitService(machines: MachineService) {
     },
 
     async pull(id: string, input: Common & WithAuth & { remote?: string; branch?: string; rebase?: boolean }, signal?: AbortSignal) {
+      if (input.remote !== undefined) checkRemoteUrl(input.remote, "remote");
       const target = input.remote !== undefined || input.branch !== undefined ? ["--end-of-options", input.remote ?? GIT_DEFAULT_REMOTE, ...(input.branch ? [input.branch] : [])] : [];
       const r = await git(id, input, ["pull", "--no-edit", input.rebase ? "--rebase" : "--no-rebase", ...target], { signal });
       return { summary: summaryOf(r) };
     },
 
     async fetch(id: string, input: Common & WithAuth & { remote?: string; prune?: boolean }, signal?: AbortSignal) {
+      if (input.remote !== undefined) checkRemoteUrl(input.remote, "remote");
       const r = await git(id, input, ["fetch", ...(input.prune ? ["--prune"] : []), "--end-of-options", input.remote ?? GIT_DEFAULT_REMOTE], { signal });
       return { summary: summaryOf(r) || "Already up to date" };
     },

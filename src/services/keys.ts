@@ -27,6 +27,9 @@ export function generateKey(): string {
 export const KEY_FORMATS = ["kiln", "e2b"] as const;
 export type KeyFormat = (typeof KEY_FORMATS)[number];
 
+/** What generateKeyIn makes, in either format. */
+const ISSUED_KEY = /^(kiln_[0-9A-Za-z]{40}|e2b_[0-9a-f]{40})$/;
+
 export function generateKeyIn(format: KeyFormat): string {
   return format === "e2b" ? `e2b_${randomBytes(20).toString("hex")}` : generateKey();
 }
@@ -121,7 +124,18 @@ export function createKeyService(db: Db) {
     opts.log.info({ file, key_id: made.id }, "no API key was configured: wrote a new one to the file");
   }
 
-  return { create, list, revoke, verify, seed };
+  /**
+   * Whether a string is a key of this Kiln, revoked or not: in a format Kiln issues, or hashing to a stored key (an
+   * operator's KILN_API_KEY can be any string). The proxies use it to keep keys away from services.
+   */
+  async function isKey(candidate: string): Promise<boolean> {
+    if (ISSUED_KEY.test(candidate)) return true;
+    const hash = hashKey(candidate);
+    if (verified.has(hash)) return true;
+    return (await db.selectFrom("api_keys").select("id").where("hash", "=", hash).executeTakeFirst()) !== undefined;
+  }
+
+  return { create, list, revoke, verify, seed, isKey };
 }
 
 export type KeyService = ReturnType<typeof createKeyService>;

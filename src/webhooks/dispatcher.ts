@@ -7,6 +7,7 @@ import type { Db, DeliveryRow, WebhookRow } from "../store/schema.ts";
 import type { Logger } from "../log.ts";
 import { deliveryHeaders } from "./signing.ts";
 import { addressProblem, guardedLookup, ipLiteral, ReceiverRefusedError } from "./ssrf.ts";
+import type { Resolve } from "./ssrf.ts";
 import { onDeliveriesQueued } from "./outbox.ts";
 
 export const DELIVERY_STATUSES = ["queued", "in_progress", "succeeded", "dead_letter"] as const;
@@ -33,6 +34,8 @@ export interface DispatcherOptions {
   maxPerWebhook?: number;
   /** Longest sleep between looks at the store: other servers' inserts on PostgreSQL, expired claims. */
   idleMs?: number;
+  /** How receiver names are resolved (dns.lookup); tests give names addresses DNS here cannot. */
+  resolve?: Resolve;
 }
 
 /** What sending needs of a webhook, read with the claim so a PATCH (new URL, rotated secret) applies to the next attempt. */
@@ -58,7 +61,7 @@ export function createDispatcher(opts: DispatcherOptions) {
   const idleMs = opts.idleMs ?? (opts.dialect === "postgres" ? 1000 : 30_000);
   // A claim outlives the longest attempt by a wide margin; past it, another server may take the delivery over.
   const claimTtlMs = timeoutMs * 4;
-  const agent = new Agent({ connect: { lookup: guardedLookup(opts.allowPrivate), timeout: Math.min(10_000, timeoutMs) }, keepAliveTimeout: 4_000 });
+  const agent = new Agent({ connect: { lookup: guardedLookup(opts.allowPrivate, opts.resolve), timeout: Math.min(10_000, timeoutMs) }, keepAliveTimeout: 4_000 });
 
   let inFlight = 0;
   const perWebhook = new Map<string, number>();
@@ -198,15 +201,17 @@ export function createDispatcher(opts: DispatcherOptions) {
         signal: AbortSignal.timeout(timeoutMs),
       });
       statusCode = res.statusCode;
-      excerpt = await readExcerpt(res.body);
       retryAfterMs = parseRetryAfter(res.headers["retry-after"], started.getTime());
+      // The body is part of the attempt: one still dripping at the timeout fails it, whatever the status said.
+      excerpt = await readExcerpt(res.body);
       if (statusCode >= 300 && statusCode < 400) error = `redirects are not followed (${statusCode}${res.headers.location ? ` to ${String(res.headers.location)}` : ""})`;
       else if (statusCode >= 400) error = `the receiver answered ${statusCode}`;
     } catch (err) {
       error = describe(err, timeoutMs);
+      if (statusCode !== null) error += ` (the ${statusCode} answer's body did not finish)`;
     }
     const durationMs = Math.round(performance.now() - t0);
-    const ok = statusCode !== null && statusCode >= 200 && statusCode < 300;
+    const ok = error === null && statusCode !== null && statusCode >= 200 && statusCode < 300;
     const gone = statusCode === 410;
     const position = row.attempts - row.schedule_base; // attempts made in this round, this one included
     let status: DeliveryStatus = "succeeded";

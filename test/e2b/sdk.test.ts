@@ -334,7 +334,8 @@ test("a built Kiln template is an E2B templateID, by reference and by the templa
 
 test("getHost(port) carries a WebSocket upgrade to the sandbox's server, both ways", async () => {
   const token = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
-  // A minimal upgrade server: answers 101 to the handshake, then echoes every byte upper-cased.
+  // A minimal WebSocket server: answers 101 to the handshake, then echoes every byte upper-cased (the proxy carries
+  // the bytes as they are; framing is the two ends' business).
   await sbx.files.write(
     "/tmp/upgrade.py",
     [
@@ -342,7 +343,7 @@ test("getHost(port) carries a WebSocket upgrade to the sandbox's server, both wa
       "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', 8002)); s.listen(1)",
       "c, _ = s.accept(); buf = b''",
       "while b'\\r\\n\\r\\n' not in buf: buf += c.recv(1024)",
-      "c.sendall(b'HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: echo\\r\\nConnection: Upgrade\\r\\n\\r\\n')",
+      "c.sendall(b'HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\n\\r\\n')",
       "while True:",
       "    d = c.recv(1024)",
       "    if not d: break",
@@ -354,7 +355,7 @@ test("getHost(port) carries a WebSocket upgrade to the sandbox's server, both wa
   const url = new URL(k.url);
   const echoed = await new Promise<string>((resolve, reject) => {
     const tryOnce = (left: number) => {
-      const req = httpRequest({ host: url.hostname, port: url.port, path: "/", headers: { host: sbx.getHost(8002), connection: "Upgrade", upgrade: "echo", "e2b-traffic-access-token": token } });
+      const req = httpRequest({ host: url.hostname, port: url.port, path: "/", headers: { host: sbx.getHost(8002), connection: "Upgrade", upgrade: "websocket", "sec-websocket-version": "13", "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==", "e2b-traffic-access-token": token } });
       req.on("upgrade", (res, socket) => {
         assert.equal(res.statusCode, 101);
         socket.once("data", (d: Buffer) => {

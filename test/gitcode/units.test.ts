@@ -62,8 +62,8 @@ test("status --porcelain=v2 -z parses into branch, upstream, ahead/behind and fi
 });
 
 test("clone URLs: remote helpers, option-like URLs and passwords in URLs are refused", () => {
-  for (const bad of ["ext::sh -c id", "fd::3", "-u", "https://me:tok@github.com/a/b.git", "http://x:y@h/r"]) assert.throws(() => checkCloneUrl(bad), KilnError, bad);
-  for (const ok of ["https://github.com/a/b.git", "ssh://git@h:2222/r.git", "git@github.com:a/b.git", "https://token@h/r.git", "/srv/repo.git", "file:///srv/r"]) checkCloneUrl(ok);
+  for (const bad of ["ext::sh -c id", "fd::3", "-u", "https://me:tok@github.com/a/b.git", "http://x:y@h/r", "https://token@h/r.git", "HTTPS://tok%40en@h/r", "ssh://u:pass@h/r", "https://h\n/r"]) assert.throws(() => checkCloneUrl(bad), KilnError, bad);
+  for (const ok of ["https://github.com/a/b.git", "ssh://git@h:2222/r.git", "git@github.com:a/b.git", "/srv/repo.git", "file:///srv/r", "https://h/r?x=a@b"]) checkCloneUrl(ok);
 });
 
 test("credentials are checked by kind", () => {

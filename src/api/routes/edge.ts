@@ -11,7 +11,9 @@ import { KilnError, toEnvelope } from "../../errors.ts";
 import { newId } from "../../store/ids.ts";
 import { scrubUrl } from "../../log.ts";
 import type { Logger } from "../../log.ts";
-import { createEdgeProxy, forwardedHeaders } from "../../deployments/proxy.ts";
+import { acceptWebSocket, createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHeaders, isWebSocketUpgrade } from "../../deployments/proxy.ts";
+import type { ProxyLimits } from "../../deployments/proxy.ts";
+import { mayCarryKilnCredentials, rememberedCheck, stripKilnCredentials } from "../../deployments/credentials.ts";
 
 /** The cookie that carries the edge token after the first request, so a browser's relative requests work too. */
 export const EDGE_COOKIE = "kiln_edge";
@@ -64,10 +66,12 @@ export function edgeTarget(url: string): EdgeTarget | undefined {
   };
 }
 
-export function createEdge(opts: { services: Services; log: Logger; secureCookies: boolean }) {
+export function createEdge(opts: { services: Services; log: Logger; secureCookies: boolean; limits?: ProxyLimits }) {
   const { deployments } = opts.services;
-  const proxy = createEdgeProxy((id) => deployments.openServicePort(id));
+  const proxy = createUpstreamProxy((id) => deployments.openServicePort(id), opts.limits ?? DEFAULT_PROXY_LIMITS);
   deployments.setProxy(proxy);
+  // A Kiln API key sent along (a client that adds its key to every request to Kiln's host) never reaches a service.
+  const isKilnKey = rememberedCheck((c) => opts.services.keys.isKey(c));
 
   /** Authorises the request; answers the token's expiry. Throws 401/503 as KilnErrors. */
   function authorize(serviceId: string, queryToken: string | undefined, cookie: string | undefined): number {
@@ -87,6 +91,7 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
     if (!METHODS.has(req.method ?? "")) throw new KilnError("method_not_allowed", `${req.method} is not allowed on the edge`);
     const expiresAtMs = authorize(target.serviceId, target.queryToken, req.headers.cookie);
     const headers = forwardedHeaders(req.headers, { stripCookie: EDGE_COOKIE, clientIp: req.socket.remoteAddress, proto: opts.secureCookies ? "https" : "http", keepUpgrade: false });
+    if (mayCarryKilnCredentials(headers)) await stripKilnCredentials(headers, isKilnKey);
     // Later relative requests from a browser carry the token as a cookie scoped to this service's path.
     const cookie = target.queryToken
       ? [`${EDGE_COOKIE}=${target.queryToken}; Path=${PREFIX}${target.serviceId}/; Max-Age=${Math.max(0, Math.floor((expiresAtMs - Date.now()) / 1000))}; HttpOnly; SameSite=Lax${opts.secureCookies ? "; Secure" : ""}`]
@@ -127,20 +132,27 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
     return true;
   }
 
-  /** WebSocket upgrades (through Fastify and @fastify/websocket's upgrade hand-off): spliced byte for byte. */
+  /**
+   * WebSocket upgrades (through Fastify and @fastify/websocket's upgrade hand-off). Only a WebSocket handshake is
+   * honoured (the server hands every other Upgrade to handleRequest as a plain request), and only the service's
+   * 101 to it makes a pipe; the pipe closes when the token that opened it expires.
+   */
   async function handleUpgrade(req: FastifyRequest, reply: FastifyReply) {
     const target = edgeTarget(req.url);
     if (!target || "redirect" in target) throw new KilnError("not_found", "WebSocket upgrades need /edge/<service_id>/…");
-    authorize(target.serviceId, target.queryToken, req.headers.cookie);
+    if (!isWebSocketUpgrade(req.raw)) throw new KilnError("invalid_request", "The edge upgrades only to WebSocket");
+    const expiresAtMs = authorize(target.serviceId, target.queryToken, req.headers.cookie);
     const headers = forwardedHeaders(req.headers, { stripCookie: EDGE_COOKIE, clientIp: req.ip, proto: opts.secureCookies ? "https" : "http", keepUpgrade: true });
+    if (mayCarryKilnCredentials(headers)) await stripKilnCredentials(headers, isKilnKey);
     reply.hijack();
     const socket = req.raw.socket;
     try {
-      await proxy.upgrade(target.serviceId, { method: req.method, path: target.path, headers: headers as Record<string, string> }, socket, upgradeHead(req));
-      req.log.info({ method: req.method, url: scrubUrl(req.url), status: 101 }, "request");
+      const status = await proxy.upgrade(target.serviceId, { method: req.method, path: target.path, headers }, socket, upgradeHead(req), { accept: acceptWebSocket, until: expiresAtMs });
+      req.log.info({ method: req.method, url: scrubUrl(req.url), status }, "request");
     } catch (err) {
-      req.log.info({ err, url: scrubUrl(req.url) }, "edge upgrade failed");
-      socket.end("HTTP/1.1 502 Bad Gateway\r\nconnection: close\r\ncontent-length: 0\r\n\r\n");
+      const status = err instanceof KilnError ? (err.code === "timeout" ? 504 : err.code === "unavailable" && err.detail?.retryable ? 503 : 502) : 502;
+      req.log.info({ err, url: scrubUrl(req.url), status }, "edge upgrade failed");
+      socket.end(`HTTP/1.1 ${status} ${status === 504 ? "Gateway Timeout" : status === 503 ? "Service Unavailable" : "Bad Gateway"}\r\nconnection: close\r\ncontent-length: 0\r\n\r\n`);
     }
   }
 

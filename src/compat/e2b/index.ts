@@ -13,6 +13,7 @@ import { sendUnaryError } from "./connect.ts";
 import { createProcessRegistry } from "./processes.ts";
 import { createTokens, loadTokenSecret } from "./token.ts";
 import { installPortProxy, SANDBOX_HOST_RE } from "./ports.ts";
+import type { ProxyLimits } from "../../deployments/proxy.ts";
 
 export const ENVD_PORT = 49983;
 
@@ -21,6 +22,8 @@ export interface E2bOptions {
   dataDir: string;
   /** KILN_PUBLIC_URL: its host is the `domain` sandboxes report. */
   publicUrl: string;
+  /** The port proxy's shares and waits (the edge's, KILN_EDGE_*). */
+  limits?: ProxyLimits;
 }
 
 /** The sandbox an envd request is for, or undefined when the request is not an envd request. */
@@ -91,7 +94,7 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
 
   // After ready, so the websocket plugin's upgrade listener is among those it passes everything else to.
   app.addHook("onReady", (done) => {
-    installPortProxy(app.server, { machines: services.machines, verify: tokens.verify, envdPort: ENVD_PORT });
+    installPortProxy(app.server, { machines: services.machines, verify: tokens.verify, isKey: services.keys.isKey, envdPort: ENVD_PORT, proto: new URL(opts.publicUrl).protocol.replace(":", ""), limits: opts.limits });
     done();
   });
 

@@ -1,12 +1,15 @@
 // `sandbox.getHost(port)` reached through Kiln: a request whose Host is `<port>-<sandbox id>.<domain>` (any port
-// but envd's) goes, HTTP or WebSocket, to that port inside the machine through the guest agent's tunnel.
+// but envd's) goes, HTTP or WebSocket, to that port inside the machine through the guest agent's tunnel, on the
+// edge's proxy (the same shares, timeouts, credential rules and WebSocket-only upgrades as public URLs).
 // It is taken off the HTTP server before Fastify routes it: its path belongs to the machine's server, not to Kiln.
 
-import { request as httpRequest } from "node:http";
 import type { IncomingMessage, Server, ServerResponse } from "node:http";
 import type { Duplex } from "node:stream";
 import type { MachineService } from "../../services/machines.ts";
 import { KilnError } from "../../errors.ts";
+import { acceptWebSocket, createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHeaders, isWebSocketUpgrade } from "../../deployments/proxy.ts";
+import type { ProxyLimits } from "../../deployments/proxy.ts";
+import { rememberedCheck, stripKilnCredentials } from "../../deployments/credentials.ts";
 
 /** The machine port a request is for, or undefined (envd's port and Kiln's own names are not port requests). */
 export function portTargetOf(host: string | undefined, envdPort: number): { port: number; sandboxId: string } | undefined {
@@ -20,70 +23,72 @@ export function portTargetOf(host: string | undefined, envdPort: number): { port
 /** Only a Kiln machine id makes a Host a sandbox's, so a Kiln host that happens to start `<digits>-` stays Kiln's. */
 export const SANDBOX_HOST_RE = /^(\d{1,5})-(mch_[0-9a-z]{26})\./;
 
-const HOP_BY_HOP = new Set(["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer", "proxy-authorization"]);
+export interface PortProxyDeps {
+  machines: MachineService;
+  /** Whether a token is this sandbox's access token (may ask the store: a token is good while its key is). */
+  verify: (sandboxId: string, token: unknown) => boolean | Promise<boolean>;
+  /** Whether a string is one of Kiln's API keys (revoked or not): such a key never reaches the sandbox's server. */
+  isKey: (candidate: string) => Promise<boolean>;
+  envdPort: number;
+  proto: string;
+  limits?: ProxyLimits;
+}
 
-export function installPortProxy(server: Server, deps: { machines: MachineService; verify: (sandboxId: string, token: unknown) => boolean; envdPort: number }) {
-  async function open(req: IncomingMessage) {
-    const target = portTargetOf(req.headers.host, deps.envdPort)!;
-    // Traffic needs the sandbox's token (E2B's `e2b-traffic-access-token`, or its envd token header).
-    const token = req.headers["e2b-traffic-access-token"] ?? req.headers["x-access-token"];
-    if (!deps.verify(target.sandboxId, token)) throw new KilnError("unauthorized", "send the sandbox's access token in e2b-traffic-access-token");
-    const { agent } = await deps.machines.agentOf(target.sandboxId);
-    return agent.connectPort(target.port).catch((err: { status?: number; message?: string }) => {
-      throw new KilnError(err?.status === 502 || err?.status === 404 ? "unavailable" : "machine_not_running", err?.message ?? "the port is not reachable");
+export function installPortProxy(server: Server, deps: PortProxyDeps) {
+  const isKilnKey = rememberedCheck(deps.isKey);
+  // One upstream per sandbox port, keyed `<sandbox id>:<port>`.
+  const proxy = createUpstreamProxy(async (key) => {
+    const [sandboxId, port] = key.split(":");
+    const { agent } = await deps.machines.agentOf(sandboxId);
+    return agent.connectPort(Number(port)).catch((err: { status?: number; message?: string }) => {
+      throw err?.status === 502 || err?.status === 404
+        ? new KilnError("unavailable", err?.message ?? "nothing is listening on that port", { detail: { retryable: false } })
+        : new KilnError("machine_not_running", err?.message ?? "the port is not reachable");
     });
+  }, deps.limits ?? DEFAULT_PROXY_LIMITS);
+  server.once("close", () => proxy.close());
+
+  /** The sandbox port, once the request carries that sandbox's token (E2B's `e2b-traffic-access-token`, or envd's header). */
+  async function authorize(req: IncomingMessage) {
+    const target = portTargetOf(req.headers.host, deps.envdPort)!;
+    const token = req.headers["e2b-traffic-access-token"] ?? req.headers["x-access-token"];
+    if (!(await deps.verify(target.sandboxId, token))) throw new KilnError("unauthorized", "send the sandbox's access token in e2b-traffic-access-token");
+    return target;
+  }
+
+  /** What crosses into the sandbox: hop-by-hop headers, the sandbox's token and any Kiln key stay out. */
+  async function headersFor(req: IncomingMessage, sandboxId: string, keepUpgrade: boolean) {
+    const headers = forwardedHeaders(req.headers, { clientIp: req.socket.remoteAddress, proto: deps.proto, keepUpgrade });
+    await stripKilnCredentials(headers, async (c) => (await deps.verify(sandboxId, c)) || isKilnKey(c));
+    return headers;
+  }
+
+  /** E2B's answers for what Kiln refuses: 502 when nothing listens, 503 busy, 504 no answer in time. */
+  function statusOf(err: unknown): { status: number; message: string } {
+    const e = err instanceof KilnError ? err : new KilnError("unavailable", "the port could not be reached", { detail: { retryable: false } });
+    const status = e.code === "unavailable" ? (e.detail?.retryable ? 503 : 502) : e.status;
+    return { status, message: e.code === "internal" ? "Internal error" : e.message };
   }
 
   function refuse(res: ServerResponse, err: unknown) {
-    const e = err instanceof KilnError ? err : new KilnError("internal", "the port could not be reached");
-    const status = e.code === "unavailable" ? 502 : e.status;
-    if (!res.headersSent) res.writeHead(status, { "content-type": "application/json" });
-    res.end(JSON.stringify({ code: status, message: e.code === "internal" ? "Internal error" : e.message }));
+    const { status, message } = statusOf(err);
+    if (res.headersSent) return void res.destroy();
+    res.writeHead(status, { "content-type": "application/json" });
+    res.end(JSON.stringify({ code: status, message }));
   }
 
-  function proxyHttp(req: IncomingMessage, res: ServerResponse) {
-    open(req).then(
-      (socket) => {
-        const headers: Record<string, string | string[]> = {};
-        for (const [k, v] of Object.entries(req.headers)) if (v !== undefined && !HOP_BY_HOP.has(k) && k !== "x-access-token" && k !== "e2b-traffic-access-token") headers[k] = v;
-        const up = httpRequest({ method: req.method, path: req.url, headers, createConnection: () => socket });
-        up.on("response", (r) => {
-          const out: Record<string, string | string[]> = {};
-          for (const [k, v] of Object.entries(r.headers)) if (v !== undefined && !HOP_BY_HOP.has(k)) out[k] = v;
-          res.writeHead(r.statusCode ?? 502, out);
-          r.pipe(res);
-        });
-        up.on("error", (err) => refuse(res, err));
-        res.on("close", () => up.destroy());
-        req.pipe(up);
-      },
-      (err) => refuse(res, err),
-    );
+  async function proxyHttp(req: IncomingMessage, res: ServerResponse) {
+    const target = await authorize(req);
+    const headers = await headersFor(req, target.sandboxId, false);
+    await proxy.forward(`${target.sandboxId}:${target.port}`, { method: req.method ?? "GET", path: req.url ?? "/", headers, body: req.method === "GET" || req.method === "HEAD" ? undefined : req }, res, () => ({}));
   }
 
-  function proxyUpgrade(req: IncomingMessage, client: Duplex, head: Buffer) {
-    client.on("error", () => undefined);
-    open(req).then(
-      (socket) => {
-        socket.on("error", () => client.destroy());
-        client.on("close", () => socket.destroy());
-        socket.on("close", () => client.destroy());
-        const lines = [`${req.method} ${req.url} HTTP/1.1`];
-        for (let i = 0; i < req.rawHeaders.length; i += 2) {
-          const name = req.rawHeaders[i].toLowerCase();
-          if (name !== "x-access-token" && name !== "e2b-traffic-access-token") lines.push(`${req.rawHeaders[i]}: ${req.rawHeaders[i + 1]}`);
-        }
-        socket.write(lines.join("\r\n") + "\r\n\r\n");
-        if (head.length) socket.write(head);
-        socket.pipe(client);
-        client.pipe(socket);
-      },
-      (err) => {
-        const e = err instanceof KilnError ? err : new KilnError("internal", "the port could not be reached");
-        const status = e.code === "unavailable" ? 502 : e.status;
-        client.end(`HTTP/1.1 ${status} Refused\r\nconnection: close\r\ncontent-length: 0\r\n\r\n`);
-      },
-    );
+  async function proxyUpgrade(req: IncomingMessage, client: Duplex, head: Buffer) {
+    // The server only emits upgrades that are WebSocket handshakes (see server.ts); checked again, as the edge does.
+    if (!isWebSocketUpgrade(req)) throw new KilnError("invalid_request", "only WebSocket upgrades are carried to a sandbox's port");
+    const target = await authorize(req);
+    const headers = await headersFor(req, target.sandboxId, true);
+    await proxy.upgrade(`${target.sandboxId}:${target.port}`, { method: req.method ?? "GET", path: req.url ?? "/", headers }, client, head, { accept: acceptWebSocket });
   }
 
   // Fastify's own listeners run for everything else, exactly as before.
@@ -93,8 +98,19 @@ export function installPortProxy(server: Server, deps: { machines: MachineServic
     server.on(event, (...args: unknown[]) => {
       const req = args[0] as IncomingMessage;
       if (portTargetOf(req.headers.host, deps.envdPort)) {
-        if (event === "request") return proxyHttp(req, args[1] as ServerResponse);
-        return proxyUpgrade(req, args[1] as Duplex, args[2] as Buffer);
+        if (event === "request") {
+          const res = args[1] as ServerResponse;
+          return void proxyHttp(req, res).catch((err: unknown) => {
+            req.resume(); // an unread body must not hold the connection
+            refuse(res, err);
+          });
+        }
+        const client = args[1] as Duplex;
+        client.on("error", () => undefined);
+        return void proxyUpgrade(req, client, args[2] as Buffer).catch((err: unknown) => {
+          const { status } = statusOf(err);
+          client.end(`HTTP/1.1 ${status} Refused\r\nconnection: close\r\ncontent-length: 0\r\n\r\n`);
+        });
       }
       for (const l of previous) l(...args);
     });

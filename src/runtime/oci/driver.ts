@@ -12,8 +12,9 @@ import { DEFAULT_DISK_MB } from "../driver.ts";
 import type { DriverReadiness, LiveMachine, MachineCheckpoint, MachineDriver, MachineSpec } from "../driver.ts";
 import type { Logger } from "../../log.ts";
 import { guestRuntimeComplete } from "../guest-runtime.ts";
-import { HOST_ID_BASE } from "./idmap.ts";
-import { AGENT_SOCKET_NAME, machineSpec } from "./spec.ts";
+import { CANONICAL_BASE } from "./idmap.ts";
+import { createMachineIdentities, scratchDir } from "./identity.ts";
+import { AGENT_SOCKET_NAME, machineNofileSoft, machineSpec } from "./spec.ts";
 import { detectCgroups, removeCgroups } from "./cgroups.ts";
 import { isMounted } from "./mounts.ts";
 import { machineUsage } from "./usage.ts";
@@ -37,6 +38,8 @@ const PIDS_LIMIT = 4096;
 const SPARE_DISKS = 3;
 /** Machine ids become path components and runtime ids: nothing but these characters. */
 const SAFE_ID = /^[A-Za-z0-9][A-Za-z0-9_-]{0,100}$/;
+/** One per host: every Kiln server on it takes machines' uid ranges from the same pool. */
+const DEFAULT_ID_RANGES_DIR = "/var/lib/kiln/id-ranges";
 
 export interface OciDriverOptions {
   dataDir: string;
@@ -46,6 +49,12 @@ export interface OciDriverOptions {
   hostAccess: boolean;
   log: Logger;
   guestRuntimeDir: string;
+  /** `auto` (default): each machine on its own host ids where the host allows; `shared`: all on one range. */
+  identity?: "auto" | "shared";
+  /** Where the mount helper is compiled (default `<dataDir>/cache/bin`); servers sharing a cache share it. */
+  helperDir?: string;
+  /** The host-wide claims of machines' uid ranges (default /var/lib/kiln/id-ranges): one per host, not per server. */
+  idRangesDir?: string;
 }
 
 type Paths = ReturnType<typeof machinePaths>;
@@ -160,7 +169,16 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   const paths = (id: string) => machinePaths(machinesDir, id, opts.runtime);
   const cli = createRuntimeCli({ runtime: opts.runtime, stateRoot, runscPlatform: opts.runscPlatform });
   const passFd = opts.runtime === "runc";
-  const disks = createDiskStock({ dir: join(opts.dataDir, "disk-stock"), sizeMb: DEFAULT_DISK_MB, count: SPARE_DISKS, owner: HOST_ID_BASE, log: opts.log });
+  // Disks are stored in the canonical range like every file at rest; a machine on its own range sees them idmapped.
+  const disks = createDiskStock({ dir: join(opts.dataDir, "disk-stock"), sizeMb: DEFAULT_DISK_MB, count: SPARE_DISKS, owner: CANONICAL_BASE, log: opts.log });
+  const identities = createMachineIdentities({
+    runtime: opts.runtime,
+    mode: opts.identity ?? "auto",
+    helperDir: opts.helperDir ?? join(opts.dataDir, "cache", "bin"),
+    rangesDir: opts.idRangesDir ?? DEFAULT_ID_RANGES_DIR,
+    probeDirs: [opts.dataDir],
+    log: opts.log,
+  });
   const egress = createEgress();
   const limitSwap = existsSync("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes") || (cgroups.version === "v2" && cgroups.enforced.includes("memory"));
   let readinessCache: { at: number; value: DriverReadiness } | undefined;
@@ -171,19 +189,26 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     if ((st.mode & 0o001) === 0) chmodSync(dir, st.mode | 0o111);
   }
 
-  async function mountRoot(spec: MachineSpec, p: Paths) {
-    if (isMounted(p.rootfs)) return;
-    await Promise.all([mkdir(p.rootfs, { recursive: true }), mountWritableLayer(p.layer, spec.diskMb ?? DEFAULT_DISK_MB, HOST_ID_BASE, disks)]);
+  /**
+   * Mounts the machine's disk and, unless the mount helper does it in front of the runtime (`viaHelper`), its overlay
+   * root. Resolves to whether the overlay is still to be mounted.
+   */
+  async function mountRoot(spec: MachineSpec, p: Paths, viaHelper: boolean): Promise<boolean> {
+    if (isMounted(p.rootfs)) return false;
+    await Promise.all([mkdir(p.rootfs, { recursive: true }), mountWritableLayer(p.layer, spec.diskMb ?? DEFAULT_DISK_MB, CANONICAL_BASE, disks)]);
     for (const layer of spec.layers) if (!existsSync(layer)) throw new Error(`template layer ${layer} is missing`);
+    if (viaHelper) return true;
     const lower = [...spec.layers].reverse().join(":"); // overlayfs lists the highest layer first
     try {
       await exec("mount", ["-t", "overlay", "overlay", "-o", `lowerdir=${lower},upperdir=${p.layer.upper},workdir=${p.layer.work}`, p.rootfs]);
     } catch (err) {
       throw new Error(`mounting the root of ${spec.id} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
     }
+    return false;
   }
 
   async function unmountRoot(p: Paths) {
+    await identities.unmountLeftovers(p.dir);
     if (existsSync(p.rootfs) && isMounted(p.rootfs)) {
       await exec("umount", [p.rootfs]).catch(() => exec("umount", ["-l", p.rootfs]));
       if (isMounted(p.rootfs)) throw new Error(`${p.rootfs} is still mounted`);
@@ -227,6 +252,14 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   async function boot(spec: MachineSpec): Promise<LiveMachine> {
     const t0 = performance.now();
     const p = paths(spec.id);
+    const ids = await identities.read(p.dir);
+    const viaHelper = identities.usesHelper(ids);
+    // On its own range a machine sees volumes through idmapped copies the helper attaches in its dir.
+    const binds = ids.idmapped ? spec.mounts.map((m, i) => ({ source: m.hostPath, target: join(scratchDir(p.dir), `v${i}`), readOnly: m.readOnly === true })) : [];
+    if (viaHelper) {
+      await mkdir(scratchDir(p.dir), { recursive: true });
+      await chmod(scratchDir(p.dir), 0o711);
+    }
     // runsc takes its network from a namespace that is already wired when the sandbox starts. (A fresh machine has
     // none yet; start() released the last boot's before calling here.)
     const netnsFirst = opts.runtime === "runsc" && spec.internet;
@@ -245,7 +278,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       runDir: p.run,
       listenFd: passFd,
       etc: { hosts: join(p.etc, "hosts"), hostname: join(p.etc, "hostname"), resolv: join(p.etc, "resolv.conf") },
-      mounts: spec.mounts,
+      mounts: ids.idmapped ? spec.mounts.map((m, i) => ({ ...m, hostPath: binds[i].target })) : spec.mounts,
       vcpus: spec.vcpus,
       memoryMb: spec.memoryMb,
       limitSwap,
@@ -254,12 +287,21 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       cgroupsPath: `/kiln/${spec.id}`,
       runtime: opts.runtime,
       netnsPath: netnsFirst ? p.netns : undefined,
+      ids: identities.specIds(ids, p.dir),
     });
-    await Promise.all([writeFile(join(p.dir, "config.json"), JSON.stringify(config)), rm(p.socket, { force: true }), rm(p.pidFile, { force: true }), mountRoot(spec, p)]);
+    const [, , , rootPending] = await Promise.all([writeFile(join(p.dir, "config.json"), JSON.stringify(config)), rm(p.socket, { force: true }), rm(p.pidFile, { force: true }), mountRoot(spec, p, viaHelper)]);
     // runsc: the agent (machine root) makes its socket in the bound run dir, which is locked again once it has.
-    if (!passFd) await chown(p.run, HOST_ID_BASE, HOST_ID_BASE);
+    if (!passFd) await chown(p.run, ids.hostBase, ids.hostBase);
     // A restored agent has no socket and listens again once this appears (it polls; nothing can reach it yet).
     if (spec.restore) await writeFile(join(p.run, RELISTEN_FILE), "");
+
+    /** The runtime's command line; behind the mount helper when the machine has its own ids or namespace. */
+    const runtimeCommand = async () => {
+      const run = cli.runCommand({ id: spec.id, bundleDir: p.dir, pidFile: p.pidFile, internet: spec.internet, passListener: passFd, restoreFrom: spec.restore?.imageDir });
+      if (!viaHelper) return run;
+      const root = rootPending ? p.rootfs : undefined;
+      return identities.command(ids, { dir: p.dir, layers: spec.layers, disk: p.layer.mountPoint, rootfs: root, binds, nofile: { soft: machineNofileSoft(nofile), hard: nofile } }, run);
+    };
 
     let pid: number | undefined;
     const listener = passFd ? await hostListener(p.socket) : undefined;
@@ -269,8 +311,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     agentReady?.catch(() => undefined);
     const log = openSync(p.log, "a");
     try {
+      const [command, args] = await runtimeCommand();
       await new Promise<void>((resolve, reject) => {
-        const [command, args] = cli.runCommand({ id: spec.id, bundleDir: p.dir, pidFile: p.pidFile, internet: spec.internet, passListener: listener !== undefined, restoreFrom: spec.restore?.imageDir });
         const child = spawn(command, args, { stdio: listener ? ["ignore", log, log, listener.fd] : ["ignore", log, log] });
         child.once("error", (err) => reject(new Error(`${opts.runtime} could not be started: ${err.message}`)));
         child.once("exit", (code, signal) => (code === 0 ? resolve() : reject(new Error(`${opts.runtime} run of ${spec.id} exited ${code ?? signal}`))));
@@ -312,7 +354,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     ensureTraversable(machinesDir);
     await mkdir(p.dir, { mode: 0o711 });
     if (!passFd) await mkdir(p.run);
-    await Promise.all([writeEtc(spec, p), writeFile(p.spec, JSON.stringify(spec))]);
+    await Promise.all([writeEtc(spec, p), writeFile(p.spec, JSON.stringify(spec)), identities.assign(p.dir, spec.layers)]);
     opts.log.debug({ machine_id: spec.id, prepare_ms: Math.round((performance.now() - t0) * 10) / 10 }, "machine prepared");
     return boot(spec);
   }
@@ -370,7 +412,9 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     await cli.remove(id);
     await Promise.all([releaseNetwork(id, p), removeCgroups(cgroups, `kiln/${id}`)]);
     await unmountRoot(p);
-    // Only once nothing is mounted under it: rm -r through a live overlay would write whiteouts, not free space.
+    // The range goes back while the dir still names it (see id-ranges.ts), and the dir only once nothing is mounted
+    // under it: rm -r through a live overlay would write whiteouts, not free space.
+    await identities.release(p.dir);
     await rm(p.dir, { recursive: true, force: true });
   }
 
@@ -397,6 +441,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       runtime: opts.runtime,
       ready: problems.length === 0,
       detail: problems.length ? problems.join("; ") : version,
+      identity: await identities.readiness(),
       cgroup: cgroups,
       network: slirp
         ? `slirp4netns (user-mode NAT per machine${opts.runtime === "runsc" ? ", into gVisor's own network stack" : ""}); loopback only when internet is off; egress: ${egress.describe()}`
@@ -459,7 +504,9 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
         throw new Error(`taking the layer of ${id} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
       }
       await unmountWritableLayer(p.layer);
+      await identities.unmountLeftovers(p.dir);
       // What is left (bundle, the disk image, sockets) goes as in destroy; the runtime already has no container.
+      await identities.release(p.dir);
       await rm(p.dir, { recursive: true, force: true });
     },
 

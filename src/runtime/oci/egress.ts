@@ -10,6 +10,7 @@ import { existsSync, readFileSync } from "node:fs";
 import { mkdir, readFile, rm, rmdir, writeFile } from "node:fs/promises";
 import { isIPv4, isIPv6 } from "node:net";
 import { parseCidr } from "../cidr.ts";
+import { refusedCidrs } from "../../net/addresses.ts";
 import type { Cidr } from "../cidr.ts";
 import type { EgressRules } from "../driver.ts";
 import { join } from "node:path";
@@ -20,8 +21,8 @@ const EGRESS_CGROUP = "kiln-egress";
 /** Level 2: whether host loopback (host.kiln.internal) is reachable. Level 3 is the machine. */
 const GROUPS = { hostAccess: "host-access", isolated: "isolated" } as const;
 
-const BLOCKED_V4 = ["0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4"];
-const BLOCKED_V6 = ["::/127", "::ffff:0:0/96", "fc00::/7", "fe80::/10", "ff00::/8"];
+// Kiln's one outbound-address classifier decides what is private or never reachable, IPv6 forms carrying IPv4 included.
+const { v4: BLOCKED_V4, v6: BLOCKED_V6 } = refusedCidrs();
 
 /** Where the cgroup v2 hierarchy is mounted (its own mount on hybrid v1+v2 hosts), or undefined without one. */
 function cgroupV2Root(): { path: string; nftPrefix: string } | undefined {

@@ -1,8 +1,8 @@
 // The OCI runtime spec (config.json) of a machine: the guest agent as its first process under tini, a user
-// namespace mapping machine ids onto an unprivileged host range, Docker's default capabilities, no_new_privileges,
+// namespace mapping machine ids onto the machine's unprivileged host range, Docker's default capabilities, no_new_privileges,
 // seccomp, masked /proc paths, cgroup limits, and the binds the platform injects (/opt/kiln, /run/kiln, /etc files).
 
-import { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
+import { ID_RANGE } from "./idmap.ts";
 import { defaultSeccomp } from "./seccomp.ts";
 import { GUEST_LOADER } from "../guest-runtime.ts";
 
@@ -75,6 +75,16 @@ export interface SpecInput {
   runtime: "runc" | "runsc";
   /** A network namespace made beforehand (runsc with internet); otherwise the runtime makes a new one. */
   netnsPath?: string;
+  /**
+   * The machine's host ids: machine id 0 is `hostBase`. With `usernsPath` the runtime joins the user namespace the
+   * mount helper made (owned by the machine's own host uid, mapped the same way) instead of making one.
+   */
+  ids: { hostBase: number; usernsPath?: string };
+}
+
+/** The machine's soft open-file limit under a hard limit of `hard` (many programs loop up to it when they fork). */
+export function machineNofileSoft(hard: number): number {
+  return Math.min(hard, 65_536);
 }
 
 function bind(source: string, destination: string, readonly: boolean) {
@@ -82,7 +92,8 @@ function bind(source: string, destination: string, readonly: boolean) {
 }
 
 export function machineSpec(input: SpecInput) {
-  const idMap = [{ containerID: 0, hostID: HOST_ID_BASE, size: ID_RANGE }];
+  const idMap = [{ containerID: 0, hostID: input.ids.hostBase, size: ID_RANGE }];
+  const joinsUserns = input.ids.usernsPath !== undefined;
   return {
     ociVersion: "1.0.2",
     process: {
@@ -102,8 +113,9 @@ export function machineSpec(input: SpecInput) {
       env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8"],
       cwd: "/",
       capabilities: { bounding: CAPS, effective: CAPS, permitted: CAPS },
-      // Without a limit here the machine inherits the control plane's, which may be anything.
-      rlimits: [{ type: "RLIMIT_NOFILE", hard: input.nofile, soft: Math.min(input.nofile, 65_536) }],
+      // Without a limit here the machine inherits the control plane's, which may be anything. In a namespace it did
+      // not make, the runtime cannot set one (prlimit needs CAP_SYS_RESOURCE there): the helper that made it does.
+      ...(joinsUserns ? {} : { rlimits: [{ type: "RLIMIT_NOFILE", hard: input.nofile, soft: machineNofileSoft(input.nofile) }] }),
       noNewPrivileges: true,
       oomScoreAdj: OOM_SCORE_ADJ,
     },
@@ -127,7 +139,7 @@ export function machineSpec(input: SpecInput) {
     linux: {
       uidMappings: idMap,
       gidMappings: idMap,
-      namespaces: [{ type: "pid" }, { type: "ipc" }, { type: "uts" }, { type: "mount" }, input.netnsPath ? { type: "network", path: input.netnsPath } : { type: "network" }, { type: "user" }, ...(input.runtime === "runc" ? [{ type: "cgroup" }] : [])],
+      namespaces: [{ type: "pid" }, { type: "ipc" }, { type: "uts" }, { type: "mount" }, input.netnsPath ? { type: "network", path: input.netnsPath } : { type: "network" }, joinsUserns ? { type: "user", path: input.ids.usernsPath } : { type: "user" }, ...(input.runtime === "runc" ? [{ type: "cgroup" }] : [])],
       cgroupsPath: input.cgroupsPath,
       resources: {
         devices: [{ allow: false, access: "rwm" }],

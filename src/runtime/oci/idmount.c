@@ -1,0 +1,357 @@
+// kiln-idmount: the mount and namespace calls runc 1.1 and util-linux 2.38 cannot make, for one machine boot.
+// Built from this file by src/runtime/oci/idmount.ts (gcc, at first use) and run by the oci driver in front of the
+// runtime's own command line, so a boot costs one exec more than the runtime alone, not one per mount.
+//
+//   kiln-idmount probe DIR...
+//       exits 0 when every DIR's filesystem can be seen through an idmapped mount (kernel >= 5.19 and fs support).
+//
+//   kiln-idmount boot [OPTIONS] [-- COMMAND ARGS...]
+//     --userns FILE --owner UID --map HOSTBASE [--sysctl NAME=VALUE]... [--rlimit NAME=VALUE]...
+//         makes the machine's user namespace, owned by host uid OWNER — so the kernel charges every per-user counter
+//         of the machine (inotify instances and watches, message queue bytes, pending signals, locked memory) to
+//         OWNER instead of host root — mapping machine ids 0..65535 to HOSTBASE..; the namespace takes its caps on
+//         those counters from the --rlimit values and /proc/sys/user/NAME inside it is set to VALUE. FILE is a symlink
+//         to it (/proc/<pid>/ns/user of its first process, which lives until COMMAND — the runtime, which joins it by
+//         path — has exited, then FILE goes).
+//     --idmap CANONICAL:HOSTBASE:COUNT
+//         sees the template layers (read-only), the machine's disk and each --bind source — whose files are stored
+//         with ids CANONICAL.. — through idmapped mounts as HOSTBASE.. (host root stays host root: overlayfs makes
+//         its work files as the mounter).
+//     --scratch DIR --lower DIR... --disk DIR --rootfs DIR
+//         mounts overlayfs on ROOTFS: the layers (lowest first) under DISK/upper, work dir DISK/work. Idmapped layer
+//         and disk mounts are attached under SCRATCH only while overlayfs takes them (it keeps private copies).
+//     --bind SRC DST | --bind-ro SRC DST
+//         an idmapped copy of mount SRC attached at DST, for the runtime to bind into the machine (needs --idmap).
+//     --nofile SOFT:HARD
+//         the open-file limit COMMAND (and so the machine) starts with.
+//     -- COMMAND ARGS...
+//         run with this process's stdio and every inherited fd; once it exits, the --bind mounts are detached and
+//         FILE removed (the machine holds its own copies and namespace by then), and its exit status is ours.
+//
+// Every failure prints one line `kiln-idmount: <what> <path>: <reason>` on stderr and exits 1 (2: bad usage).
+
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAX_ITEMS 512
+#define MAX_SYSCTLS 16
+#define MACHINE_IDS 65536
+
+static void die(const char *what, const char *path) {
+  fprintf(stderr, "kiln-idmount: %s %s: %s\n", what, path ? path : "", strerror(errno));
+  exit(1);
+}
+
+static void usage(const char *why) {
+  fprintf(stderr, "kiln-idmount: %s\n", why);
+  exit(2);
+}
+
+static void write_file(const char *path, const char *text) {
+  int fd = open(path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0) die("open", path);
+  ssize_t n = write(fd, text, strlen(text));
+  if (n != (ssize_t)strlen(text)) die("write", path);
+  close(fd);
+}
+
+static unsigned long parse_num(const char *s) {
+  char *end;
+  errno = 0;
+  unsigned long v = strtoul(s, &end, 10);
+  if (errno || *s == '\0' || *end != '\0') usage("a number was expected");
+  return v;
+}
+
+struct userns_request {
+  uid_t owner;            // host uid the namespace belongs to (0: the namespace is only an idmap)
+  const char *map;        // written to /proc/<pid>/uid_map and gid_map
+  const char *sysctl[MAX_SYSCTLS];
+  int sysctls;
+  int rlimit_res[8];
+  rlim_t rlimit_val[8];
+  int rlimits;
+  const char *link;       // symlink to the namespace here, its first process kept alive until release_userns
+  int want_fd;            // return an fd of the namespace
+  pid_t pid;              // the namespace's first process
+  int release_fd;         // closing it lets that process go
+  int from_child;
+};
+
+static void read_byte(int fd) {
+  char c;
+  if (read(fd, &c, 1) != 1) _exit(3);
+}
+
+/**
+ * A user namespace made by a child that first becomes `owner` (the namespace belongs to the uid that makes it),
+ * mapped by us from outside (host root may map any ids) and limited from inside. The child then waits on a pipe:
+ * for an opened namespace it is let go at once; for a linked one, when we close `release_fd` (or die).
+ * The namespace's caps on its owner's counters are the child's rlimits at unshare. Two namespaces are made side by
+ * side (start both, then finish both), so a busy host's scheduling delays overlap.
+ */
+static void start_userns(struct userns_request *r) {
+  int to_parent[2], to_child[2];
+  pid_t parent = getpid();
+  if (pipe2(to_parent, O_CLOEXEC) || pipe2(to_child, O_CLOEXEC)) die("pipe", NULL);
+  pid_t pid = fork();
+  if (pid < 0) die("fork", NULL);
+  if (pid == 0) {
+    // Only the parent may hold the write end: its exit must reach us as end-of-file. Nothing else is ours either
+    // (another namespace's pipes, the runtime's inherited fds).
+    int lo = to_parent[1] < to_child[0] ? to_parent[1] : to_child[0];
+    int hi = to_parent[1] < to_child[0] ? to_child[0] : to_parent[1];
+    if (lo > 3) close_range(3, lo - 1, 0);
+    if (hi > lo + 1) close_range(lo + 1, hi - 1, 0);
+    close_range(hi + 1, ~0U, 0);
+    for (int i = 0; i < r->rlimits; i++) {
+      struct rlimit l = {r->rlimit_val[i], r->rlimit_val[i]};
+      if (setrlimit(r->rlimit_res[i], &l)) die("setrlimit", NULL);
+    }
+    if (r->owner != 0 && (setgroups(0, NULL) || setresgid(r->owner, r->owner, r->owner) || setresuid(r->owner, r->owner, r->owner))) die("become", "the namespace's owner");
+    // Set after the uid change, which clears it.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(3);
+    if (unshare(CLONE_NEWUSER)) die("unshare", "user namespace");
+    if (write(to_parent[1], "u", 1) != 1) _exit(3);
+    read_byte(to_child[0]);  // mapped
+    for (int i = 0; i < r->sysctls; i++) {
+      char path[128], value[32];
+      const char *eq = strchr(r->sysctl[i], '=');
+      snprintf(path, sizeof path, "/proc/sys/user/%.*s", (int)(eq - r->sysctl[i]), r->sysctl[i]);
+      snprintf(value, sizeof value, "%s\n", eq + 1);
+      write_file(path, value);
+    }
+    if (write(to_parent[1], "s", 1) != 1) _exit(3);
+    char c;
+    while (read(to_child[0], &c, 1) > 0) {
+    }  // until released
+    _exit(0);
+  }
+  close(to_parent[1]);
+  close(to_child[0]);
+  r->pid = pid;
+  r->from_child = to_parent[0];
+  r->release_fd = to_child[1];
+}
+
+static int finish_userns(struct userns_request *r) {
+  pid_t pid = r->pid;
+  char c, path[64];
+  if (read(r->from_child, &c, 1) != 1) usage("the user namespace could not be made");
+  snprintf(path, sizeof path, "/proc/%d/uid_map", pid);
+  write_file(path, r->map);
+  snprintf(path, sizeof path, "/proc/%d/gid_map", pid);
+  write_file(path, r->map);
+  if (write(r->release_fd, "m", 1) != 1) die("write", "to the namespace's first process");
+  if (read(r->from_child, &c, 1) != 1) usage("the limits of the user namespace could not be set");
+  snprintf(path, sizeof path, "/proc/%d/ns/user", pid);
+  close(r->from_child);
+  int fd = -1;
+  if (r->want_fd && (fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) die("open", path);
+  if (r->link) {
+    // Written aside and renamed over FILE, so a leftover of a killed boot is replaced, never followed.
+    char temp[4096];
+    snprintf(temp, sizeof temp, "%s.%d", r->link, getpid());
+    unlink(temp);
+    if (symlink(path, temp) || rename(temp, r->link)) die("link", r->link);
+    return fd;
+  }
+  // Opened: the child may go (it is reaped when we exit; nothing waits for it).
+  close(r->release_fd);
+  return fd;
+}
+
+static void release_userns(struct userns_request *r) {
+  unlink(r->link);
+  close(r->release_fd);
+  waitpid(r->pid, NULL, 0);
+}
+
+/** A clone of mount `src` (only it, not what is mounted below) seen through `userns_fd`'s ids, attached at `dst`. */
+static int clone_idmapped(const char *src, int userns_fd, int readonly) {
+  int fd = open_tree(AT_FDCWD, src, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+  if (fd < 0) die("open_tree", src);
+  struct mount_attr attr = {0};
+  attr.attr_set = MOUNT_ATTR_IDMAP | (readonly ? MOUNT_ATTR_RDONLY : 0);
+  attr.userns_fd = userns_fd;
+  if (mount_setattr(fd, "", AT_EMPTY_PATH, &attr, sizeof attr)) die("mount_setattr", src);
+  return fd;
+}
+
+static void attach_idmapped(const char *src, const char *dst, int userns_fd, int readonly) {
+  int fd = clone_idmapped(src, userns_fd, readonly);
+  if (mkdir(dst, 0700) && errno != EEXIST) die("mkdir", dst);
+  if (move_mount(fd, "", AT_FDCWD, dst, MOVE_MOUNT_F_EMPTY_PATH)) die("move_mount", dst);
+  close(fd);
+}
+
+static void detach(const char *path, int is_dir) {
+  if (umount2(path, MNT_DETACH) && errno != EINVAL && errno != ENOENT) die("umount", path);
+  if (is_dir) rmdir(path);
+  else unlink(path);
+}
+
+static int probe(int n, char **dirs) {
+  struct userns_request r = {0};
+  r.map = "0 1000000000 1\n";
+  r.want_fd = 1;
+  start_userns(&r);
+  int ns = finish_userns(&r);
+  for (int i = 0; i < n; i++) close(clone_idmapped(dirs[i], ns, 0));
+  return 0;
+}
+
+static const struct {
+  const char *name;
+  int resource;
+} RLIMITS[] = {{"msgqueue", RLIMIT_MSGQUEUE}, {"sigpending", RLIMIT_SIGPENDING}, {"memlock", RLIMIT_MEMLOCK}, {"nproc", RLIMIT_NPROC}};
+
+int main(int argc, char **argv) {
+  if (argc >= 3 && strcmp(argv[1], "probe") == 0) return probe(argc - 2, argv + 2);
+  if (argc < 2 || strcmp(argv[1], "boot") != 0) usage("usage: kiln-idmount probe DIR... | boot OPTIONS [-- COMMAND...]");
+
+  struct userns_request machine = {0};
+  const char *scratch = NULL, *disk = NULL, *rootfs = NULL, *idmap = NULL, *nofile = NULL;
+  const char *lower[MAX_ITEMS], *bind_src[MAX_ITEMS], *bind_dst[MAX_ITEMS];
+  int bind_ro[MAX_ITEMS];
+  int lowers = 0, binds = 0, has_map = 0;
+  unsigned long map_base = 0;
+  char **command = NULL;
+  for (int i = 2; i < argc; i++) {
+    const char *a = argv[i];
+    if (strcmp(a, "--") == 0) {
+      if (i + 1 >= argc) usage("-- needs a command");
+      command = argv + i + 1;
+      break;
+    }
+    if (i + 1 >= argc) usage("an option lacks its value");
+    const char *v = argv[++i];
+    if (strcmp(a, "--userns") == 0) machine.link = v;
+    else if (strcmp(a, "--owner") == 0) machine.owner = (uid_t)parse_num(v);
+    else if (strcmp(a, "--map") == 0) map_base = parse_num(v), has_map = 1;
+    else if (strcmp(a, "--sysctl") == 0) {
+      if (machine.sysctls == MAX_SYSCTLS || !strchr(v, '=') || strchr(v, '/') || strlen(v) > 80) usage("bad --sysctl");
+      machine.sysctl[machine.sysctls++] = v;
+    } else if (strcmp(a, "--rlimit") == 0) {
+      const char *eq = strchr(v, '=');
+      int found = 0;
+      for (size_t k = 0; eq && k < sizeof RLIMITS / sizeof RLIMITS[0]; k++) {
+        if (strlen(RLIMITS[k].name) == (size_t)(eq - v) && strncmp(v, RLIMITS[k].name, eq - v) == 0 && machine.rlimits < 8) {
+          machine.rlimit_res[machine.rlimits] = RLIMITS[k].resource;
+          machine.rlimit_val[machine.rlimits++] = parse_num(eq + 1);
+          found = 1;
+        }
+      }
+      if (!found) usage("bad --rlimit");
+    } else if (strcmp(a, "--idmap") == 0) idmap = v;
+    else if (strcmp(a, "--scratch") == 0) scratch = v;
+    else if (strcmp(a, "--lower") == 0) {
+      if (lowers == MAX_ITEMS) usage("too many layers");
+      lower[lowers++] = v;
+    } else if (strcmp(a, "--disk") == 0) disk = v;
+    else if (strcmp(a, "--rootfs") == 0) rootfs = v;
+    else if (strcmp(a, "--bind") == 0 || strcmp(a, "--bind-ro") == 0) {
+      if (binds == MAX_ITEMS || i + 1 >= argc) usage("bad --bind");
+      bind_ro[binds] = a[6] == '-';
+      bind_src[binds] = v;
+      bind_dst[binds++] = argv[++i];
+    } else if (strcmp(a, "--nofile") == 0) nofile = v;
+    else usage("unknown option");
+  }
+  if (rootfs && (!scratch || !disk || lowers == 0)) usage("--rootfs needs --scratch, --disk and at least one --lower");
+  if (machine.link && (!has_map || machine.owner == 0)) usage("--userns needs --owner and --map");
+  if (binds > 0 && !idmap) usage("--bind needs --idmap");
+
+  char machine_map[64], ids_map[96];
+  struct userns_request ids = {0};
+  if (machine.link) {
+    snprintf(machine_map, sizeof machine_map, "0 %lu %d\n", map_base, MACHINE_IDS);
+    machine.map = machine_map;
+    start_userns(&machine);
+  }
+  if (idmap) {
+    unsigned long canonical, base, count;
+    if (sscanf(idmap, "%lu:%lu:%lu", &canonical, &base, &count) != 3 || canonical == 0) usage("bad --idmap");
+    snprintf(ids_map, sizeof ids_map, "0 0 1\n%lu %lu %lu\n", canonical, base, count);
+    ids.map = ids_map;
+    ids.want_fd = 1;
+    start_userns(&ids);
+  }
+  if (machine.link) finish_userns(&machine);
+  int ns = idmap ? finish_userns(&ids) : -1;
+
+  if (rootfs) {
+    // Overlayfs' option string is one page: layers go by short names relative to SCRATCH when idmapped.
+    size_t cap = 64 + strlen(disk) * 2;
+    for (int i = 0; i < lowers; i++) cap += strlen(lower[i]) + 12;
+    char *opts = malloc(cap);
+    if (!opts) die("malloc", NULL);
+    size_t n = (size_t)snprintf(opts, cap, "lowerdir=");
+    if (ns >= 0) {
+      if (mkdir(scratch, 0700) && errno != EEXIST) die("mkdir", scratch);
+      if (chdir(scratch)) die("chdir", scratch);
+      for (int i = 0; i < lowers; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "%d", i);
+        attach_idmapped(lower[i], name, ns, 1);
+      }
+      attach_idmapped(disk, "disk", ns, 0);
+      for (int i = lowers - 1; i >= 0; i--) n += (size_t)snprintf(opts + n, cap - n, "%d%s", i, i ? ":" : "");
+      snprintf(opts + n, cap - n, ",upperdir=disk/upper,workdir=disk/work");
+    } else {
+      for (int i = lowers - 1; i >= 0; i--) n += (size_t)snprintf(opts + n, cap - n, "%s%s", lower[i], i ? ":" : "");
+      snprintf(opts + n, cap - n, ",upperdir=%s/upper,workdir=%s/work", disk, disk);
+    }
+    if (mount("overlay", rootfs, "overlay", 0, opts)) die("mount overlay on", rootfs);
+    if (ns >= 0) {
+      for (int i = 0; i < lowers; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "%d", i);
+        detach(name, 1);
+      }
+      detach("disk", 1);
+    }
+    free(opts);
+  }
+
+  for (int i = 0; i < binds; i++) attach_idmapped(bind_src[i], bind_dst[i], ns, bind_ro[i]);
+  if (ns >= 0) close(ns);
+
+  if (nofile) {
+    unsigned long soft, hard;
+    if (sscanf(nofile, "%lu:%lu", &soft, &hard) != 2 || soft > hard) usage("bad --nofile");
+    struct rlimit l = {soft, hard};
+    if (setrlimit(RLIMIT_NOFILE, &l)) die("setrlimit", "RLIMIT_NOFILE");
+  }
+  if (!command) return 0;
+
+  pid_t pid = fork();
+  if (pid < 0) die("fork", NULL);
+  if (pid == 0) {
+    execvp(command[0], command);
+    die("exec", command[0]);
+  }
+  int status;
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) die("wait", command[0]);
+  }
+  for (int i = 0; i < binds; i++) detach(bind_dst[i], 1);
+  if (machine.link) release_userns(&machine);
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + WTERMSIG(status);
+}
