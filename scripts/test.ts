@@ -25,6 +25,7 @@ const MACHINE_SUITES = [
   "test/security/data-dir.test.ts",
   "test/security/revocation.test.ts",
   "test/security/private-umask.test.ts",
+  "test/security/build-isolation.test.ts",
 ];
 
 const started = Date.now();

@@ -13,6 +13,8 @@ PACKAGES+=(attr buildah skopeo docker-registry apache2-utils)
 # The mount helper (src/runtime/oci/idmount.c) is compiled at first start: it gives each machine its own host uid
 # range through idmapped mounts, which runc 1.1 and util-linux 2.38 cannot make.
 PACKAGES+=(gcc libc6-dev)
+# The Dockerfile isolation tests build FROM an image made of Debian's static busybox (ps, kill, nc, … in one file).
+PACKAGES+=(busybox-static)
 # Any Node with npm will do to bootstrap: npm ci then brings Node 24 itself.
 command -v npm >/dev/null 2>&1 || PACKAGES+=(nodejs npm)
 

@@ -72,10 +72,13 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
       dataDir: config.dataDir,
       insecureRegistries: config.insecureRegistries,
       buildkitHost: config.buildkitHost,
+      hostAccess: config.machineHostAccess,
+      stepTimeoutMs: config.buildStepTimeoutS * 1000,
+      buildTimeoutMs: config.buildTimeoutS * 1000,
       resolveTemplate: async (name) => templateLayers?.(name),
     }),
   };
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, hostId, webhooks, deployments, limits, buildExtensions });
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, buildLogMaxBytes: config.buildLogMaxBytes, hostId, webhooks, deployments, limits, buildExtensions });
   templateLayers = async (name) => {
     const resolved = await services.templates.resolve(name).catch(() => undefined);
     return resolved ? templateBaseSource(resolved) : undefined;
@@ -85,7 +88,10 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const adoption = await services.machines.adopt();
   if (adoption.adopted + adoption.lost + adoption.removed > 0) log.info(adoption, "machines reconciled after start");
   services.machines.startSweeper();
-  // Builds a previous process left running end `error` (their build machines went with adoption above).
+  // Builds a previous process left running end `error` (their build machines went with adoption above); what a
+  // Dockerfile build of a dead process left running or mounted is killed and removed first.
+  const swept = await buildExtensions.buildkit.sweep().catch((err: unknown) => (log.error({ err }, "sweeping dead Dockerfile builds failed"), 0));
+  if (swept > 0) log.warn({ builds: swept }, "what Dockerfile builds of a stopped server left was removed");
   const interrupted = await services.builds.recoverInterrupted();
   if (interrupted > 0) log.warn({ builds: interrupted }, "builds interrupted by the last stop were marked error");
   services.builds.startCollector();

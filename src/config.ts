@@ -35,6 +35,11 @@ export interface Config {
   buildkitHost: string | undefined;
   /** How long an artifact no tag points at is kept before its layers may be collected. */
   buildRetentionS: number;
+  /** Dockerfile builds: one step (STEP n/m to the next) and the whole build are stopped after these. */
+  buildStepTimeoutS: number;
+  buildTimeoutS: number;
+  /** A build log keeps at most this many bytes of entries; past it, one `log truncated` entry and then only the end. */
+  buildLogMaxBytes: number;
   /** This host's id on a shared store; unset → made once into $KILN_DATA_DIR/host-id. */
   hostId: string | undefined;
   /** Delay before each webhook delivery attempt (the first is usually 0); its length is the number of attempts. */
@@ -97,6 +102,9 @@ export const CONFIG_VARS = [
   ["KILN_OCI_MAX_LAYERS", "39", "most layers an imported image may have (at most 39: a machine stacks 40, Kiln adds one)"],
   ["KILN_OCI_MAX_LAYER_ENTRIES", "1000000", "most entries (files, dirs, links, whiteouts) in one imported layer"],
   ["KILN_BUILD_RETENTION_S", "604800", "seconds an untagged template artifact is kept before the collector removes it"],
+  ["KILN_BUILD_STEP_TIMEOUT_S", "3600", "a Dockerfile build step running longer than this is killed and the build fails"],
+  ["KILN_BUILD_TIMEOUT_S", "14400", "a Dockerfile build running longer than this is killed and fails"],
+  ["KILN_BUILD_LOG_MAX_BYTES", "134217728", "bytes of log entries a build keeps; past it, a `log truncated` entry and its last entries"],
   ["KILN_HOST_ID", "(made once into $KILN_DATA_DIR/host-id)", "this host's id when several servers share one store"],
   ["KILN_WEBHOOK_RETRY_SCHEDULE_MS", "0,5000,300000,1800000,7200000,18000000,36000000,36000000", "delay before each webhook delivery attempt, comma-separated"],
   ["KILN_WEBHOOK_ALLOW_PRIVATE", "0", "1 lets webhooks reach private and loopback addresses (link-local never)"],
@@ -163,6 +171,9 @@ export function loadConfig(env: Env = process.env): Config {
     },
     buildkitHost: env.BUILDKIT_HOST || undefined,
     buildRetentionS: intVar(env, "KILN_BUILD_RETENTION_S", 604_800, 0, 10 * 365 * 86_400),
+    buildStepTimeoutS: intVar(env, "KILN_BUILD_STEP_TIMEOUT_S", 3600, 1, 7 * 86_400),
+    buildTimeoutS: intVar(env, "KILN_BUILD_TIMEOUT_S", 14_400, 1, 7 * 86_400),
+    buildLogMaxBytes: intVar(env, "KILN_BUILD_LOG_MAX_BYTES", 128 * 1024 * 1024, 64 * 1024, 64 * 1024 * 1024 * 1024),
     hostId: hostIdVar(env),
     webhookRetryScheduleMs: scheduleVar(env, "KILN_WEBHOOK_RETRY_SCHEDULE_MS", DEFAULT_WEBHOOK_RETRY_SCHEDULE_MS),
     webhookAllowPrivate: boolVar(env, "KILN_WEBHOOK_ALLOW_PRIVATE"),

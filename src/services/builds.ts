@@ -16,7 +16,7 @@ import type { BuildRequestT } from "../builder/request.ts";
 import { emptyCacheSummary, CACHE_COUNTER_SUFFIX } from "../builder/enums.ts";
 import type { BuildBackendName, BuildPhase, BuildStatus, SourceType } from "../builder/enums.ts";
 import { createBuildLogs } from "../builder/log.ts";
-import type { LogEntry, LogInput } from "../builder/log.ts";
+import type { LogEntry, LogInput, LogSink } from "../builder/log.ts";
 import { createBlobStore } from "../builder/context.ts";
 import type { ContextFile } from "../builder/context.ts";
 import { planSteps } from "../builder/steps/index.ts";
@@ -86,9 +86,19 @@ function hashToken(token: string): string {
   return createHash("sha256").update(token).digest("hex");
 }
 
-export function createBuildService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; dataDir: string; retentionS: number; extensions?: BuildExtensions }) {
+export function createBuildService(deps: {
+  db: Db;
+  driver: MachineDriver;
+  templates: TemplateService;
+  log: Logger;
+  dataDir: string;
+  retentionS: number;
+  /** KILN_BUILD_LOG_MAX_BYTES. */
+  logMaxBytes?: number;
+  extensions?: BuildExtensions;
+}) {
   const { db, templates, log } = deps;
-  const logs = createBuildLogs({ db, log });
+  const logs = createBuildLogs({ db, log, maxBytes: deps.logMaxBytes });
   const blobs = createBlobStore(deps.dataDir);
   const layersDir = join(deps.dataDir, "layers");
   const layerCache = createLayerCache(db);
@@ -330,6 +340,7 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
           signal,
           log: emit,
           count,
+          logBackpressure: () => logs.backpressure(p.buildId),
         });
         if (signal.aborted) throw new BuildCancelled();
         emit({ kind: "message", phase: "finalize", message: "recording the artifact" });
@@ -358,7 +369,7 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
         failurePhase = phase;
         failureReason = "cancelled";
         await finish(p, { status, artifactIds, summary, started, srcDigest, failurePhase, failureReason });
-        emit({ kind: "cancelled", level: "warn", phase: "cleanup", message: "the build was cancelled; its build machine was destroyed" });
+        emit({ kind: "cancelled", level: "warn", phase: "cleanup", message: "the build was cancelled; everything it was running was stopped" });
       } else {
         const f = err instanceof BuildFailure ? err : null;
         if (!f && !shuttingDown) log.error({ err, build_id: p.buildId }, "build failed unexpectedly");
@@ -553,9 +564,9 @@ export function createBuildService(deps: { db: Db; driver: MachineDriver; templa
     return view(await loadBuild(id, buildId));
   }
 
-  /** The build's log from after `lastEventId`, then live entries until its terminal one. */
-  async function follow(buildId: string, lastEventId: number, onEntry: Parameters<typeof logs.follow>[2], onEnd: () => void) {
-    return logs.follow(buildId, lastEventId, onEntry, onEnd);
+  /** The build's log from after `lastEventId`, then live entries until its terminal one, at the sink's pace. */
+  function follow(buildId: string, lastEventId: number, sink: LogSink) {
+    return logs.follow(buildId, lastEventId, sink);
   }
 
   async function aliases(ref: string): Promise<{ alias_ref: string; created_at: string }[]> {

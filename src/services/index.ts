@@ -36,6 +36,8 @@ export function createServices(deps: {
   warmPoolSize: number;
   dataDir: string;
   buildRetentionS: number;
+  /** KILN_BUILD_LOG_MAX_BYTES; the default when unset. */
+  buildLogMaxBytes?: number;
   buildExtensions?: BuildExtensions;
   hostId: string;
   webhooks: WebhookSettings;
@@ -49,7 +51,7 @@ export function createServices(deps: {
   const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log });
   const admission = createAdmission({ db: store.db, limits: deps.limits });
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission });
-  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, extensions: deps.buildExtensions });
+  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions });
   const templateCatalog = createTemplateCatalog({ db: store.db, templateIdOf: builds.templateIdOf });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
   const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });

@@ -38,7 +38,7 @@ before(async () => {
   if (skip) return;
   [reg, priv] = await Promise.all([startRegistry(), startRegistry({ auth: { username: "builder", password } })]);
   dir = await mkdtemp(join(tmpdir(), "kiln-oci-dockerfile-"));
-  await chmod(dir, 0o755); // RUN steps run as the machines' unprivileged uids and must reach their rootfs below here
+  await chmod(dir, 0o700); // private, as a data dir is: the builder works through its own traversable view
   await pushImage(reg, "mini/shell", "v1", { layers: [{ entries: shellRootfs() }] });
   await pushImage(priv, "mini/private", "v1", { layers: [{ entries: shellRootfs() }, { entries: [{ name: "private-marker", content: "p" }] }] });
 });
@@ -107,7 +107,7 @@ test("a Dockerfile build: secret mount, build args, target stage and COPY from t
   assert.equal((await readFromStack(dirs, "/greeting"))?.toString(), "hello-arg\n");
   const holder = dirs.findLast((d) => existsSync(join(d, "greeting")))!;
   assert.equal(statSync(join(holder, "greeting")).uid, 100_000, "a file RUN wrote as build root is machine root (host 100000), shifted once");
-  assert.deepEqual((await readFromStack(dirs, "/uid_map"))?.toString().trim().split(/\s+/), ["0", "100000", "65536"], "RUN steps are root only inside a user namespace, as machines are");
+  assert.deepEqual((await readFromStack(dirs, "/uid_map"))?.toString().trim().split(/\s+/), ["0", "1000000000", "65536"], "RUN steps are root only inside a user namespace, on the builds' own host ids (no machine has them)");
   assert.equal((await readFromStack(dirs, "/app.txt"))?.toString(), "from the context\n");
   assert.equal((await readFromStack(dirs, "/final"))?.toString(), "final\n");
   assert.equal(await readFromStack(dirs, "/other"), undefined, "the stage after the target is not built");

@@ -5,7 +5,7 @@ import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
 import { createHash, randomBytes } from "node:crypto";
-import { chmod, mkdtemp, rm, writeFile } from "node:fs/promises";
+import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { createOciImportSource } from "../../src/builder/sources/oci-import.ts";
@@ -26,8 +26,9 @@ before(async () => {
   if (skip) return;
   reg = await startRegistry();
   dir = await mkdtemp(join(tmpdir(), "kiln-oci-sources-"));
-  await chmod(dir, 0o755); // RUN steps run as the machines' unprivileged uids and must reach their rootfs below here
-  await pushImage(reg, "mini/shell", "v1", { layers: [{ entries: shellRootfs() }, { entries: [{ name: "etc/motd", content: "hi\n" }] }] });
+  // `etc/` is listed as real images list every directory: Debian's Buildah lays a directory a layer only implies out
+  // as host root, where a RUN step (root only in the build's user namespace) cannot make its /etc/hosts mount point.
+  await pushImage(reg, "mini/shell", "v1", { layers: [{ entries: shellRootfs() }, { entries: [{ name: "etc/", type: "directory" }, { name: "etc/motd", content: "hi\n" }] }] });
 });
 
 after(async () => {

@@ -63,24 +63,31 @@ export async function templateRoutes(app: App, opts: { services: Services }) {
   const { builds, templateCatalog } = opts.services;
   const tags = ["Templates"];
 
-  /** Streams a build's log from after `after` until its terminal entry; a client going away only stops its copy. */
+  /**
+   * Streams a build's log from after `after` until its terminal entry; a client going away only stops its copy. A
+   * client that stops reading holds only its socket's buffer: the cursor waits for `drain`, then reads on from the
+   * store, so a slow reader sees every entry with the ids a live one saw.
+   */
   async function streamLog(req: FastifyRequest, reply: FastifyReply, buildId: string, after: number) {
     reply.hijack();
     const res = reply.raw;
     res.writeHead(200, { "content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache, no-transform", connection: "keep-alive", "x-accel-buffering": "no", "x-request-id": req.id });
-    let stop: () => void = () => undefined;
     let ended = false;
-    const keepalive = setInterval(() => res.write(SSE_KEEPALIVE), KEEPALIVE_MS);
-    const end = () => {
+    // Only while the client keeps up: a keepalive queued behind unread entries says nothing.
+    const keepalive = setInterval(() => res.writableLength === 0 && res.write(SSE_KEEPALIVE), KEEPALIVE_MS);
+    const cursor = builds.follow(buildId, after, {
+      write: (e) => res.write(sseFrame(e)),
+      end: () => end(),
+    });
+    function end() {
       if (ended) return;
       ended = true;
       clearInterval(keepalive);
-      stop();
+      cursor.stop();
       res.end();
-    };
+    }
+    res.on("drain", () => cursor.resume());
     res.on("close", end);
-    stop = await builds.follow(buildId, after, (e) => res.write(sseFrame(e)), end);
-    if (ended) stop();
     req.log.info({ method: req.method, url: req.url.split("?")[0], status: 200, build_id: buildId }, "build log stream");
   }
 

@@ -48,6 +48,8 @@ export interface BuildContext {
   log(entry: LogInput): void;
   /** Called for every cache lookup/store so the build record's cache_summary counts it. */
   count(counter: string): void;
+  /** While the log's store is behind, a promise a backend reading a builder's output waits on (bounded memory). */
+  logBackpressure?(): Promise<void> | undefined;
 }
 
 export interface BuildOutput {

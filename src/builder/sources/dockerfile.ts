@@ -3,7 +3,7 @@
 
 import { createHash } from "node:crypto";
 import { join } from "node:path";
-import { buildDockerfile, validateDockerfileBuild } from "../backends/buildkit.ts";
+import { buildDockerfile, sweepDockerfileBuilds, validateDockerfileBuild } from "../backends/buildkit.ts";
 import type { ContextFileInput, RegistryCredentialInput } from "../backends/buildkit.ts";
 import { importLogEvents } from "../oci/events.ts";
 import type { ImportLogEntry } from "../oci/events.ts";
@@ -21,6 +21,11 @@ export interface DockerfileSourceDeps {
   insecureRegistries: string[];
   /** BUILDKIT_HOST; unset uses Buildah. */
   buildkitHost?: string;
+  /** KILN_MACHINE_HOST_ACCESS: RUN steps reach host loopback as machines do (host.kiln.internal). */
+  hostAccess?: boolean;
+  /** KILN_BUILD_STEP_TIMEOUT_S and KILN_BUILD_TIMEOUT_S, in ms. */
+  stepTimeoutMs?: number;
+  buildTimeoutMs?: number;
   /** A FROM name's Kiln template, if it is one (set late: the template service exists after the backends). */
   resolveTemplate?: (name: string) => Promise<SourceLayers | undefined>;
 }
@@ -43,16 +48,25 @@ export function dockerfileRequestOf(input: DockerfileInput, context: ContextFile
  * The `buildkit` backend: `run` builds the Dockerfile and returns its image as the artifact's layers; `validate`
  * is what the pipeline checks before the stream (credentials for unused registries, authenticated-build rules).
  */
-export function createBuildkitBackend(deps: DockerfileSourceDeps): BuildBackend & { validate(input: DockerfileInput, context: ContextFile[]): void } {
+export function createBuildkitBackend(deps: DockerfileSourceDeps): BuildBackend & { validate(input: DockerfileInput, context: ContextFile[]): void; sweep(): Promise<number> } {
   const source = createDockerfileSource(deps);
   return {
     name: "buildkit",
     validate: (input, context) => source.validate(dockerfileRequestOf(input, context)),
     async run(ctx: BuildContext): Promise<BuildOutput> {
       if (!ctx.dockerfile) throw new Error("the buildkit backend builds Dockerfiles only");
-      const out = await source.build(dockerfileRequestOf(ctx.dockerfile, ctx.context), { signal: ctx.signal, log: ctx.log, count: ctx.count, resolveTemplate: deps.resolveTemplate });
+      const out = await source.build(dockerfileRequestOf(ctx.dockerfile, ctx.context), {
+        signal: ctx.signal,
+        log: ctx.log,
+        count: ctx.count,
+        resolveTemplate: deps.resolveTemplate,
+        vm: ctx.vm,
+        logBackpressure: ctx.logBackpressure,
+      });
       return { layers: out.layers, config: out.config };
     },
+    /** At start: what builds of a dead Kiln left (processes, namespaces, egress rules, cgroups, scratch dirs). */
+    sweep: () => sweepDockerfileBuilds(join(deps.dataDir, "builder")),
   };
 }
 
@@ -87,6 +101,7 @@ export function createDockerfileSource(deps: DockerfileSourceDeps) {
     secrets: req.secrets,
     registryCredentials: req.registryCredentials,
     baseImageAuth: req.baseImageAuth,
+    buildArgs: req.buildArgs,
   });
   return {
     /** Before the stream: an `invalid_request` for anything SPEC.md rejects up front. */
@@ -95,12 +110,18 @@ export function createDockerfileSource(deps: DockerfileSourceDeps) {
     },
     async build(
       req: DockerfileRequest,
-      call: { signal: AbortSignal; log?: (entry: ImportLogEntry) => void; count?: (counter: string) => void; resolveTemplate?: (name: string) => Promise<SourceLayers | undefined> },
+      call: {
+        signal: AbortSignal;
+        log?: (entry: ImportLogEntry) => void;
+        count?: (counter: string) => void;
+        resolveTemplate?: (name: string) => Promise<SourceLayers | undefined>;
+        vm?: { vcpus: number; memoryMb: number; internet: boolean };
+        logBackpressure?: () => Promise<void> | undefined;
+      },
     ): Promise<SourceLayers & { digest: string }> {
       const events = call.log && call.count ? importLogEvents(call.log, call.count) : {};
       const out = await buildDockerfile({
         ...input(req),
-        buildArgs: req.buildArgs,
         target: req.target,
         resolveTemplate: call.resolveTemplate,
         cacheDir: join(deps.dataDir, "oci"), // the importer's cache, shared with base_image imports
@@ -108,6 +129,11 @@ export function createDockerfileSource(deps: DockerfileSourceDeps) {
         scratchParent: join(deps.dataDir, "builder"),
         insecureRegistries: deps.insecureRegistries,
         buildkitHost: deps.buildkitHost,
+        hostAccess: deps.hostAccess,
+        stepTimeoutMs: deps.stepTimeoutMs,
+        buildTimeoutMs: deps.buildTimeoutMs,
+        vm: call.vm,
+        logBackpressure: call.logBackpressure,
         signal: call.signal,
         ...events,
       });

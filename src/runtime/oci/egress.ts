@@ -64,8 +64,12 @@ function elements(list: string[]): string {
 export interface Egress {
   /** Sets up (or refreshes, atomically) Kiln's table; keeps what running machines added to it. */
   ensure(): Promise<void>;
-  /** The cgroup.procs file a machine's slirp4netns must move into before it opens any socket. */
-  prepare(id: string, hostAccess: boolean, policy: EgressRules | undefined, marker: string): Promise<string>;
+  /**
+   * The cgroup.procs file a machine's slirp4netns must move into before it opens any socket. `accept` opens single
+   * address:port pairs (TCP) the policy would refuse: a Dockerfile build's builder reaching a registry the operator
+   * listed in KILN_INSECURE_REGISTRIES, and nothing else on that host.
+   */
+  prepare(id: string, hostAccess: boolean, policy: EgressRules | undefined, marker: string, accept?: { address: string; port: number }[]): Promise<string>;
   /** Removes the machine's rules and cgroup once its slirp4netns is gone. Idempotent. */
   release(id: string, marker: string): Promise<void>;
   /** How egress is filtered, for readiness. */
@@ -131,14 +135,16 @@ export function createEgress(): Egress {
     return ensured;
   }
 
-  async function prepare(id: string, hostAccess: boolean, policy: EgressRules | undefined, marker: string): Promise<string> {
+  async function prepare(id: string, hostAccess: boolean, policy: EgressRules | undefined, marker: string, accept: { address: string; port: number }[] = []): Promise<string> {
     await ensure();
     const group = groupOf(hostAccess);
     const dir = cgroupDir(group, id);
     await mkdir(dir, { recursive: true });
+    const rules = Boolean((policy && (policy.allowOut.length || policy.denyOut.length)) || accept.length);
     // The marker says where the cgroup is and whether rules were added, so release() needs no listing of the table.
-    await writeFile(marker, JSON.stringify({ group, rules: Boolean(policy && (policy.allowOut.length || policy.denyOut.length)) }));
-    if (policy && (policy.allowOut.length || policy.denyOut.length)) {
+    await writeFile(marker, JSON.stringify({ group, rules }));
+    if (rules) {
+      policy ??= { allowOut: [], denyOut: [] };
       const name = nftName(id);
       const split = (list: string[]) => {
         const parsed = list.map(parseCidr).filter((c): c is Cidr => "cidr" in c);
@@ -155,9 +161,13 @@ export function createEgress(): Egress {
       set("allow6", "ipv6_addr", allow.v6);
       set("deny4", "ipv4_addr", deny.v4);
       set("deny6", "ipv6_addr", deny.v6);
+      lines.push(`add chain inet ${TABLE} ${name}`, `flush chain inet ${TABLE} ${name}`);
+      for (const a of accept) {
+        if (!Number.isInteger(a.port) || a.port < 1 || a.port > 65535) continue;
+        if (isIPv4(a.address)) lines.push(`add rule inet ${TABLE} ${name} ip daddr ${a.address} tcp dport ${a.port} accept`);
+        else if (isIPv6(a.address)) lines.push(`add rule inet ${TABLE} ${name} ip6 daddr ${a.address} tcp dport ${a.port} accept`);
+      }
       lines.push(
-        `add chain inet ${TABLE} ${name}`,
-        `flush chain inet ${TABLE} ${name}`,
         `add rule inet ${TABLE} ${name} ip daddr @${name}_allow4 accept`,
         `add rule inet ${TABLE} ${name} ip6 daddr @${name}_allow6 accept`,
         `add rule inet ${TABLE} ${name} ip daddr @${name}_deny4 ${REJECT}`,
