@@ -1,6 +1,8 @@
 // The guest agent: the first real process of every machine (under tini). It serves the protocol of protocol.ts
 // over HTTP on a unix socket that the driver binds into the machine, and streams on /ws.
 
+// First, before any other module's code runs: out of reach of ptrace and pidfd_getfd from inside the machine.
+import "./nodump.ts";
 import { createServer } from "node:http";
 import { connect } from "node:net";
 import type { IncomingMessage, ServerResponse } from "node:http";
