@@ -7,7 +7,7 @@ import { createLogger } from "../src/log.ts";
 import { TEST_CACHE_DIR } from "../test/support/paths.ts";
 
 /** Every test that boots machines; the gVisor job runs exactly these. */
-const MACHINE_SUITES = ["test/runtime/*.test.ts", "test/machines/*.test.ts", "test/gitcode/*.test.ts", "test/volumes/volumes.test.ts", "test/volumes/watch.test.ts", "test/deployments/*.test.ts", "test/oci/machines.test.ts", "test/builds/checkpoint.test.ts"];
+const MACHINE_SUITES = ["test/runtime/*.test.ts", "test/machines/*.test.ts", "test/gitcode/*.test.ts", "test/volumes/volumes.test.ts", "test/volumes/watch.test.ts", "test/deployments/*.test.ts", "test/oci/machines.test.ts", "test/builds/checkpoint.test.ts", "test/security/machine-root.test.ts"];
 
 const started = Date.now();
 const log = createLogger({ level: "warn", pretty: false });
