@@ -21,6 +21,10 @@ import type { AgentHealth, ExecRequest } from "./protocol.ts";
 import { handleGitRun, sweepScratch } from "./git.ts";
 import { handleCode, stopAllKernels } from "./kernels/index.ts";
 
+// stdout and stderr are a host file on the machine's own disk (runtime.log): a full disk must not end the agent.
+process.stdout.on("error", () => undefined);
+process.stderr.on("error", () => undefined);
+
 const bootId = randomUUID();
 const startedAt = Date.now();
 
