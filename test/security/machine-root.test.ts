@@ -269,3 +269,26 @@ test("a slirp4netns killed while no server runs is repaired at the next start", 
     await listener.close();
   }
 });
+
+test("a shell line killed by the OOM killer answers signal SIGKILL and oom_killed, as the args form does (REST and stream)", { skip: GVISOR && "gVisor enforces the memory limit on the whole sandbox: the host kills the sentry, not a process inside" }, async () => {
+  const m = await create({ memory_mb: 256, internet: false });
+  const res = await k.call("POST", `/v1/machines/${m.id}/exec`, { body: { cmd: "tail /dev/zero", timeout_s: 120 } });
+  assert.equal(res.status, 200, res.text);
+  assert.deepEqual({ exit_code: res.body.exit_code, signal: res.body.signal, oom_killed: res.body.oom_killed }, { exit_code: null, signal: "SIGKILL", oom_killed: true });
+  // A shell line that exits 137 on its own, with no OOM kill meanwhile, keeps its exit code.
+  const plain = await sh(m.id, "exit 137", { user: "user" });
+  assert.deepEqual({ exit_code: plain.exit_code, signal: plain.signal, oom_killed: plain.oom_killed }, { exit_code: 137, signal: null, oom_killed: undefined });
+  // The same over the stream socket's exec.exit frame.
+  const ws = new WebSocket(`${k.url.replace("http", "ws")}/v1/machines/${m.id}/ws`, { headers: { authorization: `Bearer ${TEST_KEY}` } });
+  const exit = await new Promise<Record<string, unknown>>((resolve, reject) => {
+    ws.once("error", reject);
+    ws.once("open", () => ws.send(JSON.stringify({ type: "exec.start", request_id: "oom", cmd: "tail /dev/zero" })));
+    ws.on("message", (data) => {
+      const f = JSON.parse(String(data));
+      if (f.type === "exec.exit") resolve(f);
+    });
+  });
+  ws.close();
+  assert.deepEqual({ exit_code: exit.exit_code, signal: exit.signal, oom_killed: exit.oom_killed }, { exit_code: null, signal: "SIGKILL", oom_killed: true });
+  assert.equal((await k.call("DELETE", `/v1/machines/${m.id}`)).status, 200);
+});
