@@ -40,7 +40,8 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const log = opts.log ?? createLogger({ level: config.logLevel });
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
-  const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, runscPlatform: config.runscPlatform, hostAccess: config.machineHostAccess, log, guestRuntimeDir });
+  const machinesCaps = { pidsMax: config.machinesPidsMax, memoryBytes: config.machinesMemoryMb === undefined ? undefined : config.machinesMemoryMb * 1024 * 1024 };
+  const driver = createOciDriver({ dataDir: config.dataDir, runtime: config.ociRuntime, runscPlatform: config.runscPlatform, hostAccess: config.machineHostAccess, log, guestRuntimeDir, hostLimits: machinesCaps });
   const hostId = await ensureHostId(config.dataDir, config.hostId);
   const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs };
   const deployments = { dataDir: config.dataDir, publicUrl: config.publicUrl, maxCrashes: config.serviceMaxCrashes, backoffMs: config.serviceBackoffMs, edgeTokenTtlS: config.edgeTokenTtlS };

@@ -51,6 +51,9 @@ export interface Config {
   minFreeMemoryMb: number | undefined;
   /** When set, the declared memory of live machines may not exceed this multiple of the host's RAM. */
   memoryOvercommit: number | undefined;
+  /** Caps on all machines together (Kiln's parent cgroup); undefined: the driver's defaults from the host. */
+  machinesPidsMax: number | undefined;
+  machinesMemoryMb: number | undefined;
 }
 
 /** DESIGN.md §4: immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. */
@@ -91,6 +94,8 @@ export const CONFIG_VARS = [
   ["KILN_MIN_FREE_DISK_MB", "2048", "creates answer 503 while the data dir has less free disk than this"],
   ["KILN_MIN_FREE_MEMORY_MB", "(10 % of RAM)", "creates answer 503 while the host's available memory is below this"],
   ["KILN_MEMORY_OVERCOMMIT", "(unset)", "caps the declared memory of live machines at this multiple of RAM (e.g. 4)"],
+  ["KILN_MACHINES_PIDS_MAX", "(¾ of the host's pid_max)", "processes and threads of all machines together (Kiln's parent cgroup)"],
+  ["KILN_MACHINES_MEMORY_MB", "(RAM less 10 %, at least 1 GiB)", "memory of all machines together (Kiln's parent cgroup)"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -143,6 +148,8 @@ export function loadConfig(env: Env = process.env): Config {
     minFreeDiskMb: intVar(env, "KILN_MIN_FREE_DISK_MB", 2048, 0, 1 << 30),
     minFreeMemoryMb: env.KILN_MIN_FREE_MEMORY_MB ? intVar(env, "KILN_MIN_FREE_MEMORY_MB", 0, 0, 1 << 30) : undefined,
     memoryOvercommit: positiveNumberVar(env, "KILN_MEMORY_OVERCOMMIT"),
+    machinesPidsMax: env.KILN_MACHINES_PIDS_MAX ? intVar(env, "KILN_MACHINES_PIDS_MAX", 0, 64, 1 << 30) : undefined,
+    machinesMemoryMb: env.KILN_MACHINES_MEMORY_MB ? intVar(env, "KILN_MACHINES_MEMORY_MB", 0, 64, 1 << 30) : undefined,
   };
 }
 

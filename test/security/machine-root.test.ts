@@ -292,3 +292,25 @@ test("a shell line killed by the OOM killer answers signal SIGKILL and oom_kille
   assert.deepEqual({ exit_code: exit.exit_code, signal: exit.signal, oom_killed: exit.oom_killed }, { exit_code: null, signal: "SIGKILL", oom_killed: true });
   assert.equal((await k.call("DELETE", `/v1/machines/${m.id}`)).status, 200);
 });
+
+test("Kiln's parent cgroup caps all machines together below the host's pid_max and memory", async () => {
+  const m = await create();
+  const read = (file: string) => Number(readFileSync(file, "utf8").trim());
+  const pidMax = Math.min(read("/proc/sys/kernel/pid_max"), read("/proc/sys/kernel/threads-max"));
+  const memTotal = Number(/^MemTotal:\s+(\d+) kB/m.exec(readFileSync("/proc/meminfo", "utf8"))![1]) * 1024;
+  const v2 = existsSync("/sys/fs/cgroup/cgroup.controllers");
+  const pids = v2 ? "/sys/fs/cgroup/kiln" : "/sys/fs/cgroup/pids/kiln";
+  const memory = v2 ? "/sys/fs/cgroup/kiln/memory.max" : "/sys/fs/cgroup/memory/kiln/memory.limit_in_bytes";
+  // The documented defaults: ¾ of the host's task limit, RAM less 10 % (at least 1 GiB kept).
+  assert.equal(read(`${pids}/pids.max`), Math.floor(pidMax * 0.75));
+  assert.ok(read(`${pids}/pids.max`) < pidMax);
+  assert.equal(read(memory), Math.floor((memTotal - Math.max(1024 ** 3, memTotal * 0.1)) / 1024 ** 2) * 1024 ** 2);
+  assert.ok(read(memory) < memTotal);
+  // The machine's processes count against it: its own cgroup is below it in the hierarchy (other servers' machines
+  // share the parent, so its own count is the one to look at).
+  // (gVisor: the host sees the sandbox's own threads there, not the machine's processes.)
+  await sh(m.id, "for i in $(seq 50); do sleep 60 >/dev/null 2>&1 & done; echo started");
+  assert.ok(read(`${pids}/${m.id}/pids.current`) >= (GVISOR ? 1 : 50), `the machine's pids.current is ${read(`${pids}/${m.id}/pids.current`)}`);
+  assert.ok(read(`${pids}/pids.current`) >= read(`${pids}/${m.id}/pids.current`));
+  assert.equal((await k.call("DELETE", `/v1/machines/${m.id}`)).status, 200);
+});

@@ -14,7 +14,8 @@ import type { Logger } from "../../log.ts";
 import { guestRuntimeComplete } from "../guest-runtime.ts";
 import { HOST_ID_BASE } from "./idmap.ts";
 import { AGENT_SOCKET_NAME, machineSpec } from "./spec.ts";
-import { detectCgroups, removeCgroups } from "./cgroups.ts";
+import { applyHostLimits, defaultHostLimits, detectCgroups, removeCgroups } from "./cgroups.ts";
+import type { HostLimits } from "./cgroups.ts";
 import { isMounted } from "./mounts.ts";
 import { machineUsage } from "./usage.ts";
 import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, makeNetns, removeNetns, slirpAlive, startSlirp, stopSlirp } from "./network.ts";
@@ -47,6 +48,8 @@ export interface OciDriverOptions {
   hostAccess: boolean;
   log: Logger;
   guestRuntimeDir: string;
+  /** Caps on all machines together (Kiln's parent cgroup); each one not given comes from defaultHostLimits(). */
+  hostLimits?: Partial<HostLimits>;
 }
 
 type Paths = ReturnType<typeof machinePaths>;
@@ -168,6 +171,15 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   const egress = createEgress();
   const limitSwap = existsSync("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes") || (cgroups.version === "v2" && cgroups.enforced.includes("memory"));
   let readinessCache: { at: number; value: DriverReadiness } | undefined;
+  // All machines together stay below the host's pid_max and memory: written once, before the first machine boots.
+  const hostLimits: HostLimits = { ...defaultHostLimits(), ...Object.fromEntries(Object.entries(opts.hostLimits ?? {}).filter(([, v]) => v !== undefined)) };
+  const hostLimitsApplied = applyHostLimits(cgroups, hostLimits).then(
+    (problems) => {
+      if (problems.length) opts.log.warn({ problems }, "the host-wide caps on machines could not all be set");
+      else opts.log.debug({ pids_max: hostLimits.pidsMax, memory_bytes: hostLimits.memoryBytes }, "host-wide caps on machines set");
+    },
+    (err: unknown) => opts.log.warn({ err }, "the host-wide caps on machines could not be set"),
+  );
 
   /** Machine root (host uid 100000+) must be able to reach its bundle: give the data dirs o+x if they lack it. */
   function ensureTraversable(dir: string) {
@@ -229,6 +241,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
 
   /** Writes the bundle's config.json afresh (the guest runtime may have been rebuilt since) and runs it. */
   async function boot(spec: MachineSpec): Promise<LiveMachine> {
+    await hostLimitsApplied;
     const t0 = performance.now();
     const p = paths(spec.id);
     // runsc takes its network from a namespace that is already wired when the sandbox starts. (A fresh machine has
