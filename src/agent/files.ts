@@ -11,6 +11,8 @@ import { randomBytes } from "node:crypto";
 import type { FileInfo, UserInfo } from "./protocol.ts";
 import { groupName, userName } from "./users.ts";
 import { AgentFailure, fsFailure } from "./errors.ts";
+import { dirNames, listPage } from "./list-pages.ts";
+import type { TreeSource } from "./list-pages.ts";
 
 /** Uploads are written beside their target under this prefix, then renamed into place (a watch hides them). */
 export const UPLOAD_PREFIX = ".kiln-upload-";
@@ -84,29 +86,34 @@ export async function fileInfo(path: string, st?: Stats): Promise<FileInfo> {
   }
 }
 
-export async function listDir(path: string, depth: number): Promise<FileInfo[]> {
+/** The machine's directories by path, for paged listings (list-pages.ts). */
+const machineTree: TreeSource<string, FileInfo> = {
+  async *names(dir) {
+    try {
+      yield* dirNames(dir);
+    } catch (err) {
+      throw fsFailure(err, dir);
+    }
+  },
+  async entry(dir, name) {
+    const p = join(dir, name);
+    const st = await lstat(p).catch(() => undefined);
+    return st ? { entry: await fileInfo(p, st), isDir: st.isDirectory() } : undefined;
+  },
+  async open(dir, name) {
+    const p = join(dir, name);
+    return (await lstat(p).catch(() => undefined))?.isDirectory() ? p : undefined;
+  },
+  async close() {},
+};
+
+/** One page of the listing of `path`, `depth` deep: see list-pages.ts. */
+export async function listDir(path: string, depth: number, page: { limit: number; after?: string[] }): Promise<{ entries: FileInfo[]; next?: string[] }> {
   const st = await lstat(path).catch((err: unknown) => {
     throw fsFailure(err, path);
   });
   if (!st.isDirectory()) throw new AgentFailure("invalid_request", `${path} is not a directory`);
-  const out: FileInfo[] = [];
-  async function walk(dir: string, level: number) {
-    let names: string[];
-    try {
-      names = (await readdir(dir)).sort();
-    } catch (err) {
-      throw fsFailure(err, dir);
-    }
-    for (const name of names) {
-      const p = join(dir, name);
-      const s = await lstat(p).catch(() => undefined);
-      if (!s) continue; // removed while we listed
-      out.push(await fileInfo(p, s));
-      if (s.isDirectory() && level < depth) await walk(p, level + 1);
-    }
-  }
-  await walk(path, 1);
-  return out;
+  return listPage(machineTree, path, { depth, ...page });
 }
 
 /** mkdir -p; directories it creates belong to `owner`. */

@@ -136,7 +136,8 @@ export interface AgentClient {
   readFileBytes(path: string, maxBytes?: number): Promise<Buffer>;
   writeFile(path: string, body: Buffer | Readable, opts?: { mode?: string; user?: string; metadata?: Record<string, string> }): Promise<FileInfo>;
   info(path: string): Promise<FileInfo>;
-  list(path: string, depth: number): Promise<FileList>;
+  /** One page of a directory listing (agent/list-pages.ts): `limit` entries after the entry at path `after`. */
+  list(path: string, depth: number, page?: { limit?: number; after?: string[] }): Promise<FileList>;
   mkdir(path: string, opts?: { mode?: string; user?: string }): Promise<FileInfo>;
   remove(path: string, recursive: boolean): Promise<{ removed: true }>;
   move(src: string, dest: string, user?: string): Promise<FileInfo>;
@@ -263,16 +264,20 @@ export function createAgentClient(socketPath: string): AgentClient {
       }
     },
     info: (path: string) => json<FileInfo>("POST", "/files/info", { path }),
-    list: (path: string, depth: number) => json<FileList>("GET", `/files/list?${q({ path, depth })}`, undefined, { maxBytes: L.maxLargeAnswerBytes }),
+    list: (path: string, depth: number, page: { limit?: number; after?: string[] } = {}) =>
+      json<FileList>("GET", `/files/list?${q({ path, depth, limit: page.limit, after: page.after && JSON.stringify(page.after) })}`, undefined, { maxBytes: L.maxLargeAnswerBytes }),
     mkdir: (path: string, opts: { mode?: string; user?: string } = {}) => json<FileInfo>("POST", "/files/mkdir", { path, ...opts }),
     remove: (path: string, recursive: boolean) => json<{ removed: true }>("DELETE", `/files?${q({ path, recursive })}`),
     move: (src: string, dest: string, user?: string) => json<FileInfo>("POST", "/files/move", { src, dest, user }),
     user: (name: string) => json<UserInfo>("GET", `/users/${encodeURIComponent(name)}`),
     connectPort(port: number): Promise<Socket> {
       return new Promise((resolve, reject) => {
-        const req = httpRequest({ socketPath, method: "CONNECT", path: `127.0.0.1:${port}`, agent: false, timeout: L.headersMs });
-        req.once("timeout", () => req.destroy(tooSlow(L.headersMs)));
+        const req = httpRequest({ socketPath, method: "CONNECT", path: `127.0.0.1:${port}`, agent: false });
+        // Only the answer to CONNECT is bounded here: the byte stream after it lives as long as its users want.
+        const timer = setTimeout(() => req.destroy(tooSlow(L.headersMs)), L.headersMs);
+        req.once("close", () => clearTimeout(timer));
         req.once("connect", (res, socket, head) => {
+          clearTimeout(timer);
           if (res.statusCode !== 200) {
             socket.destroy();
             return reject(new AgentError(res.statusCode === 502 ? "not_found" : "invalid_request", res.statusCode ?? 502, `nothing is listening on port ${port} in the machine`));
