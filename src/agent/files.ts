@@ -62,7 +62,23 @@ function typeOf(st: Stats): FileInfo["type"] {
   return "file";
 }
 
-export async function fileInfo(path: string, st?: Stats): Promise<FileInfo> {
+/** Owner and group names by id; a listing passes memoised ones (one look at passwd/group per page, not per entry). */
+interface OwnerNames {
+  user(uid: number): string;
+  group(gid: number): string;
+}
+const currentOwnerNames: OwnerNames = { user: userName, group: groupName };
+
+function memoisedOwnerNames(): OwnerNames {
+  const users = new Map<number, string>();
+  const groups = new Map<number, string>();
+  return {
+    user: (uid) => users.get(uid) ?? users.set(uid, userName(uid)).get(uid)!,
+    group: (gid) => groups.get(gid) ?? groups.set(gid, groupName(gid)).get(gid)!,
+  };
+}
+
+export async function fileInfo(path: string, st?: Stats, names: OwnerNames = currentOwnerNames): Promise<FileInfo> {
   try {
     st ??= await lstat(path);
     const info: FileInfo = {
@@ -73,8 +89,8 @@ export async function fileInfo(path: string, st?: Stats): Promise<FileInfo> {
       type: typeOf(st),
       mode: st.mode.toString(8),
       permissions: (st.mode & 0o7777).toString(8).padStart(4, "0"),
-      owner: userName(st.uid),
-      group: groupName(st.gid),
+      owner: names.user(st.uid),
+      group: names.group(st.gid),
       modified_time: st.mtime.toISOString(),
     };
     if (st.isSymbolicLink()) info.symlink_target = await readlink(path);
@@ -86,26 +102,29 @@ export async function fileInfo(path: string, st?: Stats): Promise<FileInfo> {
   }
 }
 
-/** The machine's directories by path, for paged listings (list-pages.ts). */
-const machineTree: TreeSource<string, FileInfo> = {
-  async *names(dir) {
-    try {
-      yield* dirNames(dir);
-    } catch (err) {
-      throw fsFailure(err, dir);
-    }
-  },
-  async entry(dir, name) {
-    const p = join(dir, name);
-    const st = await lstat(p).catch(() => undefined);
-    return st ? { entry: await fileInfo(p, st), isDir: st.isDirectory() } : undefined;
-  },
-  async open(dir, name) {
-    const p = join(dir, name);
-    return (await lstat(p).catch(() => undefined))?.isDirectory() ? p : undefined;
-  },
-  async close() {},
-};
+/** The machine's directories by path, for paged listings (list-pages.ts); owner names looked up once per page. */
+function machineTree(): TreeSource<string, FileInfo> {
+  const names = memoisedOwnerNames();
+  return {
+    async *names(dir) {
+      try {
+        yield* dirNames(dir);
+      } catch (err) {
+        throw fsFailure(err, dir);
+      }
+    },
+    async entry(dir, name) {
+      const p = join(dir, name);
+      const st = await lstat(p).catch(() => undefined);
+      return st ? { entry: await fileInfo(p, st, names), isDir: st.isDirectory() } : undefined;
+    },
+    async open(dir, name) {
+      const p = join(dir, name);
+      return (await lstat(p).catch(() => undefined))?.isDirectory() ? p : undefined;
+    },
+    async close() {},
+  };
+}
 
 /** One page of the listing of `path`, `depth` deep: see list-pages.ts. */
 export async function listDir(path: string, depth: number, page: { limit: number; after?: string[] }): Promise<{ entries: FileInfo[]; next?: string[] }> {
@@ -113,7 +132,7 @@ export async function listDir(path: string, depth: number, page: { limit: number
     throw fsFailure(err, path);
   });
   if (!st.isDirectory()) throw new AgentFailure("invalid_request", `${path} is not a directory`);
-  return listPage(machineTree, path, { depth, ...page });
+  return listPage(machineTree(), path, { depth, ...page });
 }
 
 /** mkdir -p; directories it creates belong to `owner`. */

@@ -25,6 +25,8 @@ export interface TreeSource<D, E> {
   close(dir: D): Promise<void>;
 }
 
+/** Entries looked up (lstat) at once. */
+const LOOKUPS_AT_ONCE = 128;
 /** Names read from a directory between two turns of the event loop. */
 const NAMES_PER_TURN = 4096;
 
@@ -127,14 +129,20 @@ export async function listPage<D, E>(src: TreeSource<D, E>, root: D, opts: { dep
     for (;;) {
       const need = want - out.length;
       const names = await nextNames(src, dir, last, need);
-      for (const name of names) {
-        last = name;
-        const path = [...prefix, name];
-        const found = await src.entry(dir, name, path);
-        if (!found) continue; // removed while we listed
-        out.push({ entry: found.entry, path });
-        if (out.length >= want) return true;
-        if (found.isDir && level < opts.depth && (await descend(dir, name, level, prefix, undefined))) return true;
+      // Looked up a chunk at a time, concurrently (one lstat after another would wait on the thread pool each
+      // time), then taken in order: a directory's subtree still comes right after it.
+      for (let i = 0; i < names.length; i += LOOKUPS_AT_ONCE) {
+        const chunk = names.slice(i, i + LOOKUPS_AT_ONCE);
+        const found = await Promise.all(chunk.map((name) => src.entry(dir, name, [...prefix, name])));
+        for (let j = 0; j < chunk.length; j++) {
+          const name = chunk[j];
+          last = name;
+          const hit = found[j];
+          if (!hit) continue; // removed while we listed
+          out.push({ entry: hit.entry, path: [...prefix, name] });
+          if (out.length >= want) return true;
+          if (hit.isDir && level < opts.depth && (await descend(dir, name, level, prefix, undefined))) return true;
+        }
       }
       if (names.length < need) return false;
     }
