@@ -379,7 +379,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
    * A dead slirp4netns started again: into the same network namespace, in the same egress cgroup with the same
    * rules. runc: a fresh tap device, configured; runsc: the persistent one gVisor still holds, attached to only.
    */
-  async function restartSlirp(spec: MachineSpec, p: Paths): Promise<void> {
+  async function restartSlirp(spec: MachineSpec, p: Paths, firstPid: number): Promise<void> {
     await stopSlirp(p.slirpPid);
     const cgroupProcs = await egress.prepare(spec.id, opts.hostAccess, spec.network, p.egress);
     const common = { hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs };
@@ -391,9 +391,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       });
       await startSlirp({ ...common, target: { netnsPath: p.netns }, configure: false });
     } else {
-      const pid = Number(await readFile(p.pidFile, "utf8").catch(() => ""));
-      if (!pid || !alive(pid) || isZombie(pid)) throw new Error("its first process is gone");
-      await startSlirp({ ...common, target: { pid } });
+      await startSlirp({ ...common, target: { pid: firstPid } });
     }
   }
 
@@ -406,9 +404,12 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const text = await readFile(p.spec, "utf8").catch(() => "");
     if (!text) return { ok: true, repaired };
     const spec = JSON.parse(text) as MachineSpec;
+    // A machine whose own processes are gone is the reaper's (it tells why: out of memory, stopped unexpectedly).
+    const first = Number(await readFile(p.pidFile, "utf8").catch(() => ""));
+    if (!first || !alive(first) || isZombie(first)) return { ok: true, repaired };
     if (spec.internet && !(await slirpAlive(p.slirpPid))) {
       try {
-        await restartSlirp(spec, p);
+        await restartSlirp(spec, p, first);
       } catch (err) {
         return { ok: false, reason: `its network helper (slirp4netns) died and could not be started again: ${(err as Error).message}` };
       }
