@@ -7,6 +7,7 @@ import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { existsSync, readFileSync } from "node:fs";
 import { request } from "undici";
+import { monitorEventLoopDelay } from "node:perf_hooks";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT } from "../../src/agent/list-pages.ts";
@@ -42,14 +43,19 @@ print("made")`;
 });
 after(async () => k?.close());
 
-/** Max RSS growth of this process (the server runs in it) and the slowest /health while `fn` runs. */
-async function watchServer<T>(fn: () => Promise<T>): Promise<{ value: T; growthMb: number; slowestHealthMs: number }> {
+/**
+ * While `fn` runs: the peak RSS growth of this process (the server runs in it), the slowest /health round trip, and
+ * the server's event-loop delay (p99 and max: how long anything else waited behind the listing's own work).
+ */
+async function watchServer<T>(fn: () => Promise<T>): Promise<{ value: T; growthMb: number; slowestHealthMs: number; loopP99Ms: number; loopMaxMs: number }> {
   const base = process.memoryUsage().rss;
   let peak = base;
   let slowest = 0;
   let done = false;
+  const loop = monitorEventLoopDelay({ resolution: 10 });
+  loop.enable();
   const sampler = setInterval(() => (peak = Math.max(peak, process.memoryUsage().rss)), 20);
-  // /health from outside the event loop's own work: a real HTTP round trip every 100 ms.
+  // A real HTTP round trip every 100 ms.
   const pinger = (async () => {
     while (!done) {
       const t0 = performance.now();
@@ -61,12 +67,19 @@ async function watchServer<T>(fn: () => Promise<T>): Promise<{ value: T; growthM
   })();
   try {
     const value = await fn();
-    return { value, growthMb: (peak - base) / 1024 / 1024, slowestHealthMs: slowest };
+    return { value, growthMb: (peak - base) / 1024 / 1024, slowestHealthMs: slowest, loopP99Ms: loop.percentile(99) / 1e6, loopMaxMs: loop.max / 1e6 };
   } finally {
     done = true;
+    loop.disable();
     clearInterval(sampler);
     await pinger;
   }
+}
+
+/** Generous, for a loaded 2-core host: what the issue saw was a 1.85 s stall of /health on an idle one. */
+function assertResponsive(run: { slowestHealthMs: number; loopP99Ms: number; loopMaxMs: number }) {
+  assert.ok(run.loopP99Ms < 250, `the server's event loop waited ${run.loopP99Ms.toFixed(0)} ms (p99)`);
+  assert.ok(run.slowestHealthMs < 3000, `/health took up to ${run.slowestHealthMs.toFixed(0)} ms`);
 }
 
 /**
@@ -131,17 +144,17 @@ test("a machine directory of 400k hard links lists in pages, in order; server an
   assert.ok(run.value.largestAnswer < 8 * 1024 * 1024, `largest page ${run.value.largestAnswer} bytes`);
   // Before pages: one 104 MB answer and 650 MB more in the server.
   assert.ok(run.growthMb < 200, `the server grew ${run.growthMb.toFixed(0)} MB`);
-  assert.ok(run.slowestHealthMs < 1000, `/health took up to ${run.slowestHealthMs.toFixed(0)} ms`);
+  assertResponsive(run);
   const agentGrowth = agentPeakMb() - agentBefore;
   assert.ok(agentGrowth < 150, `the agent's peak RSS grew ${agentGrowth.toFixed(0)} MB`);
-  t.diagnostic(`server RSS +${run.growthMb.toFixed(0)} MB, agent peak +${agentGrowth.toFixed(0)} MB, slowest /health ${run.slowestHealthMs.toFixed(0)} ms, largest page ${run.value.largestAnswer} B`);
+  t.diagnostic(`server RSS +${run.growthMb.toFixed(0)} MB, agent peak +${agentGrowth.toFixed(0)} MB, event loop p99 ${run.loopP99Ms.toFixed(0)} ms (max ${run.loopMaxMs.toFixed(0)}), slowest /health ${run.slowestHealthMs.toFixed(0)} ms, largest page ${run.value.largestAnswer} B`);
 });
 
 test("a volume directory of 400k hard links lists in pages with the server's memory bounded and /health answering", async (t) => {
   const run = await watchServer(() => firstAndLastPages(`/v1/volumes/${vol.id}/files/list?path=/links`, { path: "/links", depth: 1 }));
   assert.ok(run.growthMb < 200, `the server grew ${run.growthMb.toFixed(0)} MB`);
-  assert.ok(run.slowestHealthMs < 1000, `/health took up to ${run.slowestHealthMs.toFixed(0)} ms`);
-  t.diagnostic(`server RSS +${run.growthMb.toFixed(0)} MB, slowest /health ${run.slowestHealthMs.toFixed(0)} ms`);
+  assertResponsive(run);
+  t.diagnostic(`server RSS +${run.growthMb.toFixed(0)} MB, event loop p99 ${run.loopP99Ms.toFixed(0)} ms (max ${run.loopMaxMs.toFixed(0)}), slowest /health ${run.slowestHealthMs.toFixed(0)} ms`);
 });
 
 test("without limit a page is at most the default; small directories keep their one answer (next_cursor null)", async () => {
