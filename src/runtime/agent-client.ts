@@ -60,38 +60,37 @@ export const AGENT_ANSWER_LIMITS = {
 } as const;
 
 interface CallBounds {
-  /** Until the answer's headers; 0 leaves it to `afterUpload`. */
+  /** Until the answer's headers, from when the request went out on a connection (time queued for one is not counted). */
   headersMs: number;
-  /** Buffered answers: the most bytes read; streamed answers have none. */
+  /** Buffered answers: the most bytes read (within bodyMs of the headers); streamed answers have none. */
   maxBytes?: number;
-  /** The whole call (headers and body), when it has a deadline beyond the headers'. */
-  totalMs?: number;
-  /** An upload: the headers' deadline starts when the request body has been sent. */
+  /** An upload: the answer is bounded (afterUploadMs) from the moment the request body has been sent instead. */
   afterUpload?: Readable;
   /** Streamed answers: silence allowed between chunks (default idleMs). */
   idleMs?: number;
+  /** Streamed answers: the whole stream, from its headers, when it has such a bound. */
+  streamMs?: number;
 }
 
 /** The agent's own default for an execute without a timeout (agent/kernels). */
 const CODE_EXECUTE_DEFAULT_MS = 300_000;
 
-/** The caller's signal (if any) and a deadline, as one; `clear` stops the timer once the answer is in. */
-function deadline(ms: number | undefined, signal: AbortSignal | undefined): { signal: AbortSignal | undefined; expired: () => boolean; start(ms: number): void; clear(): void } {
+/** One call's deadline: started (and restarted) at each stage, firing an abort the request listens to. */
+function deadline(signal: AbortSignal | undefined) {
   const ctrl = new AbortController();
   let timer: NodeJS.Timeout | undefined;
-  let expired = false;
-  const start = (after: number) => {
-    clearTimeout(timer);
-    timer = setTimeout(() => {
-      expired = true;
-      ctrl.abort(new Error("deadline"));
-    }, after);
-  };
-  if (ms) start(ms);
+  let expiredAfter = 0;
   return {
     signal: signal ? AbortSignal.any([signal, ctrl.signal]) : ctrl.signal,
-    expired: () => expired,
-    start,
+    /** The bound that fired, if one did (0: none). */
+    expiredAfter: () => expiredAfter,
+    start(ms: number) {
+      clearTimeout(timer);
+      timer = setTimeout(() => {
+        expiredAfter = ms;
+        ctrl.abort(new Error("deadline"));
+      }, ms);
+    },
     clear: () => clearTimeout(timer),
   };
 }
@@ -173,24 +172,34 @@ export function createAgentClient(socketPath: string): AgentClient {
   const pool = new Pool("http://agent", { socketPath, connections: 16, pipelining: 1, keepAliveTimeout: 30_000, connectTimeout: L.connectMs, headersTimeout: L.headersMs, bodyTimeout: L.idleMs });
 
   /**
-   * One call with its bounds. A buffered answer (`maxBytes`) is read here, whole, within `totalMs`; a streamed one
-   * is handed back with undici's idle bound on it. Agent failures (status ≥ 400) become AgentError.
+   * One call with its bounds. A buffered answer (`maxBytes`) is read here, whole, within bodyMs of its headers; a
+   * streamed one is handed back with undici's idle bound (and `streamMs`, if any) on it. Agent failures (status ≥ 400)
+   * become AgentError.
    */
   async function call(method: Dispatcher.HttpMethod, path: string, bounds: CallBounds, body?: Body, headers: Record<string, string> = {}, signal?: AbortSignal): Promise<{ res: Dispatcher.ResponseData; bytes?: Buffer }> {
-    const total = bounds.totalMs ?? (bounds.headersMs ? bounds.headersMs + L.bodyMs : undefined);
-    const limit = deadline(total, signal);
+    const limit = deadline(signal);
     // An upload may take as long as its sender: the agent's answer is bounded from the moment it has all of it.
     if (bounds.afterUpload) bounds.afterUpload.once("end", () => limit.start(L.afterUploadMs));
-    const failed = (err: unknown) => (limit.expired() ? tooSlow(bounds.afterUpload ? L.afterUploadMs : total!) : unavailable(err));
+    const failed = (err: unknown) => (limit.expiredAfter() ? tooSlow(limit.expiredAfter()) : unavailable(err));
     let res: Dispatcher.ResponseData;
     try {
-      res = await pool.request({ method, path, body, headers, headersTimeout: bounds.headersMs, bodyTimeout: bounds.idleMs ?? L.idleMs, signal: limit.signal });
+      res = await pool.request({ method, path, body, headers, headersTimeout: bounds.afterUpload ? 0 : bounds.headersMs, bodyTimeout: bounds.idleMs ?? L.idleMs, signal: limit.signal });
     } catch (err) {
       limit.clear();
       if ((err as { code?: string })?.code === "UND_ERR_HEADERS_TIMEOUT") throw tooSlow(bounds.headersMs);
       throw failed(err);
     }
+    const streamed = bounds.maxBytes === undefined && res.statusCode < 400;
     try {
+      if (streamed) {
+        // From here on the idle bound (and the reader, and streamMs) decide.
+        if (bounds.streamMs) {
+          limit.start(bounds.streamMs);
+          res.body.once("close", () => limit.clear());
+        } else limit.clear();
+        return { res };
+      }
+      limit.start(L.bodyMs);
       if (res.statusCode >= 400) {
         const text = (await readCapped(res.body, L.maxErrorBytes)).toString("utf8");
         let parsed: Partial<AgentErrorBody> = {};
@@ -202,22 +211,17 @@ export function createAgentClient(socketPath: string): AgentClient {
         const code = typeof parsed.code === "string" ? parsed.code : "internal";
         throw new AgentError(code, res.statusCode, typeof parsed.error === "string" ? parsed.error : `agent answered ${res.statusCode}`);
       }
-      if (bounds.maxBytes === undefined) {
-        // Streamed: the deadline covered the headers; from here on the idle bound (and the reader) decide.
-        limit.clear();
-        return { res };
-      }
-      return { res, bytes: await readCapped(res.body, bounds.maxBytes) };
+      return { res, bytes: await readCapped(res.body, bounds.maxBytes!) };
     } catch (err) {
       if (err instanceof AgentError) throw err;
       throw failed(err);
     } finally {
-      if (bounds.maxBytes !== undefined || res.statusCode >= 400) limit.clear();
+      if (!streamed) limit.clear();
     }
   }
 
-  async function json<T>(method: Dispatcher.HttpMethod, path: string, body?: unknown, opts: { signal?: AbortSignal; headersMs?: number; totalMs?: number; maxBytes?: number } = {}): Promise<T> {
-    const bounds: CallBounds = { headersMs: opts.headersMs ?? L.headersMs, totalMs: opts.totalMs, maxBytes: opts.maxBytes ?? L.maxAnswerBytes };
+  async function json<T>(method: Dispatcher.HttpMethod, path: string, body?: unknown, opts: { signal?: AbortSignal; headersMs?: number; maxBytes?: number } = {}): Promise<T> {
+    const bounds: CallBounds = { headersMs: opts.headersMs ?? L.headersMs, maxBytes: opts.maxBytes ?? L.maxAnswerBytes };
     const text = body === undefined ? undefined : JSON.stringify(body);
     const { bytes } = await call(method, path, bounds, text, text === undefined ? {} : { "content-type": "application/json" }, opts.signal);
     try {
@@ -227,11 +231,11 @@ export function createAgentClient(socketPath: string): AgentClient {
     }
   }
 
-  /** A command's call: bounded by its own timeout plus the grace the agent needs to end it and answer. */
-  const commandBounds = (timeoutMs: number | undefined, extraMs = 0) => {
-    const ms = (timeoutMs && timeoutMs > 0 ? timeoutMs : L.defaultCommandMs) + extraMs + L.commandGraceMs;
-    return { headersMs: ms, totalMs: ms + L.bodyMs, maxBytes: L.maxLargeAnswerBytes };
-  };
+  /** A command's call: its answer comes within its own timeout plus the grace the agent needs to end it and answer. */
+  const commandBounds = (timeoutMs: number | undefined, extraMs = 0) => ({
+    headersMs: (timeoutMs && timeoutMs > 0 ? timeoutMs : L.defaultCommandMs) + extraMs + L.commandGraceMs,
+    maxBytes: L.maxLargeAnswerBytes,
+  });
 
   const q = (params: Record<string, string | number | boolean | undefined>) => {
     const s = new URLSearchParams();
@@ -255,7 +259,7 @@ export function createAgentClient(socketPath: string): AgentClient {
     async writeFile(path: string, body: Buffer | Readable, opts: { mode?: string; user?: string; metadata?: Record<string, string> } = {}) {
       const metadata = opts.metadata && Object.keys(opts.metadata).length > 0 ? JSON.stringify(opts.metadata) : undefined;
       const upload = Buffer.isBuffer(body) ? undefined : body;
-      const bounds: CallBounds = upload ? { headersMs: 0, afterUpload: upload, maxBytes: L.maxAnswerBytes } : { headersMs: L.headersMs, maxBytes: L.maxAnswerBytes };
+      const bounds: CallBounds = { headersMs: L.headersMs, afterUpload: upload, maxBytes: L.maxAnswerBytes };
       const { bytes } = await call("PUT", `/files?${q({ path, mode: opts.mode, user: opts.user, metadata })}`, bounds, body, { "content-type": "application/octet-stream" });
       try {
         return JSON.parse(bytes!.toString("utf8")) as FileInfo;
@@ -302,17 +306,13 @@ export function createAgentClient(socketPath: string): AgentClient {
     codeRestart: (id: string) => json<CodeContext>("POST", `/code/contexts/${encodeURIComponent(id)}/restart`, undefined, { headersMs: L.kernelStartMs }),
     codeDelete: (id: string) => json<{ deleted: true }>("DELETE", `/code/contexts/${encodeURIComponent(id)}`),
     async codeExecute(req: CodeExecuteRequest, signal?: AbortSignal): Promise<Readable> {
-      // The frames stream through to the caller (bounded memory); the whole execute is bounded by its timeout,
-      // and silence inside it may last as long (a computation that prints nothing).
-      const bounds = commandBounds(req.timeout_ms ?? CODE_EXECUTE_DEFAULT_MS, L.kernelStartMs);
-      const limit = deadline(bounds.totalMs, signal);
-      const { res } = await call("POST", "/code/execute", { headersMs: bounds.headersMs, idleMs: bounds.totalMs }, JSON.stringify(req), { "content-type": "application/json" }, limit.signal).catch((err: unknown) => {
-        limit.clear();
-        throw err;
-      });
-      const stream = res.body as unknown as Readable;
-      stream.once("close", () => limit.clear());
-      return stream;
+      // The frames stream through to the caller (bounded memory). Headers may wait for a default context's kernel to
+      // start; the whole execute is bounded by its timeout, and silence inside it may last as long (a computation
+      // that prints nothing).
+      const run = (req.timeout_ms && req.timeout_ms > 0 ? req.timeout_ms : CODE_EXECUTE_DEFAULT_MS) + L.commandGraceMs;
+      const bounds: CallBounds = { headersMs: L.kernelStartMs + L.commandGraceMs, idleMs: run, streamMs: run };
+      const { res } = await call("POST", "/code/execute", bounds, JSON.stringify(req), { "content-type": "application/json" }, signal);
+      return res.body as unknown as Readable;
     },
     close: () => pool.close(),
     destroy: () => pool.destroy(),
