@@ -86,10 +86,11 @@ function deadline(signal: AbortSignal | undefined) {
     expiredAfter: () => expiredAfter,
     start(ms: number) {
       clearTimeout(timer);
+      // Unref'd: a bound must never be what keeps the process alive (an upload that ended after its answer).
       timer = setTimeout(() => {
         expiredAfter = ms;
         ctrl.abort(new Error("deadline"));
-      }, ms);
+      }, ms).unref();
     },
     clear: () => clearTimeout(timer),
   };
@@ -278,7 +279,7 @@ export function createAgentClient(socketPath: string): AgentClient {
       return new Promise((resolve, reject) => {
         const req = httpRequest({ socketPath, method: "CONNECT", path: `127.0.0.1:${port}`, agent: false });
         // Only the answer to CONNECT is bounded here: the byte stream after it lives as long as its users want.
-        const timer = setTimeout(() => req.destroy(tooSlow(L.headersMs)), L.headersMs);
+        const timer = setTimeout(() => req.destroy(tooSlow(L.headersMs)), L.headersMs).unref();
         req.once("close", () => clearTimeout(timer));
         req.once("connect", (res, socket, head) => {
           clearTimeout(timer);
