@@ -26,6 +26,7 @@ const MACHINE_SUITES = [
   "test/security/revocation.test.ts",
   "test/security/private-umask.test.ts",
   "test/security/build-isolation.test.ts",
+  "test/security/machine-root.test.ts",
 ];
 
 const started = Date.now();

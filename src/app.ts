@@ -45,6 +45,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   await preparePrivateDataDir(config.dataDir, config.cacheDir);
   const store = await openStoreFor(config, log);
   const guestRuntimeDir = await prepareGuestRuntime({ dir: join(config.cacheDir, GUEST_RUNTIME_DIR), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
+  const machinesCaps = { pidsMax: config.machinesPidsMax, memoryBytes: config.machinesMemoryMb === undefined ? undefined : config.machinesMemoryMb * 1024 * 1024 };
   const driver = createOciDriver({
     dataDir: config.dataDir,
     runtime: config.ociRuntime,
@@ -55,6 +56,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     identity: config.machineIdentity,
     helperDir: join(config.cacheDir, "bin"),
     idRangesDir: config.idRangesDir,
+    hostLimits: machinesCaps,
   });
   const hostId = await ensureHostId(config.dataDir, config.hostId);
   const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs };

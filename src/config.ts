@@ -68,6 +68,9 @@ export interface Config {
   machineIdentity: "auto" | "shared";
   /** The host-wide directory of machines' uid range claims (one per host, shared by every server on it). */
   idRangesDir: string;
+  /** Caps on all machines together (Kiln's parent cgroup); undefined: the driver's defaults from the host. */
+  machinesPidsMax: number | undefined;
+  machinesMemoryMb: number | undefined;
 }
 
 /** DESIGN.md §4: immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. */
@@ -123,6 +126,8 @@ export const CONFIG_VARS = [
   ["KILN_MEMORY_OVERCOMMIT", "(unset)", "caps the declared memory of live machines at this multiple of RAM (e.g. 4)"],
   ["KILN_MACHINE_IDENTITY", "auto", "auto: each machine on its own host uid range (idmapped mounts) where the host allows; shared: one range for all"],
   ["KILN_ID_RANGES_DIR", "/var/lib/kiln/id-ranges", "host-wide claims of machines' uid ranges: every server on a host must use the same"],
+  ["KILN_MACHINES_PIDS_MAX", "(¾ of the host's pid_max)", "processes and threads of all machines together (Kiln's parent cgroup)"],
+  ["KILN_MACHINES_MEMORY_MB", "(RAM less 10 %, at least 1 GiB)", "memory of all machines together (Kiln's parent cgroup)"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -195,6 +200,8 @@ export function loadConfig(env: Env = process.env): Config {
     memoryOvercommit: positiveNumberVar(env, "KILN_MEMORY_OVERCOMMIT"),
     machineIdentity: oneOf(env, "KILN_MACHINE_IDENTITY", ["auto", "shared"] as const, "auto"),
     idRangesDir: resolve(env.KILN_ID_RANGES_DIR || "/var/lib/kiln/id-ranges"),
+    machinesPidsMax: env.KILN_MACHINES_PIDS_MAX ? intVar(env, "KILN_MACHINES_PIDS_MAX", 0, 64, 1 << 30) : undefined,
+    machinesMemoryMb: env.KILN_MACHINES_MEMORY_MB ? intVar(env, "KILN_MACHINES_MEMORY_MB", 0, 64, 1 << 30) : undefined,
   };
 }
 

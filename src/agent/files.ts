@@ -11,6 +11,8 @@ import { randomBytes } from "node:crypto";
 import type { FileInfo, UserInfo } from "./protocol.ts";
 import { groupName, userName } from "./users.ts";
 import { AgentFailure, fsFailure } from "./errors.ts";
+import { dirNames, listPage } from "./list-pages.ts";
+import type { TreeSource } from "./list-pages.ts";
 
 /** Uploads are written beside their target under this prefix, then renamed into place (a watch hides them). */
 export const UPLOAD_PREFIX = ".kiln-upload-";
@@ -60,7 +62,23 @@ function typeOf(st: Stats): FileInfo["type"] {
   return "file";
 }
 
-export async function fileInfo(path: string, st?: Stats): Promise<FileInfo> {
+/** Owner and group names by id; a listing passes memoised ones (one look at passwd/group per page, not per entry). */
+interface OwnerNames {
+  user(uid: number): string;
+  group(gid: number): string;
+}
+const currentOwnerNames: OwnerNames = { user: userName, group: groupName };
+
+function memoisedOwnerNames(): OwnerNames {
+  const users = new Map<number, string>();
+  const groups = new Map<number, string>();
+  return {
+    user: (uid) => users.get(uid) ?? users.set(uid, userName(uid)).get(uid)!,
+    group: (gid) => groups.get(gid) ?? groups.set(gid, groupName(gid)).get(gid)!,
+  };
+}
+
+export async function fileInfo(path: string, st?: Stats, names: OwnerNames = currentOwnerNames): Promise<FileInfo> {
   try {
     st ??= await lstat(path);
     const info: FileInfo = {
@@ -71,8 +89,8 @@ export async function fileInfo(path: string, st?: Stats): Promise<FileInfo> {
       type: typeOf(st),
       mode: st.mode.toString(8),
       permissions: (st.mode & 0o7777).toString(8).padStart(4, "0"),
-      owner: userName(st.uid),
-      group: groupName(st.gid),
+      owner: names.user(st.uid),
+      group: names.group(st.gid),
       modified_time: st.mtime.toISOString(),
     };
     if (st.isSymbolicLink()) info.symlink_target = await readlink(path);
@@ -84,29 +102,37 @@ export async function fileInfo(path: string, st?: Stats): Promise<FileInfo> {
   }
 }
 
-export async function listDir(path: string, depth: number): Promise<FileInfo[]> {
+/** The machine's directories by path, for paged listings (list-pages.ts); owner names looked up once per page. */
+function machineTree(): TreeSource<string, FileInfo> {
+  const names = memoisedOwnerNames();
+  return {
+    async *names(dir) {
+      try {
+        yield* dirNames(dir);
+      } catch (err) {
+        throw fsFailure(err, dir);
+      }
+    },
+    async entry(dir, name) {
+      const p = join(dir, name);
+      const st = await lstat(p).catch(() => undefined);
+      return st ? { entry: await fileInfo(p, st, names), isDir: st.isDirectory() } : undefined;
+    },
+    async open(dir, name) {
+      const p = join(dir, name);
+      return (await lstat(p).catch(() => undefined))?.isDirectory() ? p : undefined;
+    },
+    async close() {},
+  };
+}
+
+/** One page of the listing of `path`, `depth` deep: see list-pages.ts. */
+export async function listDir(path: string, depth: number, page: { limit: number; after?: string[] }): Promise<{ entries: FileInfo[]; next?: string[] }> {
   const st = await lstat(path).catch((err: unknown) => {
     throw fsFailure(err, path);
   });
   if (!st.isDirectory()) throw new AgentFailure("invalid_request", `${path} is not a directory`);
-  const out: FileInfo[] = [];
-  async function walk(dir: string, level: number) {
-    let names: string[];
-    try {
-      names = (await readdir(dir)).sort();
-    } catch (err) {
-      throw fsFailure(err, dir);
-    }
-    for (const name of names) {
-      const p = join(dir, name);
-      const s = await lstat(p).catch(() => undefined);
-      if (!s) continue; // removed while we listed
-      out.push(await fileInfo(p, s));
-      if (s.isDirectory() && level < depth) await walk(p, level + 1);
-    }
-  }
-  await walk(path, 1);
-  return out;
+  return listPage(machineTree(), path, { depth, ...page });
 }
 
 /** mkdir -p; directories it creates belong to `owner`. */

@@ -1,6 +1,8 @@
 // The guest agent: the first real process of every machine (under tini). It serves the protocol of protocol.ts
 // over HTTP on a unix socket that the driver binds into the machine, and streams on /ws.
 
+// First, before any other module's code runs: out of reach of ptrace and pidfd_getfd from inside the machine.
+import "./nodump.ts";
 import { createServer } from "node:http";
 import { connect } from "node:net";
 import type { IncomingMessage, ServerResponse } from "node:http";
@@ -15,9 +17,14 @@ import { listServices, restartService, serviceLogs, serviceState, startService, 
 import { createReadStream } from "node:fs";
 import { lstat } from "node:fs/promises";
 import { AGENT_SOCKET_DEFAULT } from "./protocol.ts";
-import type { AgentHealth, ExecRequest } from "./protocol.ts";
+import type { AgentHealth, ExecRequest, FileList } from "./protocol.ts";
+import { LIST_DEFAULT_LIMIT, LIST_MAX_DEPTH, LIST_MAX_LIMIT, validAfter } from "./list-pages.ts";
 import { handleGitRun, sweepScratch } from "./git.ts";
 import { handleCode, stopAllKernels } from "./kernels/index.ts";
+
+// stdout and stderr are a host file on the machine's own disk (runtime.log): a full disk must not end the agent.
+process.stdout.on("error", () => undefined);
+process.stderr.on("error", () => undefined);
 
 const bootId = randomUUID();
 const startedAt = Date.now();
@@ -133,8 +140,21 @@ async function route(req: IncomingMessage, res: ServerResponse) {
     }
     case "GET /files/list": {
       const depth = Number(q.get("depth") ?? 1);
-      if (!Number.isInteger(depth) || depth < 1 || depth > 20) throw new AgentFailure("invalid_request", "depth must be an integer from 1 to 20");
-      return send(res, 200, { entries: await listDir(absolutePath(q.get("path")), depth) });
+      if (!Number.isInteger(depth) || depth < 1 || depth > LIST_MAX_DEPTH) throw new AgentFailure("invalid_request", `depth must be an integer from 1 to ${LIST_MAX_DEPTH}`);
+      const limit = Number(q.get("limit") ?? LIST_DEFAULT_LIMIT);
+      if (!Number.isInteger(limit) || limit < 1 || limit > LIST_MAX_LIMIT) throw new AgentFailure("invalid_request", `limit must be an integer from 1 to ${LIST_MAX_LIMIT}`);
+      let after: string[] | undefined;
+      if (q.get("after") !== null) {
+        try {
+          after = JSON.parse(q.get("after")!);
+        } catch {
+          after = undefined;
+        }
+        if (!validAfter(after, depth)) throw new AgentFailure("invalid_request", "after must be a JSON array of names within the listing's depth");
+      }
+      const page = await listDir(absolutePath(q.get("path")), depth, { limit, after });
+      const body: FileList = { entries: page.entries, ...(page.next ? { next_after: page.next } : {}) };
+      return send(res, 200, body);
     }
     case "POST /files/mkdir": {
       const body = await readJson(req);

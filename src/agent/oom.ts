@@ -39,3 +39,17 @@ export function wasOomKilled(signal: string | null, before: number | undefined):
   const after = oomKills();
   return after !== undefined && after > before;
 }
+
+/** How a shell reports a command it ran that died of SIGKILL: 128 + 9. */
+const SHELL_KILLED = 128 + 9;
+
+/**
+ * A process's end as the caller hears it. A program run by `args` that the OOM killer took ends by SIGKILL itself;
+ * a shell line's command dies under `sh -c`, which then exits 137 — so a shell line that exits 137 while the
+ * machine's OOM-kill counter rose is told the same way: no exit code, SIGKILL, oom_killed.
+ */
+export function exitOf(code: number | null, signal: string | null, shellLine: boolean, oomBefore: number | undefined): { exit_code: number | null; signal: string | null; oom_killed?: true } {
+  if (wasOomKilled(signal, oomBefore)) return { exit_code: code, signal, oom_killed: true };
+  if (shellLine && signal === null && code === SHELL_KILLED && wasOomKilled("SIGKILL", oomBefore)) return { exit_code: null, signal: "SIGKILL", oom_killed: true };
+  return { exit_code: code, signal };
+}

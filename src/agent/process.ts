@@ -10,7 +10,7 @@ import type { ChildProcess } from "node:child_process";
 import { constants } from "node:os";
 import { lookupUser } from "./users.ts";
 import { AgentFailure } from "./errors.ts";
-import { CHILD_OOM_SCORE_ADJ, oomKills, raiseOomScore, wasOomKilled } from "./oom.ts";
+import { CHILD_OOM_SCORE_ADJ, exitOf, oomKills, raiseOomScore } from "./oom.ts";
 import { rememberSpawn, signalTree } from "./process-tree.ts";
 import type { ExecRequest, ExecResult, UserInfo } from "./protocol.ts";
 
@@ -160,15 +160,15 @@ export function execOnce(req: ExecRequest, abort?: AbortSignal): Promise<ExecRes
       clearTimeout(reapTimer);
       abort?.removeEventListener("abort", onAbort);
       const note = (len: number) => (len > OUTPUT_CAP ? Buffer.from(`\n[kiln: output truncated at ${OUTPUT_CAP} bytes of ${len}]\n`) : Buffer.alloc(0));
-      const name = signalName(signal);
+      const exit = exitOf(code, signalName(signal), req.args === undefined, oomBefore);
       resolve({
-        exit_code: code,
-        signal: name,
+        exit_code: exit.exit_code,
+        signal: exit.signal,
         stdout_base64: Buffer.concat([...out, note(outLen)]).toString("base64"),
         stderr_base64: Buffer.concat([...err, note(errLen)]).toString("base64"),
         duration_ms: Math.round((performance.now() - started) * 100) / 100,
         timed_out: timedOut,
-        ...(!timedOut && wasOomKilled(name, oomBefore) ? { oom_killed: true } : {}),
+        ...(!timedOut && exit.oom_killed ? { oom_killed: true } : {}),
       });
     };
     let reapTimer: NodeJS.Timeout | undefined;

@@ -7,7 +7,8 @@
 //   GET    /files?path=                  → raw bytes (application/octet-stream)
 //   PUT    /files?path=&mode=&user=&metadata= raw bytes → FileInfo (metadata: JSON object of strings)
 //   POST   /files/info    {path}         → FileInfo (lstat; owner/group names from the machine's files)
-//   GET    /files/list?path=&depth=      → FileList (depth 1 = direct children)
+//   GET    /files/list?path=&depth=&limit=&after= → FileList (depth 1 = direct children; a page of `limit`
+//                                          entries after the entry at path `after`, a JSON array of names)
 //   POST   /files/mkdir   MkdirRequest   → FileInfo (mkdir -p; an existing directory is fine)
 //   DELETE /files?path=&recursive=       → {removed: true}
 //   POST   /files/move    MoveRequest    → FileInfo of dest
@@ -100,6 +101,8 @@ export interface MoveRequest {
 
 export interface FileList {
   entries: FileInfo[];
+  /** The path (names below the listed directory) to list after for the next page; absent on the last page. */
+  next_after?: string[];
 }
 
 export interface UserInfo {

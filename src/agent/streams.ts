@@ -8,7 +8,7 @@ import { PtySession } from "./pty.ts";
 import type { PtySink } from "./pty.ts";
 import { spawnAs, isSignal } from "./process.ts";
 import { signalTree } from "./process-tree.ts";
-import { oomKills, wasOomKilled } from "./oom.ts";
+import { exitOf, oomKills } from "./oom.ts";
 import { AgentFailure } from "./errors.ts";
 import { createWatches } from "./watch.ts";
 import type { AgentErrorCode, StreamServerFrame } from "./protocol.ts";
@@ -144,7 +144,7 @@ export function handleStream(ws: WebSocket) {
     child.on("close", (code, signal) => {
       if (!started) return;
       procs.delete(child.pid!);
-      send({ type: "exec.exit", pid: child.pid!, exit_code: code, signal, ...(wasOomKilled(signal, oomBefore) ? { oom_killed: true as const } : {}) });
+      send({ type: "exec.exit", pid: child.pid!, ...exitOf(code, signal, f.args === undefined, oomBefore) });
     });
   }
 

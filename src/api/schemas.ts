@@ -5,6 +5,7 @@ import { Type } from "typebox";
 import type { Static, TSchema } from "typebox";
 import { MACHINE_STATUSES } from "../services/machines.ts";
 import { ENV_NAME, INPUT_LIMITS, NO_NUL } from "../services/input-limits.ts";
+import { LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT } from "../agent/list-pages.ts";
 
 export const ErrorEnvelope = Type.Object(
   {
@@ -83,6 +84,12 @@ export const FileMetadata = Type.Object({
   modified_time: Type.String({ format: "date-time" }),
   symlink_target: Type.Optional(Type.String()),
 });
+
+/** files/list (machines and volumes): how deep, how many entries per answer, and where the next page starts. */
+export const ListDepth = Type.Integer({ minimum: 1, maximum: 10, default: 1 });
+export const ListLimit = Type.Integer({ minimum: 1, maximum: LIST_MAX_LIMIT, default: LIST_DEFAULT_LIMIT });
+export const ListCursor = Type.String({ minLength: 1, maxLength: 65_536 });
+export const FileListPage = Type.Object({ entries: Type.Array(FileMetadata), next_cursor: Type.Union([Type.String(), Type.Null()]) });
 
 export const MachinePath = NoNul({ minLength: 1, maxLength: INPUT_LIMITS.pathChars });
 export const UserName = Type.String({ minLength: 1, maxLength: 64, pattern: "^[A-Za-z0-9_][A-Za-z0-9_.-]*\\$?$" });

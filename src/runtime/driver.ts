@@ -64,6 +64,12 @@ export interface MachineUsage {
   diskTotalBytes: number | null;
 }
 
+/**
+ * What heal() found: `repaired` names what was put right (a restarted network helper, a trimmed log); `ok: false`
+ * says why the machine cannot work any more (the caller then destroys it with that reason).
+ */
+export type MachineHealth = { ok: true; repaired: string[] } | { ok: false; reason: string };
+
 /** What the host can enforce, reported as-is by GET /v1/ready. */
 export interface DriverReadiness {
   driver: string;
@@ -109,6 +115,11 @@ export interface MachineDriver {
    * killer killed in its memory cgroup. Must be asked before destroy (which removes the cgroup).
    */
   deathCause(id: string): Promise<"out_of_memory" | undefined>;
+  /**
+   * Checks what a live machine needs on the host besides its own processes (its network helper, the host files it
+   * writes) and repairs what it can. Called every few seconds for every running or hibernated machine, and at start.
+   */
+  heal(id: string): Promise<MachineHealth>;
   /** Reads the machine's resource use now (cgroup counters and its disk). */
   usage(id: string): Promise<MachineUsage>;
   /** Leaves no process, mount or directory behind. Idempotent. */

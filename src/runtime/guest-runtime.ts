@@ -10,8 +10,21 @@ import { basename, join } from "node:path";
 /** The loader's name inside /opt/kiln/lib; the machine's first process runs node through it. */
 export const GUEST_LOADER = process.arch === "arm64" ? "ld-linux-aarch64.so.1" : "ld-linux-x86-64.so.2";
 
+/**
+ * Copies of tini and the loader that machine users may execute but not read (0711, owned by host root, which no
+ * machine maps). Linux marks a process that execs a file its caller cannot read as not dumpable (fs/exec.c
+ * would_dump) and ties its mm to the first user namespace privileged over that file — the host's. So the machine's
+ * first process and its agent, started from these, cannot be ptraced, pidfd_getfd'd or read through /proc by
+ * anything in the machine, even by a machine root with every capability in its own namespace. gVisor refuses to
+ * exec a file it cannot read, so runsc machines start from the readable ones (the agent drops dumpability itself,
+ * see agent/nodump.ts).
+ */
+export const EXEC_ONLY_DIR = "exec-only";
+export const EXEC_ONLY_TINI = `${EXEC_ONLY_DIR}/tini`;
+export const EXEC_ONLY_LOADER = `${EXEC_ONLY_DIR}/ld.so`;
+
 /** Bump when the layout below changes, so every host rebuilds its runtime. */
-const RECIPE = "guest-runtime-3";
+const RECIPE = "guest-runtime-4";
 /** Versions kept beside the current one: machines still running on an older runtime keep their files. */
 const KEEP_OLD_VERSIONS = 2;
 /** tini must be static: it is pid 1 in roots whose libc (if any) is not ours. */
@@ -84,6 +97,10 @@ export async function prepareGuestRuntime(opts: { dir: string; agentBundle: (out
     // Machine users are unprivileged host uids: everything must be world-readable, nothing writable but by host root.
     execFileSync("chmod", ["-R", "a+rX,go-w", work]);
     for (const exe of ["bin/node", "bin/tini", `lib/${GUEST_LOADER}`]) await chmod(join(work, exe), 0o755);
+    await mkdir(join(work, EXEC_ONLY_DIR), { mode: 0o755 });
+    await copyFile(TINI_STATIC, join(work, EXEC_ONLY_TINI));
+    await copyFile(loader, join(work, EXEC_ONLY_LOADER));
+    for (const exe of [EXEC_ONLY_TINI, EXEC_ONLY_LOADER]) await chmod(join(work, exe), 0o711);
     await writeFile(join(work, "stamp"), JSON.stringify({ version, node: process.version, made_at: new Date().toISOString() }));
     await rename(work, target);
   } catch (err) {

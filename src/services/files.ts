@@ -7,6 +7,9 @@ import type { MachineService } from "./machines.ts";
 import { viaAgent } from "./agent-errors.ts";
 import { userOf } from "./exec.ts";
 import { needsUserHome, resolveMachinePath } from "./paths.ts";
+import { LIST_DEFAULT_LIMIT } from "../agent/list-pages.ts";
+import type { FileInfo } from "../agent/protocol.ts";
+import { decodeListCursor, encodeListCursor } from "../store/cursor.ts";
 
 export function createFileService(machines: MachineService) {
   /** Resolves `path` for machine `id` and, when a user is named, checks that user exists (400 otherwise). */
@@ -37,9 +40,16 @@ export function createFileService(machines: MachineService) {
       const t = await target(id, input.path, input.user);
       return viaAgent(() => t.agent.writeFile(t.path, body, { mode: input.mode, user: t.user, metadata: input.metadata }));
     },
-    async list(id: string, input: { path: string; user?: string; depth?: number }) {
+    /**
+     * One page of a directory listing: `limit` entries (default LIST_DEFAULT_LIMIT, at most LIST_MAX_LIMIT), the rest
+     * through `next_cursor` (null on the last page). The agent never holds a whole directory, nor does this.
+     */
+    async list(id: string, input: { path: string; user?: string; depth?: number; limit?: number; cursor?: string }): Promise<{ entries: FileInfo[]; next_cursor: string | null }> {
       const t = await target(id, input.path, input.user);
-      return viaAgent(() => t.agent.list(t.path, input.depth ?? 1));
+      const listing = { path: t.path, depth: input.depth ?? 1 };
+      const after = input.cursor ? decodeListCursor(input.cursor, listing) : undefined;
+      const page = await viaAgent(() => t.agent.list(t.path, listing.depth, { limit: input.limit ?? LIST_DEFAULT_LIMIT, after }));
+      return { entries: page.entries, next_cursor: page.next_after ? encodeListCursor(listing, page.next_after) : null };
     },
     async mkdir(id: string, input: { path: string; user?: string; mode?: string }) {
       const t = await target(id, input.path, input.user);

@@ -34,6 +34,10 @@ export const MACHINE_LIMITS = { maxTimeoutS: 7 * 24 * 3600, maxVcpus: 64, minMem
 export const OUT_OF_MEMORY = "out of memory";
 /** Expired machines destroyed at once by the sweeper. */
 const EXPIRY_CONCURRENCY = 8;
+/** Machines whose host-side parts are checked (and repaired) at once by a health pass. */
+const HEAL_CONCURRENCY = 8;
+/** Every this many sweeper ticks (seconds): machines that died are reaped, live ones' host-side parts healed. */
+const HEALTH_EVERY_TICKS = 2;
 
 export interface CreateMachineInput {
   template?: string;
@@ -209,6 +213,11 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     await db.insertInto("machines").values(row).execute();
     return withLock(row.id, async () => {
       try {
+        // A machine that waited in the pool may have lost a host-side part meanwhile (its network helper).
+        if (warm) {
+          const health = await driver.heal(warm.id);
+          if (!health.ok) throw new Error(health.reason);
+        }
         const live =
           warm ??
           (await driver.create({
@@ -357,6 +366,47 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     return reaped;
   }
 
+  /** One machine's host-side parts, under its lock: repaired by the driver, or the machine destroyed with why not. */
+  async function healOne(id: string): Promise<"ok" | "repaired" | "failed" | "skipped"> {
+    return withLock(id, async () => {
+      const row = await load(id);
+      if (row.status !== "running" && row.status !== "hibernated") return "skipped";
+      const health = await driver.heal(id);
+      if (health.ok) {
+        if (health.repaired.length === 0) return "ok";
+        log.warn({ machine_id: id, repaired: health.repaired }, "a machine's host-side parts were repaired");
+        return "repaired";
+      }
+      log.warn({ machine_id: id, reason: health.reason }, "a machine's host-side parts cannot be repaired; destroying it");
+      await destroyLocked(row, health.reason);
+      return "failed";
+    });
+  }
+
+  /**
+   * The host-side parts of every running or hibernated machine (its network helper, the host files it writes):
+   * what died is started again, logs past their cap are trimmed, and a machine that cannot be repaired is destroyed
+   * with the reason. Runs every few seconds and at start (after adoption).
+   */
+  async function healLive(): Promise<{ repaired: number; failed: number }> {
+    const rows = await db.selectFrom("machines").select("id").where("host_id", "=", hostId).where("status", "in", ["running", "hibernated"]).execute();
+    const queue = rows.map((r) => r.id);
+    const counts = { repaired: 0, failed: 0 };
+    const next = async (): Promise<void> => {
+      const id = queue.shift();
+      if (id === undefined) return;
+      const result = await healOne(id).catch((err: unknown) => {
+        log.error({ err, machine_id: id }, "checking a machine's host-side parts failed");
+        return "skipped" as const;
+      });
+      if (result === "repaired") counts.repaired++;
+      if (result === "failed") counts.failed++;
+      return next();
+    };
+    await Promise.all(Array.from({ length: Math.min(HEAL_CONCURRENCY, queue.length) }, next));
+    return counts;
+  }
+
   /** The guest agent of a running machine; 409 machine_not_running for any other state. */
   async function agentOf(id: string): Promise<{ row: MachineRow; agent: AgentClient }> {
     const row = await load(id);
@@ -413,20 +463,27 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       lost++;
     }
     for (const orphan of live.keys()) await driver.destroy(orphan).catch((err: unknown) => log.error({ err, machine_id: orphan }, "removing an orphan machine failed"));
+    // What died while no server watched (a network helper) is repaired now, before anything is served.
+    await healLive();
     return { adopted, lost, removed: live.size };
   }
 
-  /** Expiry every second; every fifth second also a look for machines that stopped on their own. */
+  /**
+   * Expiry every second; every HEALTH_EVERY_TICKS seconds a health pass: machines that stopped on their own are
+   * reaped, and live ones' host-side parts checked and repaired.
+   */
   function startSweeper(intervalMs = 1000) {
     let tick = 0;
-    let reaping = false;
+    let checking = false;
     sweeper = setInterval(() => {
       void sweepExpired().catch((err: unknown) => log.error({ err }, "expiry sweep failed"));
-      if (++tick % 5 !== 0 || reaping) return;
-      reaping = true;
+      if (++tick % HEALTH_EVERY_TICKS !== 0 || checking) return;
+      checking = true;
       void reapDead()
         .catch((err: unknown) => log.error({ err }, "looking for stopped machines failed"))
-        .finally(() => (reaping = false));
+        .then(() => healLive())
+        .catch((err: unknown) => log.error({ err }, "checking machines' host-side parts failed"))
+        .finally(() => (checking = false));
     }, intervalMs);
     sweeper.unref();
   }
@@ -437,7 +494,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     for (const id of [...agents.keys()]) await detach(id);
   }
 
-  return { create, get, list, update, hibernate, resume, destroy, agentOf, adopt, sweepExpired, reapDead, startSweeper, onStatus, close };
+  return { create, get, list, update, hibernate, resume, destroy, agentOf, adopt, sweepExpired, reapDead, healLive, startSweeper, onStatus, close };
 }
 
 export type MachineService = ReturnType<typeof createMachineService>;

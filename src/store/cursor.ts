@@ -33,3 +33,26 @@ export function pageAfter(cursor: string | undefined): [string, string] | undefi
     throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
   }
 }
+
+/**
+ * A directory listing's cursor (files/list of machines and volumes): the path of the last entry given, bound to the
+ * listing it came from (the directory and depth), so it cannot be replayed against another one.
+ */
+export function encodeListCursor(listing: { path: string; depth: number }, after: string[]): string {
+  return Buffer.from(JSON.stringify({ v: "list-1", path: listing.path, depth: listing.depth, after })).toString("base64url");
+}
+
+/** The names to list after, from a cursor encodeListCursor made for this same listing; 400 otherwise. */
+export function decodeListCursor(cursor: string, listing: { path: string; depth: number }): string[] {
+  let parsed: { v?: unknown; path?: unknown; depth?: unknown; after?: unknown } = {};
+  try {
+    parsed = JSON.parse(Buffer.from(cursor, "base64url").toString("utf8"));
+  } catch {
+    // refused below
+  }
+  const after = parsed.after;
+  const names = Array.isArray(after) && after.length > 0 && after.every((n) => typeof n === "string" && n.length > 0 && !n.includes("/") && !n.includes("\0") && n !== "." && n !== "..");
+  if (parsed.v !== "list-1" || !names) throw new KilnError("invalid_request", "cursor is not a cursor this server issued");
+  if (parsed.path !== listing.path || parsed.depth !== listing.depth) throw new KilnError("invalid_request", "cursor belongs to another listing (path and depth must stay the same across pages)");
+  return after as string[];
+}

@@ -13,6 +13,8 @@ import { KilnError } from "../errors.ts";
 import { HOST_ID_BASE, ID_RANGE } from "../runtime/oci/idmap.ts";
 import { VOLUME_OWNER } from "./storage.ts";
 import type { FileInfo } from "../agent/protocol.ts";
+import { LIST_DEFAULT_LIMIT, dirNames, listPage } from "../agent/list-pages.ts";
+import type { TreeSource } from "../agent/list-pages.ts";
 
 const DIR_FLAGS = fsc.O_RDONLY | fsc.O_DIRECTORY | fsc.O_NOFOLLOW;
 /** O_NONBLOCK: a FIFO a machine made must not hang the API's open. */
@@ -196,31 +198,26 @@ export function volumeFiles(mountPath: string) {
     return withParent(path, infoAt);
   }
 
-  async function list(path: string, depth: number): Promise<FileInfo[]> {
-    const out: FileInfo[] = [];
-    async function walkList(dir: FileHandle, shown: string, level: number) {
-      const names = (await readdir(`/proc/self/fd/${dir.fd}`)).sort();
-      for (const name of names) {
-        const childShown = posix.join(shown, name);
-        let st: Stats;
-        try {
-          st = await lstat(at(dir, name));
-        } catch {
-          continue; // removed while we listed
-        }
-        out.push(describe(childShown, st, st.isSymbolicLink() ? await readlink(at(dir, name)).catch(() => "") : undefined));
-        if (!st.isDirectory() || level >= depth) continue;
-        const child = await open(at(dir, name), DIR_FLAGS).catch(() => undefined); // swapped or removed meanwhile: skip
-        if (!child) continue;
-        try {
-          await walkList(child, childShown, level + 1);
-        } finally {
-          await child.close();
-        }
-      }
-    }
-    await withDir(path, (dir, shown) => walkList(dir, shown, 1));
-    return out;
+  /**
+   * One page of the listing of `path`, `depth` deep (list-pages.ts): each directory is walked from its fd like every
+   * other operation here, its names streamed, never read whole.
+   */
+  async function list(path: string, depth: number, page: { limit?: number; after?: string[] } = {}): Promise<{ entries: FileInfo[]; next?: string[] }> {
+    return withDir(path, (root, rootShown) => {
+      const tree: TreeSource<FileHandle, FileInfo> = {
+        names: (dir) => dirNames(`/proc/self/fd/${dir.fd}`),
+        async entry(dir, name, names) {
+          const st = await lstat(at(dir, name)).catch(() => undefined);
+          if (!st) return undefined; // removed while we listed
+          const shown = posix.join(rootShown, ...names);
+          return { entry: describe(shown, st, st.isSymbolicLink() ? await readlink(at(dir, name)).catch(() => "") : undefined), isDir: st.isDirectory() };
+        },
+        // Swapped or removed meanwhile: skipped.
+        open: (dir, name) => open(at(dir, name), DIR_FLAGS).catch(() => undefined),
+        close: (dir) => dir.close(),
+      };
+      return listPage(tree, root, { depth, limit: page.limit ?? LIST_DEFAULT_LIMIT, after: page.after });
+    });
   }
 
   /** A regular file's bytes; symlinks, directories, FIFOs and devices are refused, never opened through. */

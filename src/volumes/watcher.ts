@@ -225,11 +225,13 @@ export class VolumeWatcher {
     this.scannedDirs.set(dir, Date.now());
     let entries;
     try {
-      entries = await this.opts.files.list(dir, 64);
+      // One page one entry larger than what is announced: a next page means too many.
+      const page = await this.opts.files.list(dir, 64, { limit: MAX_SYNTHESISED });
+      if (page.next) return this.opts.sink.resync("too_many_new_entries");
+      entries = page.entries;
     } catch {
       return; // gone again already; its remove event follows
     }
-    if (entries.length > MAX_SYNTHESISED) return this.opts.sink.resync("too_many_new_entries");
     const batch: FileEvent[] = [];
     const known = new Map<string, boolean>();
     for (const e of entries) {
@@ -255,7 +257,10 @@ export class VolumeWatcher {
     this.settling.delete(dir);
     if (!known || this.stopping) return;
     const present = new Map<string, boolean>();
-    const entries = await this.opts.files.list(dir, 64).catch(() => []);
+    const page = await this.opts.files.list(dir, 64, { limit: MAX_SYNTHESISED }).catch(() => ({ entries: [], next: undefined }));
+    // Grown past what is announced one by one since: the picture is lost either way.
+    if (page.next) return this.opts.sink.resync("too_many_new_entries");
+    const entries = page.entries;
     for (const e of entries) if (!e.name.startsWith(UPLOAD_PREFIX)) present.set(e.path, e.is_dir);
     const batch: FileEvent[] = [];
     // Deepest first, as a real removal of a tree reports it.

@@ -4,7 +4,7 @@
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { existsSync, readFileSync, readdirSync } from "node:fs";
+import { existsSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
 import { execFileSync, spawn } from "node:child_process";
 import { chmod, mkdtemp, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
@@ -262,7 +262,13 @@ test("a machine that dies of memory says so: failure_reason is out of memory", a
   const slirp = Number(readFileSync(`${k.dataDir}/machines/${m.id}/slirp.pid`, "utf8"));
   // The OOM killer takes the largest process of those with the highest oom_score_adj: raised to the top, the guest
   // agent (tens of MiB) goes before the many small ones that fill the machine, and the machine itself dies.
-  const storm = "for p in /proc/[0-9]*; do grep -qs agent.mjs $p/cmdline && echo 1000 > $p/oom_score_adj; done; for i in $(seq 40); do perl -e '$x = \"a\" x 6000000; sleep 60' & done; wait";
+  // Machine root cannot touch the agent (not dumpable: under runc its /proc files belong to host root), so the host
+  // raises it; under gVisor the host sees only the sandbox, and the machine's own root still can.
+  const procs = `/sys/fs/cgroup/pids/kiln/${m.id}/cgroup.procs`;
+  for (const pid of existsSync(procs) ? readFileSync(procs, "utf8").split("\n").filter(Boolean) : []) {
+    if (readFileSync(`/proc/${pid}/cmdline`, "utf8").includes("agent.mjs")) writeFileSync(`/proc/${pid}/oom_score_adj`, "1000");
+  }
+  const storm = "for p in /proc/[0-9]*; do grep -qs agent.mjs $p/cmdline && echo 1000 2>/dev/null > $p/oom_score_adj; done; for i in $(seq 40); do perl -e '$x = \"a\" x 6000000; sleep 60' & done; wait";
   await k.call("POST", `/v1/machines/${m.id}/exec`, { body: { cmd: storm, user: "root", timeout_s: 30 } });
   let view = (await k.call("GET", `/v1/machines/${m.id}`)).body;
   for (let i = 0; i < 100 && view.status !== "destroyed"; i++) {

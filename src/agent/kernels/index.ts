@@ -21,10 +21,19 @@ const DEFAULT_EXECUTE_TIMEOUT_MS = 300_000;
 /** Where the agent's own files are: beside agent.mjs in the bundle, beside main.ts when run from source. */
 const agentDir = dirname(process.argv[1] ?? import.meta.dirname);
 
-/** How to start Kiln's Node: through /opt/kiln's own loader and libraries when the agent itself runs that way. */
+/**
+ * How to start Kiln's Node: through /opt/kiln's own loader and libraries when the agent itself runs that way — its
+ * readable loader in lib/, also when the agent started from the exec-only copy (runtime/guest-runtime.ts), so a
+ * kernel is an ordinary process of its user.
+ */
 function nodeCommand(): [string, string[]] {
   const exe = process.execPath;
-  if (basename(exe).startsWith("ld-linux")) return [exe, ["--library-path", dirname(exe), join(dirname(exe), "..", "bin", "node")]];
+  if (basename(exe).startsWith("ld-linux") || /\/exec-only\/ld\.so$/.test(exe)) {
+    const root = join(dirname(exe), "..");
+    const lib = join(root, "lib");
+    const loader = readdirSync(lib).find((f) => f.startsWith("ld-linux"));
+    if (loader) return [join(lib, loader), ["--library-path", lib, join(root, "bin", "node")]];
+  }
   const lib = join(dirname(exe), "..", "lib");
   const loader = existsSync(lib) ? readdirSync(lib).find((f) => f.startsWith("ld-linux")) : undefined;
   if (loader && dirname(exe).endsWith("/opt/kiln/bin")) return [join(lib, loader), ["--library-path", lib, exe]];

@@ -6,7 +6,8 @@ import { Transform } from "node:stream";
 import type { Readable } from "node:stream";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { errors, FileMetadata, Id, MachinePath, OctalMode, UserName } from "../schemas.ts";
+import { errors, FileListPage, FileMetadata, Id, ListCursor, ListDepth, ListLimit, MachinePath, OctalMode, UserName } from "../schemas.ts";
+import { LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT } from "../../agent/list-pages.ts";
 import { KilnError } from "../../errors.ts";
 
 const Params = Type.Object({ id: Id });
@@ -76,8 +77,9 @@ export async function fileRoutes(app: App, opts: { services: Services }) {
         tags,
         summary: "List a directory",
         params: Params,
-        querystring: Type.Object({ path: MachinePath, user: Type.Optional(UserName), depth: Type.Optional(Type.Integer({ minimum: 1, maximum: 10, default: 1 })) }, { additionalProperties: false }),
-        response: { 200: Type.Object({ entries: Type.Array(FileMetadata) }), ...fileErrors },
+        description: `Depth-first, each directory's names in order; at most \`limit\` entries per answer (default ${LIST_DEFAULT_LIMIT}, at most ${LIST_MAX_LIMIT}), the rest through \`next_cursor\` (null on the last page), with the same path and depth.`,
+        querystring: Type.Object({ path: MachinePath, user: Type.Optional(UserName), depth: Type.Optional(ListDepth), limit: Type.Optional(ListLimit), cursor: Type.Optional(ListCursor) }, { additionalProperties: false }),
+        response: { 200: FileListPage, ...fileErrors },
       },
     },
     async (req) => files.list(req.params.id, req.query),

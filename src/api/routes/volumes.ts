@@ -6,8 +6,9 @@ import type { Readable } from "node:stream";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { VOLUME_LIMITS, VOLUME_STATUSES } from "../../services/volumes.ts";
-import { errors, Cursor, FileMetadata, Id, Limit, OctalMode } from "../schemas.ts";
-import { encodeCursor, pageAfter } from "../../store/cursor.ts";
+import { errors, Cursor, FileListPage, FileMetadata, Id, Limit, ListCursor, ListDepth, ListLimit, OctalMode } from "../schemas.ts";
+import { decodeListCursor, encodeCursor, encodeListCursor, pageAfter } from "../../store/cursor.ts";
+import { LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT } from "../../agent/list-pages.ts";
 import { KilnError } from "../../errors.ts";
 import { limitBytes } from "./files.ts";
 
@@ -134,11 +135,17 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
         tags,
         summary: "List a directory",
         params: Params,
-        querystring: Type.Object({ path: VolumePath, depth: Type.Optional(Type.Integer({ minimum: 1, maximum: 10, default: 1 })) }, { additionalProperties: false }),
-        response: { 200: Type.Object({ entries: Type.Array(FileMetadata) }), ...fileErrors },
+        description: `Depth-first, each directory's names in order; at most \`limit\` entries per answer (default ${LIST_DEFAULT_LIMIT}, at most ${LIST_MAX_LIMIT}), the rest through \`next_cursor\` (null on the last page), with the same path and depth.`,
+        querystring: Type.Object({ path: VolumePath, depth: Type.Optional(ListDepth), limit: Type.Optional(ListLimit), cursor: Type.Optional(ListCursor) }, { additionalProperties: false }),
+        response: { 200: FileListPage, ...fileErrors },
       },
     },
-    async (req) => ({ entries: await (await files(req.params.id)).list(req.query.path, req.query.depth ?? 1) }),
+    async (req) => {
+      const listing = { path: req.query.path, depth: req.query.depth ?? 1 };
+      const after = req.query.cursor ? decodeListCursor(req.query.cursor, listing) : undefined;
+      const page = await (await files(req.params.id)).list(listing.path, listing.depth, { limit: req.query.limit ?? LIST_DEFAULT_LIMIT, after });
+      return { entries: page.entries, next_cursor: page.next ? encodeListCursor(listing, page.next) : null };
+    },
   );
 
   app.delete(

@@ -14,6 +14,10 @@ import { ConnectFailure, openServerStream, parseEnvelopedRequest, parseJson, sen
 import type { ServerStream } from "./connect.ts";
 import type { ProcessConfig, ProcessEvent, ProcessRegistry } from "./processes.ts";
 import { createPolledWatchers, envdEventOf } from "./watch.ts";
+import { LIST_MAX_LIMIT } from "../../agent/list-pages.ts";
+
+/** The most entries one ListDir answers (envd has no pages; Kiln's files/list has). */
+export const E2B_LIST_MAX_ENTRIES = 20_000;
 
 /** What Kiln's envd reports: the newest envd whose paths the SDK takes that Kiln serves (see docs/e2b.md). */
 export const ENVD_VERSION = "0.6.4";
@@ -308,8 +312,18 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
     const path = resolvePath(str(msg.path, "path")!, home);
     const info = await services.files.info(id, { path, user });
     if (info.type !== "directory") throw new ConnectFailure("invalid_argument", `path ${path} is not a directory`);
-    const list = await services.files.list(id, { path, user, depth });
-    return { entries: list.entries.map(entryOf) };
+    // envd answers a whole listing at once: Kiln's pages are gathered here, up to a bound.
+    const entries: ReturnType<typeof entryOf>[] = [];
+    let cursor: string | undefined;
+    do {
+      const page = await services.files.list(id, { path, user, depth, limit: LIST_MAX_LIMIT, cursor });
+      for (const e of page.entries) entries.push(entryOf(e));
+      if (entries.length > E2B_LIST_MAX_ENTRIES) {
+        throw new ConnectFailure("resource_exhausted", `${path} holds more than ${E2B_LIST_MAX_ENTRIES} entries at depth ${depth}: list a narrower path or depth, or page through Kiln's files/list`);
+      }
+      cursor = page.next_cursor ?? undefined;
+    } while (cursor);
+    return { entries };
   });
 
   unary("filesystem.Filesystem/MakeDir", async (msg, req) => {

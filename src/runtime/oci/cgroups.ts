@@ -1,8 +1,9 @@
 // What the host's cgroups can enforce: v1, v2 or a hybrid of both (as on these Debian hosts), and which of the
-// controllers machines need (cpu, memory, pids, freezer) are really there; and removing what a machine left.
+// controllers machines need (cpu, memory, pids, freezer) are really there; removing what a machine left; and the
+// host-wide caps on Kiln's parent cgroup (all machines together stay below the host's pid_max and memory).
 
 import { existsSync, readFileSync } from "node:fs";
-import { readdir, rmdir } from "node:fs/promises";
+import { mkdir, readdir, rmdir, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 
 export interface CgroupSupport {
@@ -33,4 +34,57 @@ export async function removeCgroups(support: CgroupSupport, path: string, root =
   // v1 and hybrid hosts have one hierarchy per controller (and a named systemd one): look under each.
   const roots = support.version === "v2" ? [root] : (await readdir(root)).map((c) => join(root, c));
   await Promise.all(roots.map((r) => rmdir(join(r, path)).catch(() => undefined)));
+}
+
+/** Kiln's parent cgroup: every machine is kiln/<id> below it (and builds below it too), in every hierarchy. */
+export const KILN_CGROUP = "kiln";
+
+/** Caps on everything below Kiln's parent cgroup together, so all machines at once cannot exhaust the host. */
+export interface HostLimits {
+  /** Processes and threads of all machines together (pids.max). */
+  pidsMax: number;
+  /** Memory of all machines together (memory.limit_in_bytes / memory.max). */
+  memoryBytes: number;
+}
+
+const GiB = 1024 ** 3;
+
+/**
+ * The defaults: three quarters of the host's task limit (the smaller of kernel.pid_max and kernel.threads-max), so
+ * the host's own processes always have a quarter; and the host's memory less a reserve of 10 % (at least 1 GiB), in whole MiB.
+ */
+export function defaultHostLimits(): HostLimits {
+  const read = (file: string) => Number(readFileSync(file, "utf8").trim());
+  const tasks = Math.min(read("/proc/sys/kernel/pid_max"), read("/proc/sys/kernel/threads-max"));
+  const memTotal = Number(/^MemTotal:\s+(\d+) kB/m.exec(readFileSync("/proc/meminfo", "utf8"))![1]) * 1024;
+  const MiB = 1024 * 1024;
+  // Whole MiB: the kernel keeps the limit in pages.
+  const memoryBytes = Math.floor(Math.max(GiB, memTotal - Math.max(GiB, memTotal * 0.1)) / MiB) * MiB;
+  return { pidsMax: Math.floor(tasks * 0.75), memoryBytes };
+}
+
+/**
+ * Writes the caps on Kiln's parent cgroup, making it if missing (the runtime makes machines' cgroups below it).
+ * Every Kiln server on a host writes the same defaults, so they agree. Returns what could not be set.
+ */
+export async function applyHostLimits(support: CgroupSupport, limits: HostLimits, root = "/sys/fs/cgroup"): Promise<string[]> {
+  const problems: string[] = [];
+  const write = async (dir: string, file: string, value: string) => {
+    try {
+      await mkdir(dir, { recursive: true });
+      await writeFile(join(dir, file), value);
+    } catch (err) {
+      problems.push(`${join(dir, file)}: ${(err as NodeJS.ErrnoException).code ?? (err as Error).message}`);
+    }
+  };
+  if (support.version === "v2") {
+    // The controllers must be on for the children of the root before kiln/ has their files.
+    await writeFile(join(root, "cgroup.subtree_control"), "+pids +memory").catch(() => undefined);
+    await write(join(root, KILN_CGROUP), "pids.max", String(limits.pidsMax));
+    await write(join(root, KILN_CGROUP), "memory.max", String(limits.memoryBytes));
+  } else if (support.version !== "none") {
+    if (support.enforced.includes("pids")) await write(join(root, "pids", KILN_CGROUP), "pids.max", String(limits.pidsMax));
+    if (support.enforced.includes("memory")) await write(join(root, "memory", KILN_CGROUP), "memory.limit_in_bytes", String(limits.memoryBytes));
+  }
+  return problems;
 }

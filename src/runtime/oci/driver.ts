@@ -9,16 +9,18 @@ import { chmod, chown, link, mkdir, readFile, rm, writeFile } from "node:fs/prom
 import { join } from "node:path";
 import { promisify } from "node:util";
 import { DEFAULT_DISK_MB } from "../driver.ts";
-import type { DriverReadiness, LiveMachine, MachineCheckpoint, MachineDriver, MachineSpec } from "../driver.ts";
+import type { DriverReadiness, LiveMachine, MachineCheckpoint, MachineDriver, MachineHealth, MachineSpec } from "../driver.ts";
 import type { Logger } from "../../log.ts";
 import { guestRuntimeComplete } from "../guest-runtime.ts";
 import { CANONICAL_BASE } from "./idmap.ts";
 import { createMachineIdentities, scratchDir } from "./identity.ts";
 import { AGENT_SOCKET_NAME, machineNofileSoft, machineSpec } from "./spec.ts";
-import { detectCgroups, removeCgroups } from "./cgroups.ts";
+import { applyHostLimits, defaultHostLimits, detectCgroups, removeCgroups } from "./cgroups.ts";
+import type { HostLimits } from "./cgroups.ts";
 import { isMounted } from "./mounts.ts";
 import { machineUsage } from "./usage.ts";
-import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, makeNetns, removeNetns, startSlirp, stopSlirp } from "./network.ts";
+import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, makeNetns, removeNetns, slirpAlive, startSlirp, stopSlirp } from "./network.ts";
+import { trimLog } from "./health.ts";
 import { createDiskStock, mountWritableLayer, unmountWritableLayer, writableLayer } from "./disk.ts";
 import { createEgress } from "./egress.ts";
 import { createRuntimeCli, RUNSC_MIN_RELEASE } from "./runtime-cli.ts";
@@ -55,6 +57,8 @@ export interface OciDriverOptions {
   helperDir?: string;
   /** The host-wide claims of machines' uid ranges (default /var/lib/kiln/id-ranges): one per host, not per server. */
   idRangesDir?: string;
+  /** Caps on all machines together (Kiln's parent cgroup); each one not given comes from defaultHostLimits(). */
+  hostLimits?: Partial<HostLimits>;
 }
 
 type Paths = ReturnType<typeof machinePaths>;
@@ -62,10 +66,11 @@ type Paths = ReturnType<typeof machinePaths>;
 function machinePaths(machinesDir: string, id: string, runtime: "runc" | "runsc") {
   if (!SAFE_ID.test(id)) throw new Error(`invalid machine id ${JSON.stringify(id)}`);
   const dir = join(machinesDir, id);
+  const layer = writableLayer(dir);
   return {
     dir,
     rootfs: join(dir, "rootfs"),
-    layer: writableLayer(dir),
+    layer,
     /** Where the machine's egress cgroup is and whether it has nftables rules of its own. */
     egress: join(dir, "egress.json"),
     run: join(dir, "run"),
@@ -73,7 +78,9 @@ function machinePaths(machinesDir: string, id: string, runtime: "runc" | "runsc"
     // runc: a host-only path (the listening socket is handed to the agent); runsc: inside the bound run dir.
     socket: runtime === "runc" ? join(dir, AGENT_SOCKET_NAME) : join(dir, "run", AGENT_SOCKET_NAME),
     spec: join(dir, "machine.json"),
-    log: join(dir, "runtime.log"),
+    // On the machine's own disk image: what its processes write there can never pass the disk_mb it was given
+    // (and health.ts trims it to its cap).
+    log: join(layer.mountPoint, "runtime.log"),
     pidFile: join(dir, "runtime.pid"),
     slirpPid: join(dir, "slirp.pid"),
     slirpLog: join(dir, "slirp.log"),
@@ -182,6 +189,15 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   const egress = createEgress();
   const limitSwap = existsSync("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes") || (cgroups.version === "v2" && cgroups.enforced.includes("memory"));
   let readinessCache: { at: number; value: DriverReadiness } | undefined;
+  // All machines together stay below the host's pid_max and memory: written once, before the first machine boots.
+  const hostLimits: HostLimits = { ...defaultHostLimits(), ...Object.fromEntries(Object.entries(opts.hostLimits ?? {}).filter(([, v]) => v !== undefined)) };
+  const hostLimitsApplied = applyHostLimits(cgroups, hostLimits).then(
+    (problems) => {
+      if (problems.length) opts.log.warn({ problems }, "the host-wide caps on machines could not all be set");
+      else opts.log.debug({ pids_max: hostLimits.pidsMax, memory_bytes: hostLimits.memoryBytes }, "host-wide caps on machines set");
+    },
+    (err: unknown) => opts.log.warn({ err }, "the host-wide caps on machines could not be set"),
+  );
 
   /** Machine root (host uid 100000+) must be able to reach its bundle: give the data dirs o+x if they lack it. */
   function ensureTraversable(dir: string) {
@@ -253,6 +269,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
 
   /** Writes the bundle's config.json afresh (the guest runtime may have been rebuilt since) and runs it. */
   async function boot(spec: MachineSpec): Promise<LiveMachine> {
+    await hostLimitsApplied;
     const t0 = performance.now();
     const p = paths(spec.id);
     const ids = await identities.read(p.dir);
@@ -407,6 +424,49 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     await Promise.all([removeNetns(p.netns), egress.release(id, p.egress)]);
   }
 
+  /**
+   * A dead slirp4netns started again: into the same network namespace, in the same egress cgroup with the same
+   * rules. runc: a fresh tap device, configured; runsc: the persistent one gVisor still holds, attached to only.
+   */
+  async function restartSlirp(spec: MachineSpec, p: Paths, firstPid: number): Promise<void> {
+    await stopSlirp(p.slirpPid);
+    const cgroupProcs = await egress.prepare(spec.id, opts.hostAccess, spec.network, p.egress);
+    const common = { hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs };
+    if (opts.runtime === "runsc") {
+      if (!isMounted(p.netns)) throw new Error("its network namespace is gone");
+      // Machines booted before the tap device was made persistent lost it with slirp4netns: gVisor cannot take a new one.
+      await exec("nsenter", [`--net=${p.netns}`, "ip", "link", "show", "tap0"]).catch(() => {
+        throw new Error("its network device went with it");
+      });
+      await startSlirp({ ...common, target: { netnsPath: p.netns }, configure: false });
+    } else {
+      await startSlirp({ ...common, target: { pid: firstPid } });
+    }
+  }
+
+  async function heal(id: string): Promise<MachineHealth> {
+    const p = paths(id);
+    const repaired: string[] = [];
+    const [runtimeLog, slirpLog] = await Promise.all([trimLog(p.log).catch(() => false), trimLog(p.slirpLog).catch(() => false)]);
+    if (runtimeLog) repaired.push("runtime.log trimmed to its cap");
+    if (slirpLog) repaired.push("slirp.log trimmed to its cap");
+    const text = await readFile(p.spec, "utf8").catch(() => "");
+    if (!text) return { ok: true, repaired };
+    const spec = JSON.parse(text) as MachineSpec;
+    // A machine whose own processes are gone is the reaper's (it tells why: out of memory, stopped unexpectedly).
+    const first = Number(await readFile(p.pidFile, "utf8").catch(() => ""));
+    if (!first || !alive(first) || isZombie(first)) return { ok: true, repaired };
+    if (spec.internet && !(await slirpAlive(p.slirpPid))) {
+      try {
+        await restartSlirp(spec, p, first);
+      } catch (err) {
+        return { ok: false, reason: `its network helper (slirp4netns) died and could not be started again: ${(err as Error).message}` };
+      }
+      repaired.push("network helper (slirp4netns) restarted");
+    }
+    return { ok: true, repaired };
+  }
+
   /** The kernel's count of OOM kills in the machine's memory cgroup (v1 memory.oom_control, v2 memory.events). */
   async function oomKills(id: string): Promise<number> {
     const file = cgroups.version === "v2" ? `/sys/fs/cgroup/kiln/${id}/memory.events` : `/sys/fs/cgroup/memory/kiln/${id}/memory.oom_control`;
@@ -521,6 +581,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     canRestore: (saved) => opts.runtime === "runsc" && saved.guestRuntime === opts.guestRuntimeDir && existsSync(saved.imageDir) && existsSync(saved.upperDir),
 
     destroy,
+    heal,
 
     async usage(id) {
       const p = paths(id);

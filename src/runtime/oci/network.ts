@@ -5,6 +5,11 @@
 // runc makes the namespace itself and slirp4netns joins it by the machine's pid once it runs. runsc copies the
 // interfaces of a namespace into its own network stack when the sandbox starts, so for runsc the namespace is made
 // first, kept alive by a bind mount on a file in the machine's directory, and wired before the sandbox exists.
+//
+// A slirp4netns that died is started again into the same namespace (oci/health.ts). runc: its tap device went with
+// it, so the new one makes and configures a fresh tap0. runsc: gVisor holds a packet socket on the tap device it
+// found at start, so that device must outlive slirp4netns — it is made persistent with the namespace — and a new
+// slirp4netns only attaches to it (gVisor took the addresses into its own stack; there is nothing to configure).
 
 import { execFile, spawn } from "node:child_process";
 import { openSync, closeSync, existsSync } from "node:fs";
@@ -17,6 +22,8 @@ const exec = promisify(execFile);
 export const SLIRP_GATEWAY = "10.0.2.2";
 export const SLIRP_DNS = "10.0.2.3";
 export const HOST_ALIAS = "host.kiln.internal";
+/** The machine's network device, made by slirp4netns (runc) or with the namespace (runsc). */
+const TAP = "tap0";
 
 /** Where slirp4netns finds the namespace: the machine's first process, or a namespace file made by makeNetns. */
 export type SlirpTarget = { pid: number } | { netnsPath: string };
@@ -25,10 +32,10 @@ export type SlirpTarget = { pid: number } | { netnsPath: string };
  * `cgroupProcs`: the cgroup.procs file of the machine's egress cgroup. slirp4netns is started by a shell that moves
  * itself there first, so every socket slirp4netns ever opens carries that cgroup (the host filters on it).
  */
-export async function startSlirp(opts: { target: SlirpTarget; hostAccess: boolean; pidFile: string; logFile: string; cgroupProcs: string }): Promise<number> {
+export async function startSlirp(opts: { target: SlirpTarget; hostAccess: boolean; pidFile: string; logFile: string; cgroupProcs: string; configure?: boolean }): Promise<number> {
   const log = openSync(opts.logFile, "a");
   const target = "pid" in opts.target ? [String(opts.target.pid)] : ["--netns-type=path", opts.target.netnsPath];
-  const args = ["--configure", "--mtu=65520", "--ready-fd=3", ...(opts.hostAccess ? [] : ["--disable-host-loopback"]), ...target, "tap0"];
+  const args = [...(opts.configure === false ? [] : ["--configure"]), "--mtu=65520", "--ready-fd=3", ...(opts.hostAccess ? [] : ["--disable-host-loopback"]), ...target, TAP];
   const inCgroup = ["-c", 'echo 0 > "$0" && exec slirp4netns "$@"', opts.cgroupProcs, ...args];
   const child = spawn("/bin/sh", inCgroup, { detached: true, stdio: ["ignore", log, log, "pipe"] });
   closeSync(log);
@@ -54,31 +61,41 @@ export async function startSlirp(opts: { target: SlirpTarget; hostAccess: boolea
   return child.pid!;
 }
 
+/** Whether `pid` is (still) a slirp4netns: a recorded pid may be old (across restarts) and reused since. */
+async function isSlirp(pid: number): Promise<boolean> {
+  return (await readFile(`/proc/${pid}/cmdline`, "utf8").catch(() => "")).startsWith("slirp4netns\0");
+}
+
+/** Whether the slirp4netns recorded in `pidFile` is alive; false with no record. */
+export async function slirpAlive(pidFile: string): Promise<boolean> {
+  const pid = Number(await readFile(pidFile, "utf8").catch(() => ""));
+  return pid > 0 && (await isSlirp(pid));
+}
+
 /** Kills the machine's slirp4netns and waits (up to 2 s) until it is gone, so its cgroup can be removed. */
 export async function stopSlirp(pidFile: string): Promise<void> {
   const pid = Number(await readFile(pidFile, "utf8").catch(() => ""));
   if (!pid) return;
-  // The pid was recorded maybe long ago (across restarts): only signal it if it is still a slirp4netns.
-  const isSlirp = async () => (await readFile(`/proc/${pid}/cmdline`, "utf8").catch(() => "")).startsWith("slirp4netns\0");
-  if (await isSlirp()) {
+  if (await isSlirp(pid)) {
     try {
       process.kill(pid, "SIGKILL");
     } catch {
       // already gone
     }
-    for (let i = 0; i < 200 && (await isSlirp()); i++) await new Promise((r) => setTimeout(r, 10));
+    for (let i = 0; i < 200 && (await isSlirp(pid)); i++) await new Promise((r) => setTimeout(r, 10));
   }
   await rm(pidFile, { force: true });
 }
 
 /**
- * A new, empty network namespace that lives as long as the bind mount on `path` (util-linux unshare makes it).
+ * A new network namespace that lives as long as the bind mount on `path` (util-linux unshare makes it), holding a
+ * persistent, unconfigured tap device for slirp4netns to attach to (and attach to again, should it die).
  * `path` must not hold one already: removeNetns first.
  */
 export async function makeNetns(path: string): Promise<void> {
   await writeFile(path, "");
   try {
-    await exec("unshare", [`--net=${path}`, "true"]);
+    await exec("unshare", [`--net=${path}`, "ip", "tuntap", "add", "dev", TAP, "mode", "tap"]);
   } catch (err) {
     throw new Error(`making the network namespace ${path} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
   }

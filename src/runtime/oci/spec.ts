@@ -4,7 +4,7 @@
 
 import { ID_RANGE } from "./idmap.ts";
 import { defaultSeccomp } from "./seccomp.ts";
-import { GUEST_LOADER } from "../guest-runtime.ts";
+import { EXEC_ONLY_LOADER, EXEC_ONLY_TINI, GUEST_LOADER } from "../guest-runtime.ts";
 
 export const GUEST_RUNTIME_PATH = "/opt/kiln";
 export const GUEST_RUN_DIR = "/run/kiln";
@@ -100,10 +100,12 @@ export function machineSpec(input: SpecInput) {
       terminal: false,
       user: { uid: 0, gid: 0 },
       args: [
-        `${GUEST_RUNTIME_PATH}/bin/tini`,
+        // runc: tini and the agent start from files machine root cannot read, so neither is dumpable (see
+        // guest-runtime.ts); gVisor cannot exec those, and there the agent drops dumpability itself.
+        `${GUEST_RUNTIME_PATH}/${input.runtime === "runc" ? EXEC_ONLY_TINI : "bin/tini"}`,
         "-s",
         "--",
-        `${GUEST_RUNTIME_PATH}/lib/${GUEST_LOADER}`,
+        `${GUEST_RUNTIME_PATH}/${input.runtime === "runc" ? EXEC_ONLY_LOADER : `lib/${GUEST_LOADER}`}`,
         "--library-path",
         `${GUEST_RUNTIME_PATH}/lib`,
         `${GUEST_RUNTIME_PATH}/bin/node`,
