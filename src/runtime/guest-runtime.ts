@@ -24,7 +24,7 @@ export const EXEC_ONLY_TINI = `${EXEC_ONLY_DIR}/tini`;
 export const EXEC_ONLY_LOADER = `${EXEC_ONLY_DIR}/ld.so`;
 
 /** Bump when the layout below changes, so every host rebuilds its runtime. */
-const RECIPE = "guest-runtime-4";
+const RECIPE = "guest-runtime-5"; // 5: exec-only dir searchable under the server's 077 umask
 /** Versions kept beside the current one: machines still running on an older runtime keep their files. */
 const KEEP_OLD_VERSIONS = 2;
 /** tini must be static: it is pid 1 in roots whose libc (if any) is not ours. */
@@ -97,7 +97,8 @@ export async function prepareGuestRuntime(opts: { dir: string; agentBundle: (out
     // Machine users are unprivileged host uids: everything must be world-readable, nothing writable but by host root.
     execFileSync("chmod", ["-R", "a+rX,go-w", work]);
     for (const exe of ["bin/node", "bin/tini", `lib/${GUEST_LOADER}`]) await chmod(join(work, exe), 0o755);
-    await mkdir(join(work, EXEC_ONLY_DIR), { mode: 0o755 });
+    await mkdir(join(work, EXEC_ONLY_DIR));
+    await chmod(join(work, EXEC_ONLY_DIR), 0o755); // explicit: the server's umask is 077
     await copyFile(TINI_STATIC, join(work, EXEC_ONLY_TINI));
     await copyFile(loader, join(work, EXEC_ONLY_LOADER));
     for (const exe of [EXEC_ONLY_TINI, EXEC_ONLY_LOADER]) await chmod(join(work, exe), 0o711);
