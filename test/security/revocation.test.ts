@@ -164,6 +164,27 @@ describe("two servers on one PostgreSQL", () => {
     await pg?.stop();
   });
 
+  test("frames sent the moment a machine socket opens are all answered while the store is a network round trip away", async () => {
+    const m = await a.call("POST", "/v1/machines", { body: {} });
+    assert.equal(m.status, 201, JSON.stringify(m.body));
+    const answers = await Promise.all(
+      Array.from({ length: 12 }, async (_, i) => {
+        const ws = new WebSocket(`${a.url.replace("http", "ws")}/v1/machines/${m.body.id}/ws`, { headers: { authorization: `Bearer ${TEST_KEY}` } });
+        const frames = collectFrames(ws);
+        await new Promise<void>((resolve, reject) => {
+          ws.once("open", () => resolve());
+          ws.once("error", reject);
+        });
+        frames.send({ type: "exec.start", request_id: `early-${i}`, cmd: `echo early-${i}` });
+        const out = await frames.next((f) => f.type === "exec.stdout", 30_000);
+        ws.close();
+        return Buffer.from(out.data_base64, "base64").toString();
+      }),
+    );
+    answers.forEach((text, i) => assert.match(String(text), new RegExp(`early-${i}`)));
+    assert.equal((await a.call("DELETE", `/v1/machines/${m.body.id}`)).status, 200);
+  });
+
   test("a key revoked on one server closes its socket on the other within a second or so, and the other refuses it", async (t) => {
     const m = await a.call("POST", "/v1/machines", { body: {} });
     assert.equal(m.status, 201, JSON.stringify(m.body));

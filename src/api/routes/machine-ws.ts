@@ -17,6 +17,8 @@ const HIGH_WATER = 4 * 1024 * 1024;
 const LOW_WATER = 512 * 1024;
 /** While the client is not read (backpressure), a ping this often notices that it went away. */
 const PAUSED_PROBE_MS = 500;
+/** Frames held while a new socket is wired up (a client that sends more before its first answer is refused). */
+const EARLY_FRAMES_MAX = 256;
 
 export async function machineWsRoutes(app: App, opts: { services: Services; pingIntervalMs: number }) {
   const { machines } = opts.services;
@@ -40,6 +42,14 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
     async (client: WebSocket, req) => {
       const id = (req.params as { id: string }).id;
       const log = req.log.child({ machine_id: id });
+      // Frames a client sends right after the upgrade arrive while the machine is looked up (a store round trip):
+      // they are held, in order and bounded, and handled once the socket is wired — never dropped.
+      const early: [RawData, boolean][] = [];
+      const holdEarly = (data: RawData, isBinary: boolean) => {
+        if (early.length < EARLY_FRAMES_MAX) early.push([data, isBinary]);
+        else client.close(1008, "too many frames before the socket was ready");
+      };
+      client.on("message", holdEarly);
       let agentWs: WebSocket;
       let defaults: { user: string; cwd: string; machineCwd: string | null };
       try {
@@ -50,6 +60,7 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
         client.close(1011, "machine not running");
         return;
       }
+      client.off("message", holdEarly);
       const pending: string[] = [];
       let closed = false;
 
@@ -111,7 +122,7 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
         relay(JSON.stringify(f));
       };
       // The frame handler's error boundary: whatever a frame does, the socket and the server live on.
-      client.on("message", (data: RawData, isBinary: boolean) => {
+      const onMessage = (data: RawData, isBinary: boolean) => {
         try {
           onClientFrame(data, isBinary);
         } catch (err) {
@@ -119,7 +130,9 @@ export async function machineWsRoutes(app: App, opts: { services: Services; ping
           log.error({ err }, "a machine socket frame failed");
           sendError("The frame could not be handled", undefined, "internal");
         }
-      });
+      };
+      client.on("message", onMessage);
+      for (const [data, isBinary] of early.splice(0)) onMessage(data, isBinary);
 
       // Machine → client, with backpressure: a slow reader pauses the agent link, which pauses the PTY/pipes.
       let paused = false;
