@@ -179,7 +179,12 @@ export function createWatches(sink: WatchSink) {
     let event: "create" | "write" | "remove" | "chmod";
     if (kind === "rename") event = now ? "create" : "remove";
     else if (!now) event = "remove";
-    else event = before && before[0] !== now[0] && before[1] === now[1] ? "chmod" : "write";
+    else if (before && before[0] !== now[0]) {
+      // fs.watch says "change" for a write and a chmod alike, and a busy machine may handle the event after both
+      // happened: a mode that moved is a chmod, and a size that moved with it was a write before it.
+      if (before[1] !== now[1]) emit(w, { type: "file_event", watch_id: w.id, event: "write", path, is_dir: now[2] });
+      event = "chmod";
+    } else event = "write";
     if (now) remember(w, path, now);
     else w.seen.delete(path);
     emit(w, { type: "file_event", watch_id: w.id, event, path, is_dir: now ? now[2] : (before?.[2] ?? w.dirs.has(path)) });
