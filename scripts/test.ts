@@ -20,6 +20,7 @@ const MACHINE_SUITES = [
   "test/security/edge-e2b-ports.test.ts",
   "test/security/edge-git.test.ts",
   "test/security/attack-git.test.ts",
+  "test/security/attack-edge.test.ts",
   "test/security/identity.test.ts",
   "test/security/identity-restart.test.ts",
   "test/security/quotas.test.ts",
