@@ -19,6 +19,8 @@ const MACHINE_SUITES = [
   "test/security/edge-proxy.test.ts",
   "test/security/edge-e2b-ports.test.ts",
   "test/security/edge-git.test.ts",
+  "test/security/attack-git.test.ts",
+  "test/security/attack-edge.test.ts",
   "test/security/identity.test.ts",
   "test/security/identity-restart.test.ts",
   "test/security/quotas.test.ts",

@@ -19,19 +19,42 @@ const SECRETS_ROOT = "/dev/shm";
 const TMPFS_MAGIC = 0x01021994;
 
 /**
- * One helper for every prompt: git asks "Username for …"/"Password for …" (HTTPS), ssh asks "Enter passphrase
- * for key …". It prints a file of the secrets directory, so no secret is ever in an argv, a URL, an environment or
- * a file on disk (the helper itself must be on an exec-able filesystem, which the memory one is not).
+ * The askpass helper answers only ssh's "Enter passphrase for key …" (the passphrase never leaves the machine). It
+ * prints a file of the secrets directory, so no secret is ever in an argv, a URL, an environment or a file on disk
+ * (the helper itself must be on an exec-able filesystem, which the memory one is not). It never answers git's
+ * "Username for …"/"Password for …": those prompts name whatever host git is talking to, a redirect's target too.
  */
 const askpass = (secrets: string) => `#!/bin/sh
 d='${secrets}'
 case "$1" in
-  Username*) exec cat "$d/username" ;;
-  Password*) exec cat "$d/password" ;;
   *assphrase*) [ -f "$d/passphrase" ] && exec cat "$d/passphrase" ;;
 esac
 exit 1
 `;
+
+/**
+ * HTTPS credentials come from a credential helper that git consults only for the remote's own origin
+ * (`credential.<scheme>://<host>[:port].helper`, matched by git's own URL normalisation): a remote that redirects to
+ * another host, or a second remote, is asked about with no helper and the askpass above, which refuses.
+ */
+const credentialHelper = (secrets: string) => `#!/bin/sh
+[ "$1" = get ] && exec cat '${secrets}/credential'
+exit 0
+`;
+
+/** `scheme://host[:port]` of each http(s) URL the credentials are meant for (the remote's own URLs); others are dropped. */
+export function credentialOrigins(urls: string[] | undefined): string[] {
+  const out = new Set<string>();
+  for (const u of urls ?? []) {
+    try {
+      const url = new URL(u);
+      if ((url.protocol === "https:" || url.protocol === "http:") && url.host && !url.username && !url.password) out.add(`${url.protocol}//${url.host}`);
+    } catch {
+      // a path, an scp-like ssh address: no HTTPS origin
+    }
+  }
+  return [...out];
+}
 
 /**
  * Variables of the machine's environment that would make git write what it sends (traces of HTTP headers, of the
@@ -72,13 +95,17 @@ export function checkAuth(auth: unknown): GitAuth | undefined {
   const a = auth as Record<string, unknown>;
   const str = (k: string) => a[k] === undefined || typeof a[k] === "string";
   if (typeof a !== "object" || !["kind", "username", "password", "private_key", "passphrase"].every(str)) throw new AgentFailure("invalid_request", "auth fields must be strings");
-  if (a.kind === "https" && a.username && a.password) return a as unknown as GitAuth;
+  if (a.kind === "https" && a.username && a.password) {
+    // git's credential protocol is one key=value per line: a line break would add keys of the caller's choosing.
+    if (/[\r\n\0]/.test(`${a.username}${a.password}`)) throw new AgentFailure("invalid_request", "auth username and password must not hold line breaks or NUL");
+    return a as unknown as GitAuth;
+  }
   if (a.kind === "ssh" && a.private_key) return a as unknown as GitAuth;
   throw new AgentFailure("invalid_request", "auth must be {kind:'https', username, password} or {kind:'ssh', private_key, passphrase?}");
 }
 
 /** Writes the scratch directories for one operation and returns the environment that makes git and ssh use them. */
-async function prepareScratch(auth: GitAuth, uid: number, gid: number): Promise<{ dirs: string[]; env: Record<string, string> }> {
+async function prepareScratch(auth: GitAuth, origins: string[], uid: number, gid: number): Promise<{ dirs: string[]; env: Record<string, string>; config: string[] }> {
   const fs = await statfs(SECRETS_ROOT).catch(() => undefined);
   if (!fs || Number(fs.type) !== TMPFS_MAGIC) throw new AgentFailure("internal", `${SECRETS_ROOT} is not a memory filesystem in this machine: credentials are never written to its disk`);
   // Filled while they are still root's (0700), handed to the user only when complete: the user can never swap a
@@ -99,9 +126,11 @@ async function prepareScratch(auth: GitAuth, uid: number, gid: number): Promise<
     const helper = join(helperDir, "askpass");
     const env: Record<string, string> = { GIT_ASKPASS: helper, SSH_ASKPASS: helper, SSH_ASKPASS_REQUIRE: "force", GIT_TRACE_REDACT: "1" };
     const dir = secrets;
+    const config: string[] = [];
     if (auth.kind === "https") {
-      await put(dir, "username", auth.username!, 0o600);
-      await put(dir, "password", auth.password!, 0o600);
+      await put(dir, "credential", `username=${auth.username!}\npassword=${auth.password!}\n`, 0o600);
+      await put(helperDir, "credential-helper", credentialHelper(secrets), 0o700);
+      for (const origin of origins) config.push("-c", `credential.${origin}.helper=${join(helperDir, "credential-helper")}`);
     } else {
       const key = auth.private_key!.endsWith("\n") ? auth.private_key! : `${auth.private_key}\n`;
       await put(dir, "id", key, 0o600);
@@ -124,7 +153,7 @@ async function prepareScratch(auth: GitAuth, uid: number, gid: number): Promise<
     }
     for (const f of files) await lchown(f, uid, gid);
     for (const d of dirs) await chown(d, uid, gid);
-    return { dirs, env };
+    return { dirs, env, config };
   } catch (err) {
     for (const d of dirs) await rm(d, { recursive: true, force: true });
     throw err;
@@ -142,7 +171,7 @@ export async function runGit(req: GitRunRequest, signal: AbortSignal): Promise<G
   const cwd = workingDir(req.cwd, user);
   const secrets = secretsOf(auth);
   const started = performance.now();
-  const scratch = auth ? await prepareScratch(auth, user.uid, user.gid) : undefined;
+  const scratch = auth ? await prepareScratch(auth, credentialOrigins(req.credential_urls), user.uid, user.gid) : undefined;
   try {
     const base = processEnv(user, undefined);
     if (scratch) for (const name of Object.keys(base)) if (UNSAFE_WITH_CREDENTIALS.test(name)) delete base[name];
@@ -155,7 +184,8 @@ export async function runGit(req: GitRunRequest, signal: AbortSignal): Promise<G
     };
     // protocol.ext runs arbitrary commands; an empty credential.helper resets the helper list from every config
     // file, so no store or cache ever sees the credentials. GIT_ASKPASS wins over any core.askPass.
-    const argv = ["-c", "protocol.ext.allow=never", "-c", "credential.helper=", ...req.args];
+    // credential.useHttpPath=false keeps the helper's context to scheme+host(+port), the origin it is scoped to.
+    const argv = ["-c", "protocol.ext.allow=never", "-c", "credential.helper=", "-c", "credential.useHttpPath=false", ...(scratch?.config ?? []), ...req.args];
     const result = await new Promise<GitRunResult>((resolve, reject) => {
       let child: ChildProcess;
       try {

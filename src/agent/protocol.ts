@@ -313,6 +313,8 @@ export interface GitRunRequest {
   cwd?: string;
   user?: string;
   auth?: GitAuth;
+  /** The remote's own URLs: an HTTPS password is offered only to their scheme+host(+port), never to a redirect's target. */
+  credential_urls?: string[];
   envs?: Record<string, string>;
   stdin?: string;
   timeout_ms?: number;

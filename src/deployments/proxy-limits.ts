@@ -10,10 +10,12 @@ export interface ProxyLimits {
   headersTimeoutMs: number;
   /** Longest silence of a body once it streams, either way (an upload, a download, a client that stopped reading). */
   idleTimeoutMs: number;
+  /** Longest time to receive a whole request body from the client, however steadily it drips (an answer may stream on). */
+  requestTimeoutMs: number;
   /** Longest wait for a tunnel into the machine. */
   connectTimeoutMs: number;
   /** Upgraded connections (WebSockets) open to one upstream at once. */
   upgrades: number;
 }
 
-export const DEFAULT_PROXY_LIMITS: ProxyLimits = { connections: 64, queue: 256, headersTimeoutMs: 60_000, idleTimeoutMs: 300_000, connectTimeoutMs: 10_000, upgrades: 1024 };
+export const DEFAULT_PROXY_LIMITS: ProxyLimits = { connections: 64, queue: 256, headersTimeoutMs: 60_000, idleTimeoutMs: 300_000, requestTimeoutMs: 300_000, connectTimeoutMs: 10_000, upgrades: 1024 };

@@ -195,12 +195,20 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
     quietSince: number;
     phase: "head" | "body";
     controller: Dispatcher.DispatchController | undefined;
+    /** When the request was sent on, and whether the client's body is still arriving (a drip is progress, not an end). */
+    startedAt: number;
+    uploading(): boolean;
   }
   const watched = new Set<Watch>();
-  const tick = Math.max(20, Math.min(1000, Math.floor(Math.min(limits.headersTimeoutMs, limits.idleTimeoutMs) / 4)));
+  const tick = Math.max(20, Math.min(1000, Math.floor(Math.min(limits.headersTimeoutMs, limits.idleTimeoutMs, limits.requestTimeoutMs) / 4)));
   const watchdog = setInterval(() => {
     const now = (clock = Date.now());
     for (const w of watched) {
+      if (w.controller && now - w.startedAt > limits.requestTimeoutMs && w.uploading()) {
+        watched.delete(w);
+        w.controller.abort(new KilnError("timeout", `The request body was not received within ${limits.requestTimeoutMs / 1000} s`));
+        continue;
+      }
       const p = w.progress();
       if (p !== w.seen) {
         w.seen = p;
@@ -225,7 +233,8 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
       // Progress is anything moving: the client's upload (bytes read off its socket), the answer's bytes, a drain.
       let moved = 0;
       const socket = res.socket;
-      const w: Watch = { progress: () => (socket?.bytesRead ?? 0) + moved, seen: 0, quietSince: Date.now(), phase: "head", controller: undefined };
+      const body = req.body;
+      const w: Watch = { progress: () => (socket?.bytesRead ?? 0) + moved, seen: 0, quietSince: Date.now(), phase: "head", controller: undefined, startedAt: Date.now(), uploading: () => !!body && !body.complete && !body.destroyed };
       w.seen = w.progress();
       watched.add(w);
       const finish = () => watched.delete(w);

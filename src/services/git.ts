@@ -146,6 +146,7 @@ export function checkAuth(auth: GitAuth | undefined): void {
   if (!auth) return;
   if (auth.kind === "https") {
     if (!auth.username || !auth.password) throw new KilnError("invalid_request", "auth of kind https needs username and password");
+    if (/[\r\n\0]/.test(auth.username + auth.password)) throw new KilnError("invalid_request", "auth username and password must not hold line breaks or NUL");
     if (auth.private_key !== undefined || auth.passphrase !== undefined) throw new KilnError("invalid_request", "private_key and passphrase belong to auth of kind ssh");
   } else if (auth.kind === "ssh") {
     if (!auth.private_key) throw new KilnError("invalid_request", "auth of kind ssh needs private_key");
@@ -173,12 +174,14 @@ export function createGitService(machines: MachineService) {
   }
 
   /** Runs `git -C <repo> <args>`; a failed run becomes git_error with its reason and git's scrubbed stderr. */
-  async function git(id: string, input: Common & WithAuth, args: string[], opts: { repo?: boolean; envs?: Record<string, string>; stdin?: string; signal?: AbortSignal } = {}) {
+  async function git(id: string, input: Common & WithAuth, args: string[], opts: { repo?: boolean; envs?: Record<string, string>; stdin?: string; signal?: AbortSignal; credentialUrls?: string[] } = {}) {
     checkAuth(input.auth);
     const t = await target(id, input.path, input.user);
     const timeoutS = input.timeout_s ?? GIT_DEFAULT_TIMEOUT_S;
     const argv = opts.repo === false ? args : ["-C", t.path, ...args];
-    const result = await viaAgent(() => t.agent.gitRun({ args: argv, cwd: "/", user: t.user, auth: input.auth, envs: opts.envs, stdin: opts.stdin, timeout_ms: timeoutS * 1000 }, opts.signal));
+    const result = await viaAgent(() =>
+      t.agent.gitRun({ args: argv, cwd: "/", user: t.user, auth: input.auth, credential_urls: opts.credentialUrls, envs: opts.envs, stdin: opts.stdin, timeout_ms: timeoutS * 1000 }, opts.signal),
+    );
     if (result.exit_code !== 0) throw gitFailure(result, timeoutS);
     return { ...result, path: t.path };
   }
@@ -190,6 +193,21 @@ export function createGitService(machines: MachineService) {
     return new KilnError("git_error", message, {
       detail: { code: "git_error", message, retryable: reason === "network" || reason === "timeout", details: { reason, stderr, exit_code: r.exit_code } },
     });
+  }
+
+  /**
+   * The URLs an HTTPS password may go to: the remote's own (a URL as given; a remote name or the default remote as
+   * git resolves it, insteadOf included, and its push URLs for a push). The agent offers the password to their
+   * scheme+host(+port) only, so a remote that redirects elsewhere never receives it. The lookups are local.
+   */
+  async function remoteUrls(id: string, input: Common & WithAuth, remote: string | undefined, push: boolean): Promise<string[] | undefined> {
+    if (input.auth?.kind !== "https") return undefined;
+    if (remote !== undefined && /^[A-Za-z][A-Za-z0-9+.-]*:\/\//.test(remote)) return [remote];
+    const local = { path: input.path, user: input.user, timeout_s: input.timeout_s };
+    const lines = async (args: string[]) => ((await git(id, local, args).catch(() => undefined))?.stdout ?? "").split("\n").map((l) => l.trim()).filter(Boolean);
+    const urls = await lines(["ls-remote", "--get-url", ...(remote !== undefined ? ["--end-of-options", remote] : [])]);
+    if (push) urls.push(...(await lines(["remote", "get-url", "--push", "--all", "--end-of-options", remote ?? GIT_DEFAULT_REMOTE])));
+    return urls;
   }
 
   const summaryOf = (r: GitRunResult) => [r.stderr, r.stdout].map((s) => s.trim()).filter(Boolean).join("\n");
@@ -208,7 +226,7 @@ export function createGitService(machines: MachineService) {
       const local = { path: input.path, user: input.user, timeout_s: input.timeout_s };
       const branch = input.branch ?? (await git(id, local, ["symbolic-ref", "--quiet", "--short", "HEAD"]).catch(() => undefined))?.stdout.trim();
       const args = ["push", ...(input.set_upstream ? ["--set-upstream"] : []), "--end-of-options", input.remote ?? GIT_DEFAULT_REMOTE, branch || "HEAD"];
-      const r = await git(id, input, args, { signal });
+      const r = await git(id, input, args, { signal, credentialUrls: await remoteUrls(id, input, input.remote ?? GIT_DEFAULT_REMOTE, true) });
       return { summary: summaryOf(r) };
     },
 
@@ -217,7 +235,7 @@ export function createGitService(machines: MachineService) {
       checkAuth(input.auth);
       const t = await target(id, input.path, input.user);
       const args = ["clone", ...(input.branch ? [`--branch=${input.branch}`] : []), ...(input.depth ? [`--depth=${input.depth}`] : []), "--end-of-options", input.url, t.path];
-      const r = await git(id, { ...input, path: t.path }, args, { repo: false, signal });
+      const r = await git(id, { ...input, path: t.path }, args, { repo: false, signal, credentialUrls: [input.url] });
       const st = await status(id, { path: t.path, user: input.user });
       return { path: t.path, branch: st.branch, commit: st.commit, summary: summaryOf(r) };
     },
@@ -225,13 +243,13 @@ export function createGitService(machines: MachineService) {
     async pull(id: string, input: Common & WithAuth & { remote?: string; branch?: string; rebase?: boolean }, signal?: AbortSignal) {
       if (input.remote !== undefined) checkRemoteUrl(input.remote, "remote");
       const target = input.remote !== undefined || input.branch !== undefined ? ["--end-of-options", input.remote ?? GIT_DEFAULT_REMOTE, ...(input.branch ? [input.branch] : [])] : [];
-      const r = await git(id, input, ["pull", "--no-edit", input.rebase ? "--rebase" : "--no-rebase", ...target], { signal });
+      const r = await git(id, input, ["pull", "--no-edit", input.rebase ? "--rebase" : "--no-rebase", ...target], { signal, credentialUrls: await remoteUrls(id, input, input.remote, false) });
       return { summary: summaryOf(r) };
     },
 
     async fetch(id: string, input: Common & WithAuth & { remote?: string; prune?: boolean }, signal?: AbortSignal) {
       if (input.remote !== undefined) checkRemoteUrl(input.remote, "remote");
-      const r = await git(id, input, ["fetch", ...(input.prune ? ["--prune"] : []), "--end-of-options", input.remote ?? GIT_DEFAULT_REMOTE], { signal });
+      const r = await git(id, input, ["fetch", ...(input.prune ? ["--prune"] : []), "--end-of-options", input.remote ?? GIT_DEFAULT_REMOTE], { signal, credentialUrls: await remoteUrls(id, input, input.remote ?? GIT_DEFAULT_REMOTE, false) });
       return { summary: summaryOf(r) || "Already up to date" };
     },
 

@@ -41,8 +41,8 @@ after(async () => {
 
 const fresh = async () => mkdtemp(join(cacheDir, "c-"));
 
-async function importWith(host: string, ref: string, auth: BaseImageAuth | undefined) {
-  return importImage(`${host}/${ref}`, { cacheDir: await fresh(), insecureRegistries: [host], auth, arch: "amd64" });
+async function importWith(host: string, ref: string, auth: BaseImageAuth | undefined, alsoListed: string[] = []) {
+  return importImage(`${host}/${ref}`, { cacheDir: await fresh(), insecureRegistries: [host, ...alsoListed], auth, arch: "amd64" });
 }
 
 async function failure(p: Promise<unknown>): Promise<string> {
@@ -118,19 +118,22 @@ async function bearerFront() {
     const body = Buffer.from(await up.body.arrayBuffer());
     res.writeHead(up.statusCode, { "content-type": String(up.headers["content-type"] ?? "") }).end(body);
   });
-  return { host: `127.0.0.1:${port}`, seen };
+  return { host: `127.0.0.1:${port}`, blobHost: `127.0.0.1:${blobPort}`, seen };
 }
 
 test("bearer tokens come from the realm with the pull scope; blob redirects to another origin carry no Authorization; a cut download resumes with Range", opt, async () => {
   const front = await bearerFront();
-  const img = await importWith(front.host, "private/app:v1", { type: "basic", username: "kiln", password });
+  // The blob origin is on loopback too: reached only when KILN_INSECURE_REGISTRIES lists it (checked at connect time).
+  assert.match(await failure(importWith(front.host, "private/app:v1", { type: "basic", username: "kiln", password })), /KILN_INSECURE_REGISTRIES/);
+  assert.equal(front.seen.blobAuth.length, 0, "the unlisted blob origin was never contacted");
+  const img = await importWith(front.host, "private/app:v1", { type: "basic", username: "kiln", password }, [front.blobHost]);
   assert.equal(readFileSync(join(img.layers[0].dir, "hello"), "utf8"), "private\n");
   assert.deepEqual([...new Set(front.seen.scopes)], ["repository:private/app:pull"]);
   assert.ok(front.seen.blobAuth.length >= 3, "config and layer went through the other origin (and a retry)");
   assert.deepEqual(front.seen.blobAuth.filter(Boolean), [], "no Authorization header reached the redirect target");
   assert.ok(front.seen.ranges.some((r) => /^bytes=[1-9]\d*-$/.test(r)), `a resumed download asked for the rest: ${front.seen.ranges}`);
 
-  const withToken = await importWith(front.host, "private/app:v1", { type: "token", token: preToken });
+  const withToken = await importWith(front.host, "private/app:v1", { type: "token", token: preToken }, [front.blobHost]);
   assert.equal(withToken.layers[0].digest, img.layers[0].digest, "a token credential is used as the registry's bearer token");
   assert.match(await failure(importWith(front.host, "private/app:v1", { type: "basic", username: "kiln", password: `${password}x` })), /refused the credentials for private\/app \(401\)/);
 });

@@ -8,7 +8,7 @@ import type { Socket } from "node:net";
 /**
  * Standard-library Python, threaded: GET /headers (the request head it got, and `upgrade:` if any), /hang (never
  * answers; appends a line to /tmp/hangs first), /stall (a head, one byte, then silence), /ws (a WebSocket whose first
- * frame is the request head it got, then an echo), anything else "hello from <path>".
+ * frame is the request head it got, then an echo), anything else "hello from <path>"; POST reads its whole body first.
  */
 export const PROBE_PY = String.raw`
 import base64, hashlib, os, struct, sys, threading, time
@@ -57,6 +57,9 @@ class H(BaseHTTPRequestHandler):
             time.sleep(3600)
             return
         return self.text(200, "hello from " + p)
+    def do_POST(self):
+        n = int(self.headers.get("content-length", "0"))
+        return self.text(200, "got %d bytes" % len(self.rfile.read(n)))
     def ws(self):
         key = self.headers["sec-websocket-key"]
         accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()

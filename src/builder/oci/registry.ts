@@ -13,6 +13,7 @@ import { sameRegistry } from "./reference.ts";
 import { DEFAULT_IMPORT_LIMITS, overLimit } from "./limits.ts";
 import type { ImportLimits } from "./limits.ts";
 import { MANIFEST_ACCEPT, checkDigest, importError } from "./types.ts";
+import { guardedConnector } from "../../net/guarded-connect.ts";
 
 export interface RegistryClientOptions {
   auth?: BaseImageAuth;
@@ -42,7 +43,18 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
   const origin = `${insecure ? "http" : "https"}://${registry}`;
   const credential: RegistryCredential = credentialFor(opts.auth, registry);
   const timeout = opts.timeoutMs ?? 60_000;
-  const dispatcher = new Agent({ headersTimeout: timeout, bodyTimeout: timeout, connectTimeout: Math.min(timeout, 15_000) });
+  // Every connection (the registry, its token realm, a redirect's target) is judged at connect time: loopback and
+  // private addresses only for hosts KILN_INSECURE_REGISTRIES lists, link-local and metadata addresses never.
+  const listed = (opts.insecureRegistries ?? []).map((h) => h.replace(/^https?:\/\//, "").replace(/\/.*$/, "").toLowerCase());
+  const connect = guardedConnector({
+    timeout: Math.min(timeout, 15_000),
+    allowPrivate: (hostname, port) => {
+      const host = (hostname.includes(":") ? `[${hostname}]` : hostname).toLowerCase();
+      return listed.includes(host) || listed.includes(`${host}:${port}`);
+    },
+    refused: (message) => importError(`Kiln does not connect to ${message}${/private or loopback/.test(message) ? "; a registry there must be listed in KILN_INSECURE_REGISTRIES" : ""}`),
+  });
+  const dispatcher = new Agent({ headersTimeout: timeout, bodyTimeout: timeout, connect });
   const tokens = new Map<string, string>();
   const limits = opts.limits ?? DEFAULT_IMPORT_LIMITS;
 
@@ -129,7 +141,7 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
       res.body.on("error", () => {});
       return res;
     } catch (err) {
-      if (opts.signal?.aborted) throw err;
+      if (opts.signal?.aborted || (err as { detail?: unknown }).detail) throw err; // a cancel, or an address refused
       throw importError(`registry ${registry} could not be reached: ${(err as Error).message}`);
     }
   }

@@ -91,7 +91,7 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
 
   // After ready, so the websocket plugin's upgrade listener is among those it passes everything else to.
   app.addHook("onReady", (done) => {
-    installPortProxy(app.server, { machines: services.machines, verify: async (id, token) => (await envdKeyOf(id, token)) !== undefined, isKey: services.keys.isKey, envdPort: ENVD_PORT, proto: new URL(opts.publicUrl).protocol.replace(":", ""), limits: opts.limits });
+    installPortProxy(app.server, { machines: services.machines, keyOf: envdKeyOf, onRevoked: services.keys.onRevoked, isKey: services.keys.isKey, envdPort: ENVD_PORT, proto: new URL(opts.publicUrl).protocol.replace(":", ""), limits: opts.limits });
     done();
   });
 

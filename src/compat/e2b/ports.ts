@@ -25,8 +25,10 @@ export const SANDBOX_HOST_RE = /^(\d{1,5})-(mch_[0-9a-z]{26})\./;
 
 export interface PortProxyDeps {
   machines: MachineService;
-  /** Whether a token is this sandbox's access token (may ask the store: a token is good while its key is). */
-  verify: (sandboxId: string, token: unknown) => boolean | Promise<boolean>;
+  /** The key a token was issued to when it is this sandbox's access token and that key is active, else undefined. */
+  keyOf: (sandboxId: string, token: unknown) => Promise<string | undefined>;
+  /** Calls `fn` with the ids of keys revoked since (anywhere on the store): their requests and pipes are cut. */
+  onRevoked: (fn: (ids: string[]) => void) => void;
   /** Whether a string is one of Kiln's API keys (revoked or not): such a key never reaches the sandbox's server. */
   isKey: (candidate: string) => Promise<boolean>;
   envdPort: number;
@@ -48,18 +50,38 @@ export function installPortProxy(server: Server, deps: PortProxyDeps) {
   }, deps.limits ?? DEFAULT_PROXY_LIMITS);
   server.once("close", () => proxy.close());
 
+  /** Requests in flight and upgraded pipes, by the key whose token opened them: a revoked key's are cut at once. */
+  const live = new Map<string, Set<() => void>>();
+  function hold(keyId: string, cut: () => void, closed: NodeJS.EventEmitter) {
+    let held = live.get(keyId);
+    if (!held) live.set(keyId, (held = new Set()));
+    held.add(cut);
+    closed.once("close", () => {
+      held.delete(cut);
+      if (held.size === 0 && live.get(keyId) === held) live.delete(keyId);
+    });
+  }
+  deps.onRevoked((ids) => {
+    for (const id of ids) {
+      const held = live.get(id);
+      live.delete(id);
+      for (const cut of held ?? []) cut();
+    }
+  });
+
   /** The sandbox port, once the request carries that sandbox's token (E2B's `e2b-traffic-access-token`, or envd's header). */
   async function authorize(req: IncomingMessage) {
     const target = portTargetOf(req.headers.host, deps.envdPort)!;
     const token = req.headers["e2b-traffic-access-token"] ?? req.headers["x-access-token"];
-    if (!(await deps.verify(target.sandboxId, token))) throw new KilnError("unauthorized", "send the sandbox's access token in e2b-traffic-access-token");
-    return target;
+    const keyId = await deps.keyOf(target.sandboxId, token);
+    if (keyId === undefined) throw new KilnError("unauthorized", "send the sandbox's access token in e2b-traffic-access-token");
+    return { ...target, keyId };
   }
 
   /** What crosses into the sandbox: hop-by-hop headers, the sandbox's token and any Kiln key stay out. */
   async function headersFor(req: IncomingMessage, sandboxId: string, keepUpgrade: boolean) {
     const headers = forwardedHeaders(req.headers, { clientIp: req.socket.remoteAddress, proto: deps.proto, keepUpgrade });
-    await stripKilnCredentials(headers, async (c) => (await deps.verify(sandboxId, c)) || isKilnKey(c));
+    await stripKilnCredentials(headers, async (c) => (await deps.keyOf(sandboxId, c)) !== undefined || isKilnKey(c));
     return headers;
   }
 
@@ -79,6 +101,7 @@ export function installPortProxy(server: Server, deps: PortProxyDeps) {
 
   async function proxyHttp(req: IncomingMessage, res: ServerResponse) {
     const target = await authorize(req);
+    hold(target.keyId, () => res.destroy(), res);
     const headers = await headersFor(req, target.sandboxId, false);
     await proxy.forward(`${target.sandboxId}:${target.port}`, { method: req.method ?? "GET", path: req.url ?? "/", headers, body: req.method === "GET" || req.method === "HEAD" ? undefined : req }, res, () => ({}));
   }
@@ -87,6 +110,7 @@ export function installPortProxy(server: Server, deps: PortProxyDeps) {
     // The server only emits upgrades that are WebSocket handshakes (see server.ts); checked again, as the edge does.
     if (!isWebSocketUpgrade(req)) throw new KilnError("invalid_request", "only WebSocket upgrades are carried to a sandbox's port");
     const target = await authorize(req);
+    hold(target.keyId, () => client.destroy(), client);
     const headers = await headersFor(req, target.sandboxId, true);
     await proxy.upgrade(`${target.sandboxId}:${target.port}`, { method: req.method ?? "GET", path: req.url ?? "/", headers }, client, head, { accept: acceptWebSocket });
   }
