@@ -27,6 +27,7 @@ const MACHINE_SUITES = [
   "test/security/private-umask.test.ts",
   "test/security/build-isolation.test.ts",
   "test/security/machine-root.test.ts",
+  "test/security/attack-builds.test.ts",
 ];
 
 const started = Date.now();
