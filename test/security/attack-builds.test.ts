@@ -14,7 +14,7 @@ import { build } from "../builds/support.ts";
 
 /** Containers the server's runtime still has (build machines included). */
 function containers(dataDir: string): string[] {
-  const out = execFileSync(TEST_RUNTIME, ["--root", join(dataDir, "oci-state", TEST_RUNTIME), "list", "-q"], { encoding: "utf8" });
+  const out = execFileSync(TEST_RUNTIME, ["--root", join(dataDir, "oci-state", TEST_RUNTIME), "list", "--quiet"], { encoding: "utf8" });
   return out.split("\n").filter(Boolean);
 }
 
