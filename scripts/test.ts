@@ -29,6 +29,8 @@ const MACHINE_SUITES = [
   "test/security/private-umask.test.ts",
   "test/security/build-isolation.test.ts",
   "test/security/machine-root.test.ts",
+  "test/security/attack-builds.test.ts",
+  "test/security/attack-files.test.ts",
 ];
 
 const started = Date.now();

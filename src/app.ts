@@ -79,6 +79,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
       buildTimeoutMs: config.buildTimeoutS * 1000,
       resolveTemplate: async (name) => templateLayers?.(name),
     }),
+    nativeTimeouts: { stepMs: config.buildStepTimeoutS * 1000, buildMs: config.buildTimeoutS * 1000 },
   };
   const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, buildLogMaxBytes: config.buildLogMaxBytes, hostId, webhooks, deployments, limits, buildExtensions });
   templateLayers = async (name) => {

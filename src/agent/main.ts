@@ -14,8 +14,8 @@ import { checkSpawnRequest, execOnce, resolveUser, setMachineEnvs } from "./proc
 import { fileInfo, listDir, makeDirs, move, remove, writeFileAtomic } from "./files.ts";
 import { lookupUser } from "./users.ts";
 import { listServices, restartService, serviceLogs, serviceState, startService, stopAllServices, stopService } from "./services.ts";
-import { createReadStream } from "node:fs";
-import { lstat } from "node:fs/promises";
+import { constants as fsc } from "node:fs";
+import { lstat, open } from "node:fs/promises";
 import { AGENT_SOCKET_DEFAULT } from "./protocol.ts";
 import type { AgentHealth, ExecRequest, FileList } from "./protocol.ts";
 import { LIST_DEFAULT_LIMIT, LIST_MAX_DEPTH, LIST_MAX_LIMIT, validAfter } from "./list-pages.ts";
@@ -118,15 +118,17 @@ async function route(req: IncomingMessage, res: ServerResponse) {
       const st = await lstat(path).catch(() => undefined);
       if (!st) throw new AgentFailure("not_found", `No such file: ${path}`);
       if (st.isDirectory()) throw new AgentFailure("invalid_request", `${path} is a directory (use files/list)`);
-      const stream = createReadStream(path);
-      await new Promise<void>((resolve, reject) => {
-        stream.once("open", () => resolve());
-        stream.once("error", reject);
-      }).catch((err: NodeJS.ErrnoException) => {
+      // O_NONBLOCK: opening a FIFO (or a device) must not hold one of the few I/O threads every file call shares.
+      const fh = await open(path, fsc.O_RDONLY | fsc.O_NONBLOCK).catch((err: NodeJS.ErrnoException) => {
         throw err.code === "EACCES" ? new AgentFailure("forbidden", `Permission denied: ${path}`) : new AgentFailure("not_found", `Cannot read ${path}`);
       });
+      const opened = await fh.stat().catch(() => undefined);
+      if (!opened?.isFile()) {
+        await fh.close();
+        throw new AgentFailure("invalid_request", `${path} is not a regular file`);
+      }
       res.writeHead(200, { "content-type": "application/octet-stream" });
-      stream.pipe(res);
+      fh.createReadStream().pipe(res);
       return;
     }
     case "PUT /files": {

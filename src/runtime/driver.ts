@@ -122,10 +122,15 @@ export interface MachineDriver {
   heal(id: string): Promise<MachineHealth>;
   /** Reads the machine's resource use now (cgroup counters and its disk). */
   usage(id: string): Promise<MachineUsage>;
-  /** Leaves no process, mount or directory behind. Idempotent. */
-  destroy(id: string): Promise<void>;
+  /**
+   * Leaves no process, mount or directory behind. Idempotent. `leftover`: what a crash left of a machine nothing
+   * knows; its uid range goes back only once no host process runs on it.
+   */
+  destroy(id: string, opts?: { leftover?: boolean }): Promise<void>;
   /** Machines this driver still has alive on the host (used to adopt them after a restart). */
   listLive(): Promise<LiveMachine[]>;
+  /** Ids of every machine this driver has anything of on the host (a dir), alive or not: what a crash may leave. */
+  listKnown?(): Promise<string[]>;
   /** Releases host resources the driver holds open (not the machines). */
   close(): Promise<void>;
 }

@@ -50,6 +50,8 @@ export interface BuildExtensions {
   ociCache?: OciCacheRetention;
   /** `validate` runs before the stream: what the Dockerfile's request gets wrong is an HTTP error, not a build. */
   buildkit?: BuildBackend & { validate?(input: DockerfileInput, context: ContextFile[]): void };
+  /** KILN_BUILD_STEP_TIMEOUT_S and KILN_BUILD_TIMEOUT_S for native (step) builds, in ms. */
+  nativeTimeouts?: { stepMs: number; buildMs: number };
 }
 
 /** Everything checked and resolved before the stream starts. */
@@ -102,7 +104,7 @@ export function createBuildService(deps: {
   const blobs = createBlobStore(deps.dataDir);
   const layersDir = join(deps.dataDir, "layers");
   const layerCache = createLayerCache(db);
-  const native = createNativeBackend({ driver: deps.driver, layerCache, layersDir, log });
+  const native = createNativeBackend({ driver: deps.driver, layerCache, layersDir, log, timeouts: deps.extensions?.nativeTimeouts });
   const running = new Map<string, { abort: AbortController; done: Promise<void> }>();
   const retention = createBuildRetention({ db, layersDir, retentionS: deps.retentionS, buildsRunning: () => running.size > 0, ociCache: deps.extensions?.ociCache });
   let collector: NodeJS.Timeout | undefined;

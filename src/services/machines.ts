@@ -447,11 +447,13 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     const rows = await db.selectFrom("machines").selectAll().where("host_id", "=", hostId).where("status", "in", ["creating", "running", "hibernated"]).execute();
     let adopted = 0;
     let lost = 0;
+    const kept = new Set<string>();
     for (const row of rows) {
       const m = live.get(row.id);
       live.delete(row.id);
       if (m && row.status !== "creating") {
         attach(m);
+        kept.add(row.id);
         const status = m.state === "paused" ? "hibernated" : "running";
         if (status !== row.status) await transition(row.id, { status }, status === "running" ? "resume" : "hibernate");
         adopted++;
@@ -463,9 +465,22 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       lost++;
     }
     for (const orphan of live.keys()) await driver.destroy(orphan).catch((err: unknown) => log.error({ err, machine_id: orphan }, "removing an orphan machine failed"));
+    // What a crash left of machines no record keeps alive (a warm or build machine that died with the server, a
+    // destroy cut short): their dirs, mounts and uid range claims go now, or they would be held forever. A machine
+    // another host's record keeps is never touched.
+    const elsewhere = await db.selectFrom("machines").select("id").where("host_id", "!=", hostId).where("status", "in", ["creating", "running", "hibernated"]).execute();
+    const keep = new Set([...kept, ...elsewhere.map((r) => r.id)]);
+    let leaked = 0;
+    for (const id of (await driver.listKnown?.()) ?? []) {
+      if (keep.has(id)) continue;
+      await driver.destroy(id, { leftover: true }).then(
+        () => leaked++,
+        (err: unknown) => log.error({ err, machine_id: id }, "removing what a crash left of a machine failed"),
+      );
+    }
     // What died while no server watched (a network helper) is repaired now, before anything is served.
     await healLive();
-    return { adopted, lost, removed: live.size };
+    return { adopted, lost, removed: live.size + leaked };
   }
 
   /**

@@ -64,8 +64,9 @@ export function createTemplateCatalog(deps: { db: Db; templateIdOf: (id: string)
     if (running) throw new KilnError("conflict", `${t.canonical_ref} has a build running (${running.id}); cancel it first`);
     const shown = await view(t);
     await db.transaction().execute(async (tx) => {
-      const buildIds = (await tx.selectFrom("builds").select("id").where("template_id", "=", t.id).execute()).map((b) => b.id);
-      if (buildIds.length) await tx.deleteFrom("build_logs").where("build_id", "in", buildIds).execute();
+      // A subquery, not a list of ids: a long history would pass the store's bound-variable limit (SQLite 32,766).
+      const buildIds = tx.selectFrom("builds").select("id").where("template_id", "=", t.id);
+      await tx.deleteFrom("build_logs").where("build_id", "in", buildIds).execute();
       await tx.deleteFrom("builds").where("template_id", "=", t.id).execute();
       await tx.deleteFrom("artifact_tags").where("template_id", "=", t.id).execute();
       await tx.deleteFrom("template_aliases").where("template_id", "=", t.id).execute();

@@ -95,3 +95,56 @@ test("after a kill -9 the next server keeps a live machine's range, frees a dead
     await rm(dataDir, { recursive: true, force: true });
   }
 });
+
+test("a machine no record knows that died with the server (a warm one) gives back its dir and its uid range at the next start", async () => {
+  const dataDir = await mkdtemp(join(tmpdir(), "kiln-ids-leftover-"));
+  let server: ServerProcess | undefined;
+  let leftover: { id: string; range: number } | undefined;
+  try {
+    server = await startServerProcess(dataDir, { KILN_WARM_POOL: "1" });
+    const machines = join(dataDir, "machines");
+    await until("a warm machine to boot", () => {
+      const id = existsSync(machines) ? execFileSync("ls", [machines], { encoding: "utf8" }).split("\n").find((n) => n.startsWith("mch_")) : undefined;
+      if (!id) return false;
+      const state = runtimeCallOr(dataDir, "state", containerName(TEST_RUNTIME, id));
+      if (!/"status":\s*"running"/.test(state) || !existsSync(join(machines, id, "identity.json"))) return false;
+      leftover = { id, range: hostRange(dataDir, id).range };
+      return true;
+    }, 120_000);
+    const { id, range } = leftover!;
+    assert.equal((await server.call("GET", `/v1/machines/${id}`)).status, 404, "a warm machine has no record");
+    assert.equal(claimOf(range), join(machines, id));
+
+    server.child.kill("SIGKILL");
+    await server.exited;
+    // While no server runs, the warm machine dies: nothing is left alive that names it.
+    runtimeCall(dataDir, "kill", containerName(TEST_RUNTIME, id), "KILL");
+    await until("the warm machine to die", () => !/"status":\s*"running"/.test(runtimeCall(dataDir, "state", containerName(TEST_RUNTIME, id))));
+
+    server = await startServerProcess(dataDir);
+    assert.equal(existsSync(join(machines, id)), false, "the dead machine's dir is removed before the server serves");
+    assert.equal(claimOf(range), undefined, "its uid range is back in the pool");
+    assert.match(runtimeCallOr(dataDir, "state", containerName(TEST_RUNTIME, id)), /^$|does not exist/, "and its container is gone");
+  } finally {
+    if (server && server.child.exitCode === null && server.child.signalCode === null) await server.stop();
+    if (leftover && claimOf(leftover.range)?.startsWith(dataDir)) await rm(join(RANGES, String(leftover.range)), { force: true });
+    // Should the server have left the machine (the bug this proves), its container and mounts go here.
+    if (leftover) runtimeCallOr(dataDir, "delete", "--force", containerName(TEST_RUNTIME, leftover.id));
+    for (const mount of mountsUnder(dataDir)) execFileSync("umount", ["-l", mount]);
+    await rm(dataDir, { recursive: true, force: true });
+  }
+});
+
+/** Mount points under `dir`, deepest first. */
+function mountsUnder(dir: string): string[] {
+  const points = readFileSync("/proc/self/mountinfo", "utf8").split("\n").map((l) => l.split(" ")[4]).filter((p) => p?.startsWith(dir + "/"));
+  return points.sort((a, b) => b.length - a.length);
+}
+
+function runtimeCallOr(dataDir: string, ...args: string[]): string {
+  try {
+    return execFileSync(TEST_RUNTIME, ["--root", join(dataDir, "oci-state", TEST_RUNTIME), ...args], { encoding: "utf8", stdio: "pipe" });
+  } catch (err) {
+    return String((err as { stderr?: string }).stderr ?? "");
+  }
+}

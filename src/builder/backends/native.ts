@@ -20,8 +20,9 @@ import { selectContext } from "../context.ts";
 import type { ContextFile } from "../context.ts";
 import { BuildCancelled, BuildFailure } from "../failure.ts";
 
-/** A real bound on one step: a command that hangs does not hold a build machine forever. */
-const STEP_TIMEOUT_MS = 60 * 60 * 1000;
+/** Real bounds (KILN_BUILD_STEP_TIMEOUT_S, KILN_BUILD_TIMEOUT_S, as for Dockerfile builds): a command that hangs does not hold a build machine forever. */
+export const NATIVE_TIMEOUTS = { stepMs: 3_600_000, buildMs: 14_400_000 };
+const TIMEOUT_ACTION = "make the step faster or split it; the limits are KILN_BUILD_STEP_TIMEOUT_S and KILN_BUILD_TIMEOUT_S";
 const MAX_LINE = 4096;
 
 /** Applies the config-changing instructions (ENV, WORKDIR, USER) of a step to the image config. */
@@ -68,8 +69,9 @@ function inputDigests(step: PlannedStep, context: ContextFile[]): string[] {
 
 class TransientError extends Error {}
 
-export function createNativeBackend(deps: { driver: MachineDriver; layerCache: LayerCache; layersDir: string; log: Logger }): BuildBackend {
+export function createNativeBackend(deps: { driver: MachineDriver; layerCache: LayerCache; layersDir: string; log: Logger; timeouts?: { stepMs: number; buildMs: number } }): BuildBackend {
   const { driver, layerCache } = deps;
+  const timeouts = deps.timeouts ?? NATIVE_TIMEOUTS;
 
   async function runScript(agent: AgentClient, script: string, opts: { cwd: string; user: string; envs: Record<string, string> }, onLine: (line: string, stream: "stdout" | "stderr") => void, signal: AbortSignal): Promise<number | null> {
     const ws = agent.openStream();
@@ -86,7 +88,10 @@ export function createNativeBackend(deps: { driver: MachineDriver; layerCache: L
         fn();
       };
       const onAbort = () => finish(() => reject(new BuildCancelled()));
-      const timer = setTimeout(() => finish(() => reject(new BuildFailure(`the step ran longer than ${STEP_TIMEOUT_MS / 60000} minutes`, { phase: "step" }))), STEP_TIMEOUT_MS);
+      const timer = setTimeout(
+        () => finish(() => reject(new BuildFailure(`a RUN of the step ran longer than ${timeouts.stepMs / 1000} s and was stopped`, { phase: "step", suggestedAction: TIMEOUT_ACTION }))),
+        timeouts.stepMs,
+      );
       signal.addEventListener("abort", onAbort);
       const feed = (stream: "stdout" | "stderr", text: string) => {
         const lines = (partial[stream] + text).split("\n");
@@ -170,7 +175,21 @@ export function createNativeBackend(deps: { driver: MachineDriver; layerCache: L
     }
   }
 
+  /** The steps under the build's own deadline: at it, the step running is stopped (its machine destroyed) and the build fails. */
   async function run(ctx: BuildContext): Promise<BuildOutput> {
+    const expiry = new AbortController();
+    const timer = setTimeout(() => expiry.abort(), timeouts.buildMs);
+    try {
+      return await runSteps({ ...ctx, signal: AbortSignal.any([ctx.signal, expiry.signal]) });
+    } catch (err) {
+      if (expiry.signal.aborted && !ctx.signal.aborted) throw new BuildFailure(`the build ran longer than ${timeouts.buildMs / 1000} s and was stopped`, { phase: "step", suggestedAction: TIMEOUT_ACTION });
+      throw err;
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  async function runSteps(ctx: BuildContext): Promise<BuildOutput> {
     let parentKey = ctx.source.digest;
     let config: ImageConfig = { ...ctx.source.config, env: { ...ctx.source.config.env } };
     const lowers = ctx.source.layers.map((l) => l.dir);

@@ -5,7 +5,7 @@ import { execFile, spawn } from "node:child_process";
 import { connect, createServer } from "node:net";
 import { get as httpGet } from "node:http";
 import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync } from "node:fs";
-import { chmod, chown, link, mkdir, readFile, rm, writeFile } from "node:fs/promises";
+import { chmod, chown, link, mkdir, readFile, readdir, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import { DEFAULT_DISK_MB } from "../driver.ts";
@@ -474,14 +474,14 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     return Number(/^oom_kill (\d+)/m.exec(text)?.[1] ?? 0);
   }
 
-  async function destroy(id: string): Promise<void> {
+  async function destroy(id: string, opts: { leftover?: boolean } = {}): Promise<void> {
     const p = paths(id);
     await cli.remove(id);
     await Promise.all([releaseNetwork(id, p), removeCgroups(cgroups, `kiln/${id}`)]);
     await unmountRoot(p);
     // The range goes back while the dir still names it (see id-ranges.ts), and the dir only once nothing is mounted
     // under it: rm -r through a live overlay would write whiteouts, not free space.
-    await identities.release(p.dir);
+    await identities.release(p.dir, { ifIdle: opts.leftover });
     await rm(p.dir, { recursive: true, force: true });
   }
 
@@ -603,6 +603,11 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
         live.push({ id: c.id, state: c.status === "paused" ? "paused" : "running", agentSocket: paths(c.id).socket, pid: c.pid });
       }
       return live;
+    },
+
+    async listKnown() {
+      const names = await readdir(machinesDir).catch(() => [] as string[]);
+      return names.filter((n) => SAFE_ID.test(n));
     },
 
     async close() {

@@ -27,8 +27,11 @@ interface ClaimRecord {
 export interface IdRangePool {
   /** Claims a free range for the machine at `machineDir` (which must exist already) and returns its index. */
   claim(machineDir: string): Promise<number>;
-  /** Frees `index` if (and only if) it is claimed for `machineDir`; call it before that dir is removed. */
-  release(index: number, machineDir: string): Promise<void>;
+  /**
+   * Frees `index` if (and only if) it is claimed for `machineDir`; call it before that dir is removed. `ifIdle`
+   * (what a crash left): not while a host process runs on the range — a sweep frees it once none does.
+   */
+  release(index: number, machineDir: string, opts?: { ifIdle?: boolean }): Promise<void>;
   /** Frees stale claims; returns how many. */
   sweep(): Promise<number>;
   /** Indices claimed right now, by any server on the host. */
@@ -164,9 +167,13 @@ export function createIdRangePool(opts: { dir: string; log: Logger }): IdRangePo
       return index;
     },
 
-    async release(index, machineDir) {
+    async release(index, machineDir, releaseOpts = {}) {
       const record = await readClaim(index);
       if (record?.machine_dir !== machineDir) return;
+      if (releaseOpts.ifIdle && [...(await processIds())].some((id) => rangeOf(id) === index)) {
+        opts.log.warn({ range: index, machine_dir: machineDir }, "a leftover machine's uid range is kept: a host process still runs on it");
+        return;
+      }
       await unlink(join(opts.dir, String(index))).catch(() => undefined);
     },
   };

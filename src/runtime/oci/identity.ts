@@ -107,10 +107,10 @@ export function createMachineIdentities(opts: IdentityOptions) {
 
     read,
 
-    /** Gives the machine's range back to the pool; call before its dir is removed. */
-    async release(machineDir: string): Promise<void> {
+    /** Gives the machine's range back to the pool (`ifIdle`: unless a process runs on it); call before its dir is removed. */
+    async release(machineDir: string, opts: { ifIdle?: boolean } = {}): Promise<void> {
       const identity = await read(machineDir);
-      if (identity.range !== undefined) await pool.release(identity.range, machineDir);
+      if (identity.range !== undefined) await pool.release(identity.range, machineDir, opts);
     },
 
     /** Whether booting this machine goes through the mount helper (else: the runtime alone, as before). */
