@@ -39,8 +39,13 @@ export async function buildConsole(outDir = CONSOLE_DIST_DIR): Promise<{ script:
   const script = entry ? basename(entry[0]) : undefined;
   const style = entry?.[1].cssBundle ? basename(entry[1].cssBundle) : undefined;
   if (!script || !style) throw new Error(`the console bundle is missing its ${script ? "stylesheet" : "script"} (${outputs.join(", ")})`);
+  // Chunks the entry imports statically are announced up front, so they load beside it rather than after it.
+  const preloads = (entry?.[1].imports ?? []).filter((i) => i.kind === "import-statement").map((i) => `<link rel="modulepreload" href="/console/assets/${basename(i.path)}">`);
   const template = await readFile(join(CONSOLE_SOURCE_DIR, "index.html"), "utf8");
-  const html = template.replaceAll("{{script}}", `/console/assets/${script}`).replaceAll("{{style}}", `/console/assets/${style}`);
+  const html = template
+    .replaceAll("{{script}}", `/console/assets/${script}`)
+    .replaceAll("{{style}}", `/console/assets/${style}`)
+    .replaceAll("{{preloads}}", preloads.join("\n"));
   if (!html.includes(NONCE_PLACEHOLDER)) throw new Error(`console/index.html must carry ${NONCE_PLACEHOLDER}`);
   await writeFile(join(staging, "index.html"), html);
   const old = `${outDir}.old-${process.pid}`;
