@@ -28,14 +28,17 @@ async function signedInPage(browser: Browser, key: string): Promise<Page> {
   return page;
 }
 
-async function firstPaint(browser: Browser, url: string, key: string, ready: string): Promise<number> {
+async function firstPaint(browser: Browser, url: string, key: string, ready: string): Promise<{ first: number; all: number }> {
   const page = await signedInPage(browser, key);
   // Checked once per frame from the document's start, before that frame is painted; performance.now() counts from
   // the navigation's start.
   await page.evaluateOnNewDocument(
     (sel: string, n: number) => {
       const check = () => {
-        if (document.querySelectorAll(sel).length >= n) (globalThis as any).__kilnPainted = performance.now();
+        const rows = document.querySelectorAll(sel).length;
+        // The first screenful (a page of 100 rows) and every row.
+        if (rows >= 100) (globalThis as any).__kilnFirstRows ??= performance.now();
+        if (rows >= n) (globalThis as any).__kilnPainted = performance.now();
         else requestAnimationFrame(check);
       };
       requestAnimationFrame(check);
@@ -45,12 +48,13 @@ async function firstPaint(browser: Browser, url: string, key: string, ready: str
   );
   await page.goto(url);
   const handle = await page.waitForFunction(() => (globalThis as any).__kilnPainted, { timeout: 60_000 });
-  const at = (await handle.jsonValue()) as number;
+  const all = (await handle.jsonValue()) as number;
+  const first = (await page.evaluate(() => (globalThis as any).__kilnFirstRows)) as number;
   if (process.env.KILN_BENCH_DEBUG) {
     process.stderr.write(JSON.stringify(await page.evaluate(() => ({ marks: performance.getEntriesByType("mark").map((m) => [m.name, Math.round(m.startTime)]), res: performance.getEntriesByType("resource").map((r: any) => [r.name.slice(-60), Math.round(r.startTime), Math.round(r.responseEnd)]), paint: performance.getEntriesByType("paint" as any).map((p) => [p.name, Math.round(p.startTime)]) }))) + "\n");
   }
   await page.close();
-  return at;
+  return { first, all };
 }
 
 async function paintBench(): Promise<BenchResult[]> {
@@ -89,13 +93,14 @@ async function paintBench(): Promise<BenchResult[]> {
   const plainUrl = `http://127.0.0.1:${(plain.address() as AddressInfo).port}/`;
   const browser = await launchBrowser();
   const consoleTimes: number[] = [];
+  const consoleFirst: number[] = [];
   const plainTimes: number[] = [];
   try {
     if (rows.length !== 100) throw new Error("the machine records were not listed");
     for (let i = 0; i < PAINT_RUNS + 2; i++) {
       const c = await firstPaint(browser, `${k.url}/console/#/machines`, TEST_KEY, "tr[data-machine]");
       const p = await firstPaint(browser, plainUrl, TEST_KEY, "tr[data-machine]");
-      if (i >= 2) consoleTimes.push(c), plainTimes.push(p);
+      if (i >= 2) consoleTimes.push(c.all), consoleFirst.push(c.first), plainTimes.push(p.all);
     }
   } finally {
     await browser.close();
@@ -105,7 +110,17 @@ async function paintBench(): Promise<BenchResult[]> {
   }
   return [
     {
-      name: `Console: machines view painted with ${MACHINES} machines`,
+      name: `Console: machines view first paint (first 100 of ${MACHINES} machines)`,
+      unit: "ms",
+      better: "lower",
+      median: median(consoleFirst),
+      p99: percentile(consoleFirst, 99),
+      baseline: { name: `all ${MACHINES} rows as one server-rendered HTML table`, median: median(plainTimes), p99: percentile(plainTimes, 99) },
+      goal: "≤ 300 ms",
+      note: "from navigation start to the frame holding the first page of rows (more than a screenful)",
+    },
+    {
+      name: `Console: machines view painted with all ${MACHINES} machines`,
       unit: "ms",
       better: "lower",
       median: median(consoleTimes),
@@ -133,25 +148,25 @@ async function echoBench(ctx: BenchContext): Promise<BenchResult[]> {
     const consoleTimes: number[] = [];
     for (let i = 0; i < KEYS; i++) {
       const key = "abcdefghijklmnopqrstuvwxyz"[i % 26] as KeyInput;
-      const armed = page.evaluate(
-        () =>
-          new Promise<number>((resolve) => {
-            const rows = document.querySelector(".xterm-rows");
-            const before = rows.textContent;
-            let t0 = 0;
-            document.addEventListener("keydown", () => (t0 = performance.now()), { capture: true, once: true });
-            const obs = new (globalThis as any).MutationObserver(() => {
-              if (t0 && rows.textContent !== before) {
-                obs.disconnect();
-                resolve(performance.now() - t0);
-              }
-            });
-            obs.observe(rows, { childList: true, subtree: true, characterData: true });
-          }),
-      );
-      await new Promise((r) => setTimeout(r, 20));
+      // Armed before the key is pressed (a first call that returns once listening), then awaited.
+      await page.evaluate(() => {
+        const rows = document.querySelector(".xterm-rows");
+        const before = rows.textContent;
+        let t0 = 0;
+        (globalThis as any).__kilnEcho = new Promise<number>((resolve, reject) => {
+          document.addEventListener("keydown", () => (t0 = performance.now()), { capture: true, once: true });
+          const obs = new (globalThis as any).MutationObserver(() => {
+            if (t0 && rows.textContent !== before) {
+              obs.disconnect();
+              resolve(performance.now() - t0);
+            }
+          });
+          obs.observe(rows, { childList: true, subtree: true, characterData: true });
+          setTimeout(() => reject(new Error("no echo within 10 s")), 10_000);
+        });
+      });
       await page.keyboard.press(key);
-      const ms = await armed;
+      const ms = (await page.evaluate(() => (globalThis as any).__kilnEcho)) as number;
       if (i >= 10) consoleTimes.push(ms);
     }
     // Raw WebSocket in the same browser: pty.input of one key until the pty.output carrying its echo.
