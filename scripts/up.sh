@@ -6,6 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql util-linux openssh-server e2fsprogs inotify-tools nftables)
+# chromium: the console's tests and benchmarks drive the web console in real headless Chromium (puppeteer-core).
+PACKAGES+=(chromium)
+# python3: the Python SDK (sdk/python, standard library only) is tested with Debian's own interpreter.
+PACKAGES+=(python3)
 # openssh-server: the git tests start their own sshd (own config and port on 127.0.0.1) as an SSH git remote.
 # Image imports and Dockerfile builds: xattrs on layer dirs (attr), the embedded Dockerfile builder (buildah), and
 # what the tests and benchmarks run against (a loopback registry with bcrypt htpasswd, skopeo as the baseline).
@@ -70,6 +74,9 @@ fi
 if [ ! -x node_modules/.bin/node ] || [ package-lock.json -nt node_modules/.package-lock.json ]; then
   npm ci --no-audit --no-fund
 fi
+
+# The web console (/console) is bundled from console/ into dist/console: never committed, always built here.
+node_modules/.bin/node scripts/build-console.ts
 
 if [ "${1:-}" = "--no-serve" ]; then exit 0; fi
 exec node_modules/.bin/node src/cli/main.ts serve

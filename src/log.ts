@@ -28,6 +28,7 @@ export const SECRET_FIELDS = [
   "set-cookie",
   "public_url",
   "x-api-key",
+  "sec-websocket-protocol",
   "build_envs",
   "name_claim_token",
   "base_image_auth",

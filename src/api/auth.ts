@@ -46,7 +46,17 @@ export function unauthorized(message: string): KilnError {
   return new KilnError("unauthorized", message, { detail: { code: "unauthorized", phase: "auth" } });
 }
 
-/** The API key a request presents: `Authorization: Bearer <key>`, else `X-API-Key: <key>` (the E2B SDK's header). */
+/**
+ * WebSocket subprotocols a browser offers in place of the Authorization header it cannot set on an upgrade:
+ * `kiln.v1` (the one the server selects) and `kiln.bearer.<base64url of the key>` (never echoed back).
+ */
+export const WS_PROTOCOL = "kiln.v1";
+export const WS_BEARER_PREFIX = "kiln.bearer.";
+
+/**
+ * The API key a request presents: `Authorization: Bearer <key>`, else `X-API-Key: <key>` (the E2B SDK's header),
+ * else, on a WebSocket upgrade only, a `kiln.bearer.` subprotocol (browsers, the console).
+ */
 export function presentedKey(req: FastifyRequest): string | undefined {
   const header = req.headers.authorization;
   if (typeof header === "string") {
@@ -54,7 +64,18 @@ export function presentedKey(req: FastifyRequest): string | undefined {
     return match ? match[1] : undefined;
   }
   const apiKey = req.headers["x-api-key"];
-  return typeof apiKey === "string" && apiKey ? apiKey : undefined;
+  if (typeof apiKey === "string" && apiKey) return apiKey;
+  return req.headers.upgrade ? subprotocolKey(req.headers["sec-websocket-protocol"]) : undefined;
+}
+
+function subprotocolKey(header: string | undefined): string | undefined {
+  if (!header || header.length > 4096) return undefined;
+  const offered = header.split(",").map((p) => p.trim()).filter((p) => p.startsWith(WS_BEARER_PREFIX));
+  if (offered.length !== 1) return undefined;
+  const encoded = offered[0].slice(WS_BEARER_PREFIX.length);
+  if (!/^[A-Za-z0-9_-]{1,1024}$/.test(encoded)) return undefined;
+  const key = Buffer.from(encoded, "base64url").toString("utf8");
+  return /^\S+$/.test(key) ? key : undefined;
 }
 
 export function createAuth(keys: KeyService) {

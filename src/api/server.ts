@@ -29,7 +29,8 @@ import { isWebSocketUpgrade } from "../deployments/proxy.ts";
 import type { ProxyLimits } from "../deployments/proxy.ts";
 import { createServer } from "node:http";
 import { e2bCompat } from "../compat/e2b/index.ts";
-import { createAuth } from "./auth.ts";
+import { consoleRoutes } from "../console/routes.ts";
+import { createAuth, WS_BEARER_PREFIX, WS_PROTOCOL } from "./auth.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -153,7 +154,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(deploymentRoutes, { services: opts.services });
   // Before @fastify/websocket: the edge splices WebSocket upgrades itself, byte for byte, instead of terminating them.
   await app.register(edgeRoutes, { edge });
-  await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024 } });
+  await app.register(websocket, { options: { maxPayload: 16 * 1024 * 1024, handleProtocols: selectProtocol } });
   auth.watchWebSockets(app);
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
   await app.register(volumeRoutes, { services: opts.services });
@@ -162,6 +163,8 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
 
   // Public: client generators and browsers fetch it without a key.
   app.get("/v1/openapi.json", { config: { auth: "none" }, schema: { hide: true } }, async () => app.swagger());
+  // The web console's static files (public: the page asks for a key and sends it only in headers).
+  await app.register(consoleRoutes);
   return app;
 }
 
@@ -181,6 +184,16 @@ function closeAfterReply(req: FastifyRequest, reply: FastifyReply) {
     socket.resume();
     setTimeout(() => socket.destroy(), 1000).unref();
   });
+}
+
+/**
+ * The subprotocol a WebSocket answers with: `kiln.v1` when offered (a browser that authenticated with subprotocols,
+ * auth.ts), else the first one offered as ws does by default — never a `kiln.bearer.` one, which carries a key.
+ */
+function selectProtocol(offered: Set<string>): string | false {
+  if (offered.has(WS_PROTOCOL)) return WS_PROTOCOL;
+  for (const p of offered) if (!p.startsWith(WS_BEARER_PREFIX)) return p;
+  return false;
 }
 
 /** Fastify's bare "Unsupported Media Type" (what `curl -d` gets: form encoding) says what to send instead. */

@@ -91,7 +91,11 @@ function routesOf(auth: RouteAuth["auth"][]) {
 test("the route table is the server's own: every route declares its auth, and there are routes of every kind in use", () => {
   assert.ok(table.length > 100, `${table.length} routes`);
   for (const kind of ["key", "none", "envd-token", "edge-token"] as const) assert.ok(table.some((r) => r.auth === kind), `a route with auth ${kind}`);
-  assert.deepEqual(routesOf(["none"]).map((r) => `${r.method} ${r.url}`).sort(), ["GET /health", "GET /v1/openapi.json", "HEAD /health", "HEAD /v1/openapi.json"]);
+  // Public: liveness, the API's description, and the web console's page and assets (which hold no data).
+  assert.deepEqual(
+    routesOf(["none"]).map((r) => `${r.method} ${r.url}`).sort(),
+    ["GET /console", "GET /console/assets/*", "GET /health", "GET /v1/openapi.json", "HEAD /console", "HEAD /console/assets/*", "HEAD /health", "HEAD /v1/openapi.json"],
+  );
   for (const r of table) if (r.url.startsWith("/v1/")) assert.ok(r.auth === "key" || r.url === "/v1/openapi.json", `${r.method} ${r.url} is key-authenticated`);
 });
 
@@ -126,7 +130,8 @@ test("every route × every spelling of its path, as a WebSocket upgrade without 
     .filter((r) => r.method === "GET")
     .flatMap((r) =>
       spellings(concrete(r.url)).flatMap((s) =>
-        [{}, { authorization: `Bearer ${revokedKey}` }].map((cred) => ({ r, s, headers: { ...UPGRADE_HEADERS, ...cred, ...(r.constrained ? { "e2b-sandbox-id": SANDBOX } : {}) } as Record<string, string> })),
+        // A browser's key rides in a subprotocol (the console): a revoked one there is refused like any other.
+        ([{}, { authorization: `Bearer ${revokedKey}` }, { "sec-websocket-protocol": `kiln.v1, kiln.bearer.${Buffer.from(revokedKey).toString("base64url")}` }] as Record<string, string>[]).map((cred) => ({ r, s, headers: { ...UPGRADE_HEADERS, ...cred, ...(r.constrained ? { "e2b-sandbox-id": SANDBOX } : {}) } as Record<string, string> })),
       ),
     );
   const results = await inParallel(cases, 16, async ({ r, s, headers }) => ({ r, s, res: await rawRequest(port, "GET", s.target, headers) }));
