@@ -2,6 +2,7 @@
 // the server from starting, and one onRequest hook (after routing, for HTTP and WebSocket upgrades alike) enforces it.
 // Sockets remember the API keys they carried and close within a second of a key's revocation.
 
+import { KILN_BEARER_SUBPROTOCOL } from "../deployments/credentials.ts";
 import type { IncomingMessage, ServerResponse } from "node:http";
 import type { FastifyRequest, RouteOptions } from "fastify";
 import type { WebSocket } from "ws";
@@ -51,7 +52,7 @@ export function unauthorized(message: string): KilnError {
  * `kiln.v1` (the one the server selects) and `kiln.bearer.<base64url of the key>` (never echoed back).
  */
 export const WS_PROTOCOL = "kiln.v1";
-export const WS_BEARER_PREFIX = "kiln.bearer.";
+export const WS_BEARER_PREFIX = KILN_BEARER_SUBPROTOCOL;
 
 /**
  * The API key a request presents: `Authorization: Bearer <key>`, else `X-API-Key: <key>` (the E2B SDK's header),

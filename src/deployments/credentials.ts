@@ -16,6 +16,12 @@ export const KILN_ONLY_HEADERS = ["x-access-token", "e2b-traffic-access-token"] 
  */
 export const SHARED_HEADERS = ["authorization", "x-api-key"] as const;
 
+/**
+ * A WebSocket subprotocol that carries a Kiln API key (browsers cannot set Authorization on an upgrade; the console
+ * offers `kiln.bearer.<base64url key>`). Removed from `Sec-WebSocket-Protocol` before a handshake reaches a service.
+ */
+export const KILN_BEARER_SUBPROTOCOL = "kiln.bearer.";
+
 /** Whether a string is one of Kiln's credentials (an API key, revoked or not; a sandbox's access token). */
 export type IsKilnCredential = (candidate: string) => boolean | Promise<boolean>;
 
@@ -41,7 +47,7 @@ export function credentialCandidates(value: string): string[] {
 export function mayCarryKilnCredentials(headers: OutgoingHttpHeaders): boolean {
   for (const name of KILN_ONLY_HEADERS) if (headers[name] !== undefined) return true;
   for (const name of SHARED_HEADERS) if (headers[name] !== undefined) return true;
-  return false;
+  return String(headers["sec-websocket-protocol"] ?? "").includes(KILN_BEARER_SUBPROTOCOL);
 }
 
 /**
@@ -73,6 +79,13 @@ export async function stripKilnCredentials(headers: OutgoingHttpHeaders, isKiln:
       delete headers[name];
       removed.push(name);
     }
+  }
+  const protocols = headers["sec-websocket-protocol"];
+  if (protocols !== undefined && String(protocols).includes(KILN_BEARER_SUBPROTOCOL)) {
+    const kept = String(protocols).split(",").map((p) => p.trim()).filter((p) => p && !p.startsWith(KILN_BEARER_SUBPROTOCOL));
+    if (kept.length > 0) headers["sec-websocket-protocol"] = kept.join(", ");
+    else delete headers["sec-websocket-protocol"];
+    removed.push("sec-websocket-protocol");
   }
   return removed;
 }

@@ -87,6 +87,12 @@ test("a Kiln key, E2B credentials and Kiln's edge token and cookie sent with an 
   assert.match(await seen({ authorization: "Bearer the-service's-own-token" }), /^authorization: Bearer the-service's-own-token$/m);
   assert.match(await seen({ authorization: `Basic ${Buffer.from("alice:wonderland").toString("base64")}` }), /^authorization: Basic YWxpY2U6d29uZGVybGFuZA==$/m);
   assert.match(await seen({ "x-api-key": "service-key-123" }), /^x-api-key: service-key-123$/m);
+  // A key a browser offers as a WebSocket subprotocol (the console's kiln.bearer.<base64url>) is dropped; the
+  // service's own subprotocols pass.
+  const bearer = `kiln.bearer.${Buffer.from(TEST_KEY).toString("base64url")}`;
+  const protocols = await seen({ "sec-websocket-protocol": `chat, ${bearer}` });
+  assert.ok(!protocols.includes(bearer), `the service saw a key in a subprotocol:\n${protocols}`);
+  assert.match(protocols, /^sec-websocket-protocol: chat$/m);
 
   // The same over a WebSocket handshake: the probe's first frame is the head it got.
   const ws = new WebSocket(`ws://${new URL(p.base).host}/edge/${p.svc.id}/ws?edge_token=${p.token}`, { headers: { authorization: `Bearer ${TEST_KEY}`, "x-api-key": e2bKey, cookie: `kiln_edge=${p.token}` } });
