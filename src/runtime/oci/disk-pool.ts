@@ -60,6 +60,16 @@ function loopBacking(name: string): string | undefined {
   }
 }
 
+/** True while some mount's device is a loop device backed by a file in the pool (a machine's disk). */
+function mountedFromPool(dir: string): boolean {
+  for (const line of readFileSync("/proc/self/mountinfo", "utf8").split("\n")) {
+    const source = line.split(" - ")[1]?.split(" ")[1] ?? "";
+    const loop = /^\/dev\/(loop\d+)$/.exec(source)?.[1];
+    if (loop && loopBacking(loop)?.startsWith(dir + "/")) return true;
+  }
+  return false;
+}
+
 function failure(err: unknown): string {
   return ((err as { stderr?: string }).stderr || (err as Error).message).trim();
 }
@@ -121,7 +131,14 @@ export async function openDiskPool(opts: { dataDir: string; mode: DiskPoolMode; 
       if (kind !== "xfs-loop" || !isMounted(dir)) return;
       // Busy while a machine's disk is attached from it: machines outlive the control plane, and so does their pool.
       const loop = /^\/dev\/(loop\d+)$/.exec(mountSource(dir) ?? "")?.[1];
-      if (!(await exec("umount", [dir]).then(() => true, () => false)) || !loop) return;
+      // A machine's disk mounted from the pool keeps it: nothing to wait for. A loop device still letting go of an
+      // image just unmounted (the kernel clears them asynchronously) is waited out, within a bound.
+      let unmounted = false;
+      for (let i = 0; i < 50 && !unmounted && !mountedFromPool(dir); i++) {
+        unmounted = await exec("umount", [dir]).then(() => true, () => false);
+        if (!unmounted) await new Promise((r) => setTimeout(r, 100));
+      }
+      if (!unmounted || !loop) return;
       // The loop device clears itself once the last mount namespace holding the pool lets go (runsc's gofers keep
       // copies of the host's mounts until they exit): wait for that, within a bound.
       for (let i = 0; i < 500 && loopBacking(loop) === xfsFile; i++) await new Promise((r) => setTimeout(r, 10));

@@ -769,8 +769,9 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     async close() {
       // Machines (and their slirp4netns) outlive the control plane on purpose; only the spare disks are released, and
       // the disk pool when no machine's disk is attached from it.
-      if (!poolOpening) return;
-      const { pool, disks } = await poolOpening;
+      // A pool an earlier server mounted is released too, even when this one never needed a disk.
+      if (!poolOpening && !isMounted(join(opts.dataDir, "disks"))) return;
+      const { pool, disks } = await storage();
       await disks.close();
       await pool.close();
     },
