@@ -58,7 +58,8 @@ const CreateMachine = Type.Object(
     vcpus: Type.Optional(Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxVcpus })),
     memory_mb: Type.Optional(Type.Integer({ minimum: MACHINE_LIMITS.minMemoryMb, maximum: MACHINE_LIMITS.maxMemoryMb })),
     disk_mb: Type.Optional(Type.Integer({ minimum: MACHINE_LIMITS.minDiskMb, maximum: MACHINE_LIMITS.maxDiskMb, description: `Size of the machine's writable layer (default ${MACHINE_DEFAULTS.diskMb}; at most KILN_MAX_DISK_MB)` })),
-    internet: Type.Optional(Type.Boolean({ default: true })),
+    // No schema default: a machine from a memory snapshot takes the snapshot's setting unless it says otherwise.
+    internet: Type.Optional(Type.Boolean({ description: "Outbound network (default true; from a snapshot, the snapshot's)" })),
     // Volumes mounted at boot (room: volumes).
     volumes: Type.Optional(Type.Array(VolumeMountRequest, { maxItems: VOLUME_LIMITS.maxPerMachine })),
     network: Type.Optional(
