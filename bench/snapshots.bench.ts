@@ -122,9 +122,13 @@ async function gvisorNumbers(key: string): Promise<BenchResult[]> {
 }
 
 export async function run(ctx: BenchContext): Promise<BenchResult[]> {
-  const k = await startTestKiln({ env: { KILN_LOG_LEVEL: "warn", KILN_WARM_POOL: "0" }, captureLogs: false });
+  const k = await startTestKiln({ env: { KILN_LOG_LEVEL: "warn", KILN_WARM_POOL: "0" } });
   try {
     return [...(await runcNumbers(k, ctx.key)), ...(await gvisorNumbers(ctx.key))];
+  } catch (err) {
+    // What the server said about it (its errors only: the run is otherwise quiet).
+    for (const line of k.logs) if (/"level":50/.test(line)) process.stderr.write(line.slice(0, 2000) + "\n");
+    throw err;
   } finally {
     await k.close();
   }

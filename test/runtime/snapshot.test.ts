@@ -111,7 +111,7 @@ test("a snapshot cut short by a crash is thawed by the next look at live machine
   const m = await machine();
   // What a killed server leaves: the marker, the processes paused and the filesystem frozen.
   const dir = join(dataDir, "machines", m.id);
-  await writeFile(join(dir, "snapshot-freeze"), "resume");
+  await writeFile(join(dir, "snapshot-freeze"), JSON.stringify({ pid: 2 ** 22 + 1, resume: true })); // a pid no process has
   await fresh(m);
   await driver.hibernate(m.id, "freeze");
   execFileSync("fsfreeze", ["--freeze", join(dir, "disk", "mnt")]);
@@ -119,6 +119,18 @@ test("a snapshot cut short by a crash is thawed by the next look at live machine
   assert.equal(seen?.state, "running");
   assert.ok(!existsSync(join(dir, "snapshot-freeze")));
   assert.equal(await sh(m, "echo writable > /tmp/w && cat /tmp/w"), "writable\n");
+});
+
+test("a look at live machines during a snapshot leaves the machine being copied frozen", opt, async () => {
+  const m = await machine();
+  const dir = join(dataDir, "machines", m.id);
+  await writeFile(join(dir, "snapshot-freeze"), JSON.stringify({ pid: process.pid, resume: true }));
+  await fresh(m);
+  await driver.hibernate(m.id, "freeze");
+  assert.equal((await driver.listLive()).find((l) => l.id === m.id)?.state, "paused", "the snapshot's own freeze is not undone");
+  assert.ok(existsSync(join(dir, "snapshot-freeze")));
+  await rm(join(dir, "snapshot-freeze"));
+  await driver.resume(m.id, "freeze");
 });
 
 test("hibernate to disk stops the machine and keeps its files; resume boots it again", opt, async () => {

@@ -1,6 +1,7 @@
 // Consistent copies of a running machine's disk: its processes frozen, its filesystem frozen (fsfreeze flushes it
 // into the image), the image reflinked, everything thawed. A marker file says a freeze is under way, so a server
-// killed in the middle leaves nothing frozen: the next one thaws what the marker names (thawInterrupted).
+// killed in the middle leaves nothing frozen: the next one thaws what the marker names (thawInterrupted). The marker
+// names the process taking the snapshot, so a look at live machines meanwhile never thaws one being copied.
 
 import { execFile } from "node:child_process";
 import { existsSync } from "node:fs";
@@ -20,6 +21,15 @@ export interface FreezeHooks {
   resume(): Promise<void>;
 }
 
+function processAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (err) {
+    return (err as NodeJS.ErrnoException).code === "EPERM";
+  }
+}
+
 /** The bytes a file takes on disk (a sparse image's allocated blocks, not its size). */
 export async function allocatedBytes(path: string): Promise<number> {
   const st = await stat(path);
@@ -34,7 +44,7 @@ export async function copyLiveDisk(opts: { machineDir: string; mountPoint: strin
   const marker = join(opts.machineDir, FREEZE_MARKER);
   // The marker says whether the processes are to be thawed too, before they are frozen.
   const pausing = !(await opts.hooks.paused());
-  await writeFile(marker, pausing ? "resume" : "");
+  await writeFile(marker, JSON.stringify({ pid: process.pid, resume: pausing }));
   try {
     if (pausing) await opts.hooks.pause();
     await exec("fsfreeze", ["--freeze", opts.mountPoint]);
@@ -56,8 +66,15 @@ export async function copyLiveDisk(opts: { machineDir: string; mountPoint: strin
 export async function thawInterrupted(machineDir: string, mountPoint: string, resume: () => Promise<void>): Promise<boolean> {
   const marker = join(machineDir, FREEZE_MARKER);
   if (!existsSync(marker)) return false;
+  let left: { pid?: number; resume?: boolean } = {};
+  try {
+    left = JSON.parse(await readFile(marker, "utf8"));
+  } catch {
+    // unreadable: thawed as if its writer were gone
+  }
+  if (left.pid && processAlive(left.pid)) return false; // a snapshot under way, not one cut short
   await exec("fsfreeze", ["--unfreeze", mountPoint]).catch(() => undefined); // EINVAL when it was not frozen
-  if ((await readFile(marker, "utf8").catch(() => "")) === "resume") await resume().catch(() => undefined);
+  if (left.resume) await resume().catch(() => undefined);
   await rm(marker, { force: true });
   return true;
 }
