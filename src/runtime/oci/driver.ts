@@ -613,7 +613,6 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const memory = o.memory ? join(dir, "memory") : null;
     await mkdir(dir, { recursive: true });
     try {
-      const state = await cli.state(id);
       const mounted = isMounted(p.layer.mountPoint);
       // `stopped`: no process runs (a saved sandbox), so only the filesystem is frozen (fsfreeze flushes it).
       const copyDisk = (stopped = false) =>
@@ -630,7 +629,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       if (memory) {
         const why = memoryUnsupported();
         if (why) throw new Error(why);
-        if (state?.status !== "running") throw new Error(`machine ${id} is not running: only a running machine's memory can be saved`);
+        if ((await cli.state(id))?.status !== "running") throw new Error(`machine ${id} is not running: only a running machine's memory can be saved`);
         // The sandbox stops once saved, so the disk copied next is of the same instant; then the machine continues
         // from the image just saved (its processes go on; connections to its agent are cut, as by any restore).
         await saveProcesses(id, p, memory);
