@@ -57,6 +57,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     helperDir: join(config.cacheDir, "bin"),
     idRangesDir: config.idRangesDir,
     hostLimits: machinesCaps,
+    diskPool: config.diskPool,
   });
   const hostId = await ensureHostId(config.dataDir, config.hostId);
   const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs };
@@ -81,7 +82,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     }),
     nativeTimeouts: { stepMs: config.buildStepTimeoutS * 1000, buildMs: config.buildTimeoutS * 1000 },
   };
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, buildLogMaxBytes: config.buildLogMaxBytes, hostId, webhooks, deployments, limits, buildExtensions });
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, buildLogMaxBytes: config.buildLogMaxBytes, hostId, webhooks, deployments, limits, buildExtensions, snapshots: { maxSnapshots: config.maxSnapshots, maxHibernationS: config.maxHibernationS } });
   templateLayers = async (name) => {
     const resolved = await services.templates.resolve(name).catch(() => undefined);
     return resolved ? templateBaseSource(resolved) : undefined;
@@ -90,6 +91,9 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
 
   const adoption = await services.machines.adopt();
   if (adoption.adopted + adoption.lost + adoption.removed > 0) log.info(adoption, "machines reconciled after start");
+  // Snapshots a crash cut short, and files no snapshot names, go before anything is served (room: snapshots).
+  const snapshotCleanup = await services.snapshots.reconcile();
+  if (snapshotCleanup.failed + snapshotCleanup.removed > 0) log.info(snapshotCleanup, "snapshots reconciled after start");
   services.machines.startSweeper();
   // Builds a previous process left running end `error` (their build machines went with adoption above); what a
   // Dockerfile build of a dead process left running or mounted is killed and removed first.

@@ -71,6 +71,12 @@ export interface Config {
   /** Caps on all machines together (Kiln's parent cgroup); undefined: the driver's defaults from the host. */
   machinesPidsMax: number | undefined;
   machinesMemoryMb: number | undefined;
+  /** `auto`: machines' disks and snapshots on a filesystem that can reflink (an XFS file in the data dir if need be); `off`: plain copies. */
+  diskPool: "auto" | "off";
+  /** Snapshots one host keeps (ready or being taken). */
+  maxSnapshots: number;
+  /** How long a machine with on_timeout "hibernate" may sleep before it is destroyed. */
+  maxHibernationS: number;
 }
 
 /** DESIGN.md §4: immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. */
@@ -129,6 +135,9 @@ export const CONFIG_VARS = [
   ["KILN_ID_RANGES_DIR", "/var/lib/kiln/id-ranges", "host-wide claims of machines' uid ranges: every server on a host must use the same"],
   ["KILN_MACHINES_PIDS_MAX", "(¾ of the host's pid_max)", "processes and threads of all machines together (Kiln's parent cgroup)"],
   ["KILN_MACHINES_MEMORY_MB", "(RAM less 10 %, at least 1 GiB)", "memory of all machines together (Kiln's parent cgroup)"],
+  ["KILN_DISK_POOL", "auto", "auto: machines' disks and snapshots on a filesystem that reflinks (an XFS file in the data dir when its own cannot); off: plain copies"],
+  ["KILN_MAX_SNAPSHOTS", "1000", "snapshots one host keeps (ready or being taken); past it a snapshot or fork answers 409"],
+  ["KILN_MAX_HIBERNATION_S", "2592000", "how long a machine with on_timeout \"hibernate\" may sleep before it is destroyed (default 30 days)"],
 ] as const;
 
 export function loadConfig(env: Env = process.env): Config {
@@ -204,6 +213,9 @@ export function loadConfig(env: Env = process.env): Config {
     idRangesDir: resolve(env.KILN_ID_RANGES_DIR || "/var/lib/kiln/id-ranges"),
     machinesPidsMax: env.KILN_MACHINES_PIDS_MAX ? intVar(env, "KILN_MACHINES_PIDS_MAX", 0, 64, 1 << 30) : undefined,
     machinesMemoryMb: env.KILN_MACHINES_MEMORY_MB ? intVar(env, "KILN_MACHINES_MEMORY_MB", 0, 64, 1 << 30) : undefined,
+    diskPool: oneOf(env, "KILN_DISK_POOL", ["auto", "off"] as const, "auto"),
+    maxSnapshots: intVar(env, "KILN_MAX_SNAPSHOTS", 1000, 0, 1_000_000),
+    maxHibernationS: intVar(env, "KILN_MAX_HIBERNATION_S", 30 * 24 * 3600, 60, 365 * 24 * 3600),
   };
 }
 

@@ -20,6 +20,8 @@ export const TRAVERSED_DIRS = ["machines", "volumes", "cache", "builder"] as con
 /** Per-machine and per-volume directories: only root and the machines' group (machine root's host gid) may enter. */
 export const MACHINE_DIR_MODE = 0o710;
 export const MACHINE_GROUP = HOST_ID_BASE;
+/** Where machines' disk images and snapshots are (runtime/oci/disk-pool.ts): root's only. */
+export const DISK_POOL_DIR = "disks";
 /** The cache's guest runtime directory (app.ts prepares it there). */
 export const GUEST_RUNTIME_DIR = "guest-runtime";
 
@@ -82,6 +84,14 @@ export async function preparePrivateDataDir(dataDir: string, cacheDir: string): 
       await ensureMode(p, st, 0o711);
       if (name === "machines" || name === "volumes") for (const id of await readdir(p)) await tightenOwnDir(join(p, id));
     } else await tightenEntry(p, st);
+    // The disk pool (its own filesystem when an XFS file is mounted there): machines' and spare disks' images private too.
+    if (name === DISK_POOL_DIR && st.isDirectory()) {
+      for (const sub of ["machines", "stock"]) {
+        const d = join(p, sub);
+        const dst = await lstat(d).catch(() => undefined);
+        if (dst?.isDirectory()) await tightenFiles(d, dst.dev);
+      }
+    }
   }
   // The cache: inside the data dir (the default) it is tightened like the rest; elsewhere (KILN_CACHE_DIR, which
   // other servers or tools may share) only its root is made search-only and what Kiln writes there is private (umask).

@@ -3,7 +3,7 @@
 
 import { Type } from "typebox";
 import type { Static, TSchema } from "typebox";
-import { MACHINE_STATUSES } from "../services/machines.ts";
+import { HIBERNATE_MODES, MACHINE_STATUSES, ON_TIMEOUT } from "../services/machines.ts";
 import { ENV_NAME, INPUT_LIMITS, NO_NUL } from "../services/input-limits.ts";
 import { LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT } from "../agent/list-pages.ts";
 
@@ -69,6 +69,10 @@ export const Machine = Type.Object({
   destroyed_at: Type.Union([Type.String({ format: "date-time" }), Type.Null()]),
   failure_reason: Type.Union([Type.String(), Type.Null()]),
   metadata: StringMap,
+  on_timeout: Type.Enum(ON_TIMEOUT, { description: "What its timeout does: destroy it, or hibernate it (until KILN_MAX_HIBERNATION_S)" }),
+  auto_resume: Type.Boolean({ description: "A hibernated machine wakes on the next exec, files, WebSocket, port or edge request" }),
+  hibernate_mode: Type.Union([Type.Enum(HIBERNATE_MODES), Type.Null()], { description: "How a hibernated machine sleeps; null unless hibernated" }),
+  snapshot_id: Type.Union([Type.String(), Type.Null()], { description: "The snapshot it was made from" }),
 });
 
 export const FileMetadata = Type.Object({

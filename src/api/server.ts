@@ -24,6 +24,7 @@ import { codeRoutes } from "./routes/code.ts";
 import { volumeRoutes } from "./routes/volumes.ts";
 import { volumeWsRoutes } from "./routes/volume-ws.ts";
 import { deploymentRoutes } from "./routes/deployments.ts";
+import { snapshotRoutes } from "./routes/snapshots.ts";
 import { createEdge, edgeRoutes } from "./routes/edge.ts";
 import { isWebSocketUpgrade } from "../deployments/proxy.ts";
 import type { ProxyLimits } from "../deployments/proxy.ts";
@@ -146,6 +147,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(healthRoutes, { services: opts.services });
   await app.register(keyRoutes, { services: opts.services });
   await app.register(machineRoutes, { services: opts.services });
+  await app.register(snapshotRoutes, { services: opts.services });
   await app.register(fileRoutes, { services: opts.services });
   await app.register(templateRoutes, { services: opts.services });
   await app.register(webhookRoutes, { services: opts.services });

@@ -28,7 +28,28 @@ export interface MachineSpec {
   mounts: { hostPath: string; guestPath: string; readOnly?: boolean }[];
   /** Continue a checkpointed machine instead of booting one (drivers with `checkpoint` only). */
   restore?: MachineCheckpoint;
+  /**
+   * Start from a snapshot: the machine's disk is a copy of the snapshot's (its size is the snapshot's), and with
+   * `memory` its processes continue where the snapshot saved them instead of booting.
+   */
+  fromSnapshot?: { disk: string; memory?: string | null };
 }
+
+/** A machine's state saved by `snapshot`: a copy of its disk and, with memory, a runtime checkpoint of its processes. */
+export interface SavedSnapshot {
+  /** The disk image (copy-on-write where the host can reflink). */
+  disk: string;
+  /** The checkpoint image dir of a memory snapshot; null for a disk-only one. */
+  memory: string | null;
+  /** Bytes the snapshot holds on the host: the disk image's allocated blocks plus the checkpoint. */
+  sizeBytes: number;
+  /** The runtime and guest runtime a memory snapshot's processes were saved under: a restore needs both as they were. */
+  runtime: string;
+  guestRuntime: string;
+}
+
+/** How a machine sleeps: `freeze` keeps its processes in memory; `disk` stops them; `memory` saves them to disk. */
+export type HibernateMode = "freeze" | "disk" | "memory";
 
 /** A running machine saved by `checkpoint`: its memory image and its writable layer at that moment. */
 export interface MachineCheckpoint {
@@ -95,9 +116,27 @@ export interface MachineDriver {
   /** Stops the machine's processes but keeps its root (a later start reboots it). */
   stop(id: string): Promise<void>;
   start(id: string): Promise<LiveMachine>;
-  /** Freezes every process of the machine in place. */
-  hibernate(id: string): Promise<void>;
-  resume(id: string): Promise<LiveMachine>;
+  /**
+   * `freeze` (default): freezes every process in place. `disk`: stops the machine, keeping its disk (a later resume
+   * boots it again). `memory`: saves its processes to disk and stops it, so it holds no memory (where
+   * memorySnapshotsUnsupported() says nothing). A `disk` or `memory` machine is not in listLive() until resumed.
+   */
+  hibernate(id: string, mode?: HibernateMode): Promise<void>;
+  /** Continues a hibernated machine by the mode it was hibernated with. */
+  resume(id: string, mode?: HibernateMode): Promise<LiveMachine>;
+  /** Why this host cannot save machines' memory (snapshots with memory, memory hibernation); undefined when it can. */
+  memorySnapshotsUnsupported(): string | undefined;
+  /**
+   * Saves a running or frozen machine's disk (copy-on-write where it can) and with `memory` its processes, as
+   * snapshot `snapshotId`. The machine goes on as it was.
+   */
+  snapshot(id: string, snapshotId: string, opts: { memory: boolean }): Promise<SavedSnapshot>;
+  /** Removes a snapshot's files. Idempotent. */
+  deleteSnapshot(snapshotId: string): Promise<void>;
+  /** Snapshots whose files are on this host (to remove what no record names after a crash). */
+  listSnapshots(): Promise<string[]>;
+  /** Whether a memory snapshot can continue here (same runtime and guest runtime as when it was saved). */
+  canRestoreSnapshot(saved: { memory: string | null; guestRuntime: string }): boolean;
   /**
    * Stops a (build) machine and moves its writable layer to `destDir` as a read-only template layer (already in
    * overlayfs form and the machines' uid range), then removes the machine like destroy.

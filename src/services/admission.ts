@@ -50,19 +50,30 @@ export function createAdmission(deps: { db: Db; limits: AdmissionLimits }) {
 
   const busy = (message: string, details: Record<string, unknown>) => new KilnError("unavailable", message, { detail: { code: "unavailable", message, retryable: true, details } });
 
+  async function checkDisk(): Promise<number> {
+    const freeDisk = await freeDiskMb();
+    if (freeDisk < limits.minFreeDiskMb) {
+      throw busy(`The host is short of disk (${freeDisk} MiB free in the data dir, the floor is ${limits.minFreeDiskMb} MiB); try again later`, { free_disk_mb: freeDisk, min_free_disk_mb: limits.minFreeDiskMb });
+    }
+    return freeDisk;
+  }
+
   return {
+    /** Snapshots take disk (their blocks once the machine rewrites them): refused (503, retryable) under the floor. */
+    async admitDisk(): Promise<void> {
+      await checkDisk();
+    },
+
     /** Throws 400 for a machine the host can never hold, 503 (retryable) while the host is under pressure. */
     async admit(want: { vcpus: number; memoryMb: number; diskMb: number }): Promise<void> {
       if (want.vcpus > hostCores) throw new KilnError("invalid_request", `vcpus ${want.vcpus} is more than this host's ${hostCores} cores`);
       if (want.memoryMb > hostMemoryMb) throw new KilnError("invalid_request", `memory_mb ${want.memoryMb} is more than this host's ${hostMemoryMb} MiB of memory`);
       if (want.diskMb > limits.maxDiskMb) throw new KilnError("invalid_request", `disk_mb ${want.diskMb} is more than this server allows (KILN_MAX_DISK_MB=${limits.maxDiskMb})`);
-      const [available, freeDisk] = await Promise.all([memAvailableMb(), freeDiskMb()]);
+      const available = await memAvailableMb();
       if (available < minFreeMemoryMb) {
         throw busy(`The host is short of memory (${available} MiB available, the floor is ${minFreeMemoryMb} MiB); try again later`, { mem_available_mb: available, min_free_memory_mb: minFreeMemoryMb });
       }
-      if (freeDisk < limits.minFreeDiskMb) {
-        throw busy(`The host is short of disk (${freeDisk} MiB free in the data dir, the floor is ${limits.minFreeDiskMb} MiB); try again later`, { free_disk_mb: freeDisk, min_free_disk_mb: limits.minFreeDiskMb });
-      }
+      await checkDisk();
       if (limits.memoryOvercommit !== undefined) {
         const cap = Math.floor(hostMemoryMb * limits.memoryOvercommit);
         const { declaredMemoryMb } = await liveMachines();

@@ -22,7 +22,9 @@ export function createBuildRetention(deps: { db: Db; layersDir: string; retentio
     for (const { id } of expired) {
       const inUse = await db.selectFrom("machines").select("id").where("artifact_id", "=", id).where("status", "in", ["creating", "running", "hibernated"]).executeTakeFirst();
       const tagged = await db.selectFrom("artifact_tags").select("tag").where("artifact_id", "=", id).executeTakeFirst();
-      if (inUse || tagged) continue;
+      // A snapshot's disk lies over its artifact's layers (room: snapshots): kept while the snapshot is.
+      const snapshotted = await db.selectFrom("snapshots").select("id").where("artifact_id", "=", id).where("status", "in", ["creating", "ready"]).executeTakeFirst();
+      if (inUse || tagged || snapshotted) continue;
       await db.deleteFrom("artifacts").where("id", "=", id).execute();
       artifacts++;
     }

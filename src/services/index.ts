@@ -22,6 +22,7 @@ import type { DeploymentOptions } from "./deployments.ts";
 import { createAdmission } from "./admission.ts";
 import { createMachineMetrics } from "./machine-metrics.ts";
 import type { AdmissionLimits } from "./admission.ts";
+import { createSnapshotService } from "../snapshots/service.ts";
 
 export interface WebhookSettings {
   retryScheduleMs: number[];
@@ -43,6 +44,7 @@ export function createServices(deps: {
   webhooks: WebhookSettings;
   deployments: DeploymentOptions;
   limits: AdmissionLimits;
+  snapshots?: { maxSnapshots: number; maxHibernationS: number };
 }) {
   const { store, driver, log, hostId } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
@@ -50,7 +52,8 @@ export function createServices(deps: {
   const templates = createTemplateService(store.db);
   const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log });
   const admission = createAdmission({ db: store.db, limits: deps.limits });
-  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission });
+  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, maxHibernationS: deps.snapshots?.maxHibernationS });
+  const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
   const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions });
   const templateCatalog = createTemplateCatalog({ db: store.db, templateIdOf: builds.templateIdOf });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
@@ -64,6 +67,7 @@ export function createServices(deps: {
     pool,
     admission,
     machines,
+    snapshots,
     machineMetrics: createMachineMetrics({ machines, driver }),
     exec: createExecService(machines),
     files: createFileService(machines),

@@ -56,7 +56,7 @@ export function createMachineMetrics(deps: { machines: MachineService; driver: M
 
   return {
     async get(id: string): Promise<MachineMetrics> {
-      const { row } = await deps.machines.agentOf(id); // not found / not running answer here
+      const { row } = await deps.machines.agentOf(id, { wake: false }); // not found / not running answer here
       let now = await sample(id);
       let prev = now.u.cpuNs === null ? undefined : baseFor(id, now.at, now.u.cpuNs);
       if (!prev && now.u.cpuNs !== null) {

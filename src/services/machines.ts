@@ -7,7 +7,7 @@ import type { Db, MachineRow, MachineUpdate } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
 import { DEFAULT_DISK_MB } from "../runtime/driver.ts";
-import type { EgressRules, LiveMachine, MachineDriver } from "../runtime/driver.ts";
+import type { EgressRules, HibernateMode, LiveMachine, MachineDriver } from "../runtime/driver.ts";
 import { parseCidr } from "../runtime/cidr.ts";
 import type { Admission } from "./admission.ts";
 import { createAgentClient, AgentError } from "../runtime/agent-client.ts";
@@ -23,10 +23,15 @@ import { checkEnvs, checkMetadata } from "./input-limits.ts";
 
 export const MACHINE_STATUSES = ["creating", "running", "hibernated", "destroyed", "failed"] as const;
 export type MachineStatus = (typeof MACHINE_STATUSES)[number];
-export const LIFECYCLE_OPERATIONS = ["create", "update", "hibernate", "resume", "destroy"] as const;
+export const LIFECYCLE_OPERATIONS = ["create", "update", "hibernate", "resume", "destroy", "snapshot", "fork"] as const;
 export type LifecycleOperation = (typeof LIFECYCLE_OPERATIONS)[number];
 
 export const MACHINE_DEFAULTS = { user: "user", timeoutS: 300, vcpus: 1, memoryMb: 1024, diskMb: DEFAULT_DISK_MB, internet: true } as const;
+export const HIBERNATE_MODES = ["freeze", "disk", "memory"] as const satisfies readonly HibernateMode[];
+export const ON_TIMEOUT = ["destroy", "hibernate"] as const;
+export type OnTimeout = (typeof ON_TIMEOUT)[number];
+/** How long a machine with on_timeout "hibernate" may sleep before it is destroyed, unless KILN_MAX_HIBERNATION_S says. */
+export const DEFAULT_MAX_HIBERNATION_S = 30 * 24 * 3600;
 /** Schema bounds; the host's own size and KILN_MAX_DISK_MB narrow them further at admission. */
 export const MACHINE_LIMITS = { maxTimeoutS: 7 * 24 * 3600, maxVcpus: 64, minMemoryMb: 64, maxMemoryMb: 262_144, minDiskMb: 128, maxDiskMb: 16 * 1024 * 1024, maxCidrs: 256 } as const;
 
@@ -54,6 +59,22 @@ export interface CreateMachineInput {
   /** Volumes mounted at boot (room: volumes). */
   volumes?: VolumeMountRequest[];
   network?: { allow_out?: string[]; deny_out?: string[] };
+  on_timeout?: OnTimeout;
+  auto_resume?: boolean;
+}
+
+/**
+ * A snapshot a machine is made from (room: snapshots resolves and checks it): the machine's disk is a copy of the
+ * snapshot's, and with `memory` its processes continue from the snapshot instead of the template's start command.
+ */
+export interface SnapshotOrigin {
+  id: string;
+  artifactId: string;
+  disk: string;
+  memory: string | null;
+  diskMb: number;
+  /** A memory snapshot restores its saved network stack: the machine takes the snapshot's network setting. */
+  internet: boolean;
 }
 
 /** Validated CIDR lists in canonical form; 400 naming the first bad entry. */
@@ -72,6 +93,8 @@ export interface UpdateMachineInput {
   name?: string;
   timeout_s?: number;
   metadata?: Record<string, string>;
+  on_timeout?: OnTimeout;
+  auto_resume?: boolean;
 }
 
 /** The machine record as the API shows it (envs are never part of it). */
@@ -96,6 +119,10 @@ export function machineView(row: MachineRow) {
     destroyed_at: row.destroyed_at,
     failure_reason: row.failure_reason,
     metadata: JSON.parse(row.metadata_json) as Record<string, string>,
+    on_timeout: (row.on_timeout ?? "destroy") as OnTimeout,
+    auto_resume: row.auto_resume === 1,
+    hibernate_mode: row.status === "hibernated" ? ((row.hibernate_mode ?? "freeze") as HibernateMode) : null,
+    snapshot_id: row.snapshot_id ?? null,
   };
 }
 export type MachineView = ReturnType<typeof machineView>;
@@ -105,7 +132,19 @@ function networkView(json: string | null): { allow_out: string[]; deny_out: stri
   return { allow_out: rules?.allowOut ?? [], deny_out: rules?.denyOut ?? [] };
 }
 
-export function createMachineService(deps: { db: Db; driver: MachineDriver; templates: TemplateService; log: Logger; baseTemplateRef: string; pool?: WarmPool; hostId: string; volumes?: VolumeService; admission?: Admission }) {
+export function createMachineService(deps: {
+  db: Db;
+  driver: MachineDriver;
+  templates: TemplateService;
+  log: Logger;
+  baseTemplateRef: string;
+  pool?: WarmPool;
+  hostId: string;
+  volumes?: VolumeService;
+  admission?: Admission;
+  /** KILN_MAX_HIBERNATION_S: how long a machine with on_timeout "hibernate" may sleep. */
+  maxHibernationS?: number;
+}) {
   const { db, driver, templates, log, hostId } = deps;
   const agents = new Map<string, AgentClient>();
   const locks = createKeyedLock();
@@ -164,10 +203,17 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     await client?.destroy().catch(() => undefined);
   }
 
-  async function create(input: CreateMachineInput): Promise<MachineView> {
+  async function create(input: CreateMachineInput, from?: SnapshotOrigin): Promise<MachineView> {
     checkEnvs(input.envs);
     checkMetadata(input.metadata);
-    const resolved = await templates.resolve(input.template ?? deps.baseTemplateRef);
+    if (from) {
+      if (input.disk_mb !== undefined && input.disk_mb !== from.diskMb) throw new KilnError("invalid_request", `disk_mb must be the snapshot's (${from.diskMb}): its disk is copied as it is`);
+      if (from.memory && input.internet !== undefined && input.internet !== from.internet) {
+        throw new KilnError("invalid_request", `internet must be the snapshot's (${from.internet}): a memory snapshot restores its saved network stack`);
+      }
+      input = { ...input, disk_mb: from.diskMb, internet: from.memory ? from.internet : input.internet };
+    }
+    const resolved = await templates.resolve(from ? from.artifactId : (input.template ?? deps.baseTemplateRef));
     // A built template's image config gives the defaults: its envs, working directory and user.
     const image = artifactConfig(resolved.artifact);
     const now = new Date();
@@ -183,9 +229,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     // gVisor: continue the build machine saved once start_cmd was ready, where this machine can take it (same
     // network setting, same guest runtime, image still on disk); otherwise start_cmd starts here and create waits for
     // its readiness.
-    const saved = image.checkpoint;
+    const saved = from ? undefined : image.checkpoint;
     const restore = saved && saved.internet === (input.internet !== false) && driver.canRestore?.(saved) ? saved : undefined;
-    const warm = restore || input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules });
+    const warm = restore || from || input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules });
     const row = {
       id: warm?.id ?? newId("mch"),
       template_id: resolved.template.id,
@@ -207,6 +253,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       destroyed_at: null,
       failure_reason: null,
       host_id: hostId,
+      on_timeout: input.on_timeout ?? "destroy",
+      auto_resume: input.auto_resume ? 1 : 0,
+      snapshot_id: from?.id ?? null,
     };
     // Volumes (room: volumes): checked and recorded before the row, so a racing volume delete already sees this machine.
     const mounts = input.volumes?.length && deps.volumes ? await deps.volumes.attach(row.id, input.volumes) : [];
@@ -231,6 +280,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
           network: hasRules ? network : undefined,
           mounts,
           restore,
+          fromSnapshot: from ? { disk: from.disk, memory: from.memory } : undefined,
         }));
         const agent = attach(live);
         // The user must exist in the machine's own /etc/passwd; envs live in the agent, never in a record.
@@ -238,8 +288,11 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
           throw err instanceof AgentError && err.code === "not_found" ? new KilnError("invalid_request", `No user ${JSON.stringify(row.user)} in template ${resolved.template.canonical_ref}`) : err;
         });
         // The start command sees the template's envs only; create-time envs apply to what runs after it.
-        if (Object.keys(image.image.env).length > 0) await agent.setEnvs(image.image.env);
-        if (!restore) await runStartCommand(agent, image, row.user);
+        // A memory snapshot's processes already run (and its agent still holds the envs it was given): the start command
+        // is not run again, and the envs are set anew so the parent's create-time envs never reach new processes here.
+        const continued = Boolean(restore || from?.memory);
+        if (Object.keys(image.image.env).length > 0 || from?.memory) await agent.setEnvs(image.image.env);
+        if (!continued) await runStartCommand(agent, image, row.user);
         if (input.envs && Object.keys(input.envs).length > 0) await agent.setEnvs({ ...image.image.env, ...input.envs });
         // The machine's cwd is where its commands start: make sure it exists, owned by the machine's user.
         if (row.cwd) await agent.mkdir(row.cwd, { user: row.user });
@@ -285,39 +338,67 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
         set.timeout_s = input.timeout_s;
         set.expires_at = new Date(Date.now() + input.timeout_s * 1000).toISOString();
       }
+      if (input.on_timeout !== undefined) set.on_timeout = input.on_timeout;
+      if (input.auto_resume !== undefined) set.auto_resume = input.auto_resume ? 1 : 0;
       return machineView(await transition(id, set, "update"));
     });
   }
 
-  async function hibernate(id: string): Promise<MachineView> {
-    return withLock(id, async () => {
-      const row = await load(id);
-      if (row.status === "hibernated") return machineView(row);
-      if (row.status !== "running") throw new KilnError("machine_not_running", `Machine ${id} is ${row.status}`);
-      // Execs in flight end here (409 to their callers, their commands killed by the agent), not at resume.
-      const socketPath = agents.get(id)?.socketPath;
-      await detach(id);
-      try {
-        await driver.hibernate(id);
-      } catch (err) {
-        if (socketPath) agents.set(id, createAgentClient(socketPath));
-        throw err;
-      }
-      return machineView(await transition(id, { status: "hibernated" }, "hibernate"));
-    });
+  /**
+   * `freeze` (default): processes frozen in memory. `disk`: processes stopped, disk kept (resume boots it again and
+   * runs the template's start command). `memory`: processes saved to disk, no memory held (gVisor; 400 with the
+   * reason elsewhere). A machine with on_timeout "hibernate" may then sleep up to the hibernation bound.
+   */
+  async function hibernate(id: string, mode: HibernateMode = "freeze"): Promise<MachineView> {
+    if (mode === "memory") {
+      const why = driver.memorySnapshotsUnsupported();
+      if (why) throw new KilnError("invalid_request", `Cannot hibernate with memory on this host: ${why}`);
+    }
+    return withLock(id, async () => hibernateLocked(await load(id), mode));
+  }
+
+  async function hibernateLocked(row: MachineRow, mode: HibernateMode): Promise<MachineView> {
+    const id = row.id;
+    if (row.status === "hibernated") return machineView(row);
+    if (row.status !== "running") throw new KilnError("machine_not_running", `Machine ${id} is ${row.status}`);
+    // Execs in flight end here (409 to their callers, their commands killed by the agent), not at resume.
+    const socketPath = agents.get(id)?.socketPath;
+    await detach(id);
+    try {
+      await driver.hibernate(id, mode);
+    } catch (err) {
+      if (socketPath) agents.set(id, createAgentClient(socketPath));
+      throw err;
+    }
+    const set: MachineUpdate = { status: "hibernated", hibernate_mode: mode };
+    if (row.on_timeout === "hibernate") set.expires_at = new Date(Date.now() + (deps.maxHibernationS ?? DEFAULT_MAX_HIBERNATION_S) * 1000).toISOString();
+    return machineView(await transition(id, set, "hibernate"));
   }
 
   async function resume(id: string): Promise<MachineView> {
-    return withLock(id, async () => {
-      const row = await load(id);
-      if (row.status === "running") return machineView(row);
-      if (row.status !== "hibernated") throw new KilnError("conflict", `Machine ${id} is ${row.status} and cannot be resumed`);
-      const live = await driver.resume(id);
-      const agent = attach(live);
-      // A resumed machine is a new execution: PTY sessions of the old one are not reconnectable (SPEC.md).
-      await agent.resetSessions();
-      return machineView(await transition(id, { status: "running" }, "resume"));
-    });
+    return withLock(id, async () => resumeLocked(await load(id)));
+  }
+
+  async function resumeLocked(row: MachineRow): Promise<MachineView> {
+    const id = row.id;
+    if (row.status === "running") return machineView(row);
+    if (row.status !== "hibernated") throw new KilnError("conflict", `Machine ${id} is ${row.status} and cannot be resumed`);
+    const mode = (row.hibernate_mode ?? "freeze") as HibernateMode;
+    const live = await driver.resume(id, mode);
+    const agent = attach(live);
+    // A resumed machine is a new execution: PTY sessions of the old one are not reconnectable (SPEC.md).
+    await agent.resetSessions();
+    // Booted again from its disk: the template's envs and start command, as at create (create-time envs were never
+    // stored, so they are gone; a memory hibernation keeps them in the saved agent).
+    if (mode === "disk") {
+      const image = artifactConfig((await templates.resolve(row.artifact_id)).artifact);
+      if (Object.keys(image.image.env).length > 0) await agent.setEnvs(image.image.env);
+      await runStartCommand(agent, image, row.user);
+    }
+    const set: MachineUpdate = { status: "running", hibernate_mode: null };
+    // Its sleep bound ends at wake-up: the machine's own timeout runs again from now.
+    if (row.on_timeout === "hibernate") set.expires_at = new Date(Date.now() + row.timeout_s * 1000).toISOString();
+    return machineView(await transition(id, set, "resume"));
   }
 
   async function destroy(id: string, reason?: string): Promise<MachineView> {
@@ -346,7 +427,9 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
    * Rows are read before the runtime's list, so a machine that became running in between was already live.
    */
   async function reapDead(): Promise<number> {
-    const rows = await db.selectFrom("machines").select("id").where("host_id", "=", hostId).where("status", "in", ["running", "hibernated"]).execute();
+    const rows = (await db.selectFrom("machines").select(["id", "status", "hibernate_mode"]).where("host_id", "=", hostId).where("status", "in", ["running", "hibernated"]).execute()).filter(
+      (r) => !stoppedHibernation(r),
+    );
     if (rows.length === 0) return 0;
     const live = new Set((await driver.listLive()).map((m) => m.id));
     let reaped = 0;
@@ -354,8 +437,8 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       if (live.has(id)) continue;
       await withLock(id, async () => {
         const row = await load(id);
-        // Checked again under the lock: a concurrent destroy may have got there first.
-        if (row.status !== "running" && row.status !== "hibernated") return;
+        // Checked again under the lock: a concurrent destroy (or hibernate to disk) may have got there first.
+        if ((row.status !== "running" && row.status !== "hibernated") || stoppedHibernation(row)) return;
         if ((await driver.listLive()).some((m) => m.id === id)) return;
         const reason = await deathReason(id);
         log.warn({ machine_id: id, reason }, "machine stopped unexpectedly; destroying it");
@@ -370,7 +453,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   async function healOne(id: string): Promise<"ok" | "repaired" | "failed" | "skipped"> {
     return withLock(id, async () => {
       const row = await load(id);
-      if (row.status !== "running" && row.status !== "hibernated") return "skipped";
+      if ((row.status !== "running" && row.status !== "hibernated") || stoppedHibernation(row)) return "skipped";
       const health = await driver.heal(id);
       if (health.ok) {
         if (health.repaired.length === 0) return "ok";
@@ -408,8 +491,13 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
   }
 
   /** The guest agent of a running machine; 409 machine_not_running for any other state. */
-  async function agentOf(id: string): Promise<{ row: MachineRow; agent: AgentClient }> {
-    const row = await load(id);
+  async function agentOf(id: string, opts: { wake?: boolean } = {}): Promise<{ row: MachineRow; agent: AgentClient }> {
+    let row = await load(id);
+    // auto_resume: the request that finds the machine asleep wakes it (under its lock: one wake for many requests).
+    if (row.status === "hibernated" && row.auto_resume === 1 && opts.wake !== false) {
+      await withLock(id, async () => resumeLocked(await load(id)));
+      row = await load(id);
+    }
     const agent = agents.get(id);
     if (row.status !== "running" || !agent) throw new KilnError("machine_not_running", `Machine ${id} is ${row.status}`);
     return { row, agent };
@@ -427,13 +515,31 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
       const id = queue.shift();
       if (id === undefined) return;
       expiring.add(id);
-      await destroy(id, "timeout")
+      await expire(id)
         .catch((err: unknown) => log.error({ err, machine_id: id }, "destroying an expired machine failed"))
         .finally(() => expiring.delete(id));
       return expireNext();
     };
     const slots = Math.max(0, EXPIRY_CONCURRENCY - expiring.size);
     await Promise.all(Array.from({ length: Math.min(slots, queue.length) }, expireNext));
+  }
+
+  /**
+   * A machine past its timeout: destroyed, or with on_timeout "hibernate" (and running) hibernated so it holds no
+   * memory — its memory saved where the host can, else its disk kept — until its hibernation bound.
+   */
+  async function expire(id: string): Promise<void> {
+    await withLock(id, async () => {
+      const row = await load(id);
+      if (row.status !== "running" && row.status !== "hibernated") return;
+      if (new Date(row.expires_at).getTime() > Date.now()) return; // extended meanwhile
+      if (row.on_timeout === "hibernate" && row.status === "running") {
+        const mode: HibernateMode = driver.memorySnapshotsUnsupported() ? "disk" : "memory";
+        await hibernateLocked(row, mode);
+        return;
+      }
+      await destroyLocked(row, "timeout");
+    });
   }
 
   /**
@@ -451,6 +557,11 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     for (const row of rows) {
       const m = live.get(row.id);
       live.delete(row.id);
+      // Hibernated to disk or with memory: nothing runs, and its disk (and saved memory) wait for a resume.
+      if (stoppedHibernation(row)) {
+        adopted++;
+        continue;
+      }
       if (m && row.status !== "creating") {
         attach(m);
         kept.add(row.id);
@@ -509,7 +620,36 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     for (const id of [...agents.keys()]) await detach(id);
   }
 
-  return { create, get, list, update, hibernate, resume, destroy, agentOf, adopt, sweepExpired, reapDead, healLive, startSweeper, onStatus, close };
+  /**
+   * Runs `fn` under the machine's lock with its record, for work that must not interleave with its lifecycle (a
+   * snapshot); a machine that is not running or hibernated is 409.
+   */
+  async function withMachine<T>(id: string, fn: (row: MachineRow) => Promise<T>): Promise<T> {
+    return withLock(id, async () => {
+      const row = await load(id);
+      if (row.status !== "running" && row.status !== "hibernated") throw new KilnError("machine_not_running", `Machine ${id} is ${row.status}`);
+      return fn(row);
+    });
+  }
+
+  /** Records a lifecycle event of a machine that changes no field of it (snapshot, fork). */
+  async function recordLifecycle(id: string, operation: LifecycleOperation, extra: Record<string, unknown>): Promise<void> {
+    const now = new Date().toISOString();
+    const queued = await db.transaction().execute(async (tx) => {
+      const row = await tx.selectFrom("machines").selectAll().where("id", "=", id).executeTakeFirstOrThrow();
+      const eventId = newId("evt");
+      const payload = { id: eventId, operation, occurred_at: now, machine: machineView(row), ...extra };
+      return recordEvent(tx, { id: eventId, operation, occurredAt: now, payload, machineId: id });
+    });
+    if (queued > 0) announceDeliveries(db);
+  }
+
+  return { create, get, list, update, hibernate, resume, destroy, agentOf, adopt, sweepExpired, reapDead, healLive, startSweeper, onStatus, close, withMachine, recordLifecycle };
 }
 
 export type MachineService = ReturnType<typeof createMachineService>;
+
+/** Hibernated to disk or with its memory saved: no process of it runs on the host. */
+function stoppedHibernation(row: { status: string; hibernate_mode?: string | null }): boolean {
+  return row.status === "hibernated" && (row.hibernate_mode === "disk" || row.hibernate_mode === "memory");
+}

@@ -60,6 +60,8 @@ export function createTemplateCatalog(deps: { db: Db; templateIdOf: (id: string)
     if (t.canonical_ref === BASE_TEMPLATE_REF) throw new KilnError("conflict", `${BASE_TEMPLATE_REF} is Kiln's own base template and cannot be deleted`);
     const used = await db.selectFrom("machines").select("id").where("template_id", "=", t.id).where("status", "in", ["creating", "running", "hibernated"]).execute();
     if (used.length > 0) throw new KilnError("conflict", `${t.canonical_ref} is used by ${used.length} machine(s): ${used.slice(0, 5).map((m) => m.id).join(", ")}`);
+    const snapshot = await db.selectFrom("snapshots").select("id").where("template_id", "=", t.id).where("status", "in", ["creating", "ready"]).executeTakeFirst();
+    if (snapshot) throw new KilnError("conflict", `${t.canonical_ref} is the template of snapshot ${snapshot.id}: delete its snapshots first`);
     const running = await db.selectFrom("builds").select("id").where("template_id", "=", t.id).where("status", "in", ["waiting", "building"]).executeTakeFirst();
     if (running) throw new KilnError("conflict", `${t.canonical_ref} has a build running (${running.id}); cancel it first`);
     const shown = await view(t);

@@ -3,7 +3,7 @@
 
 import { randomFillSync } from "node:crypto";
 
-export const ID_PREFIXES = ["mch", "tpl", "art", "bld", "key", "evt", "req", "vol", "dep", "ver", "svc", "whk", "dlv", "ctx"] as const;
+export const ID_PREFIXES = ["mch", "tpl", "art", "bld", "key", "evt", "req", "vol", "dep", "ver", "svc", "whk", "dlv", "ctx", "snp"] as const;
 export type IdPrefix = (typeof ID_PREFIXES)[number];
 
 const ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz";

@@ -294,6 +294,47 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.alterTable("machines").addColumn("network_json", "text").execute();
       },
     },
+    // Snapshots of machines (room: snapshots) and the machine fields of hibernation modes and lifecycle.
+    "0020_snapshots": {
+      async up(db: Kysely<any>) {
+        await db.schema
+          .createTable("snapshots")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("machine_id", "text", (c) => c.notNull())
+          .addColumn("template_id", "text", (c) => c.notNull())
+          .addColumn("artifact_id", "text", (c) => c.notNull())
+          .addColumn("name", "text")
+          .addColumn("memory", "integer", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("size_bytes", "bigint", (c) => c.notNull())
+          .addColumn("disk_mb", "integer", (c) => c.notNull())
+          .addColumn("internet", "integer", (c) => c.notNull())
+          .addColumn("network_json", "text")
+          .addColumn("vcpus", "integer", (c) => c.notNull())
+          .addColumn("memory_mb", "integer", (c) => c.notNull())
+          .addColumn("cwd", "text")
+          .addColumn("user", "text", (c) => c.notNull())
+          .addColumn("runtime", "text", (c) => c.notNull())
+          .addColumn("guest_runtime", "text", (c) => c.notNull())
+          .addColumn("disk_path", "text")
+          .addColumn("memory_path", "text")
+          .addColumn("metadata_json", "text", (c) => c.notNull())
+          .addColumn("internal", "integer", (c) => c.notNull())
+          .addColumn("host_id", "text", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .addColumn("deleted_at", "text")
+          .addColumn("failure_reason", "text")
+          .execute();
+        await db.schema.createIndex("snapshots_created").on("snapshots").columns(["created_at", "id"]).execute();
+        await db.schema.createIndex("snapshots_machine").on("snapshots").columns(["machine_id", "created_at"]).execute();
+        await db.schema.createIndex("snapshots_host_status").on("snapshots").columns(["host_id", "status"]).execute();
+        await db.schema.alterTable("machines").addColumn("hibernate_mode", "text").execute();
+        await db.schema.alterTable("machines").addColumn("on_timeout", "text", (c) => c.notNull().defaultTo("destroy")).execute();
+        await db.schema.alterTable("machines").addColumn("auto_resume", "integer", (c) => c.notNull().defaultTo(0)).execute();
+        await db.schema.alterTable("machines").addColumn("snapshot_id", "text").execute();
+      },
+    },
   };
 }
 

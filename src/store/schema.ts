@@ -78,6 +78,48 @@ export interface MachinesTable {
   failure_reason: string | null;
   /** The host (data dir) whose runtime runs the machine; only that server reconciles, expires and adopts it. */
   host_id: string | null;
+  /** While hibernated: `freeze` (processes frozen in memory), `disk` (stopped, disk kept) or `memory` (saved to disk). */
+  hibernate_mode?: string | null;
+  /** What its timeout does: `destroy` (default) or `hibernate`. */
+  on_timeout?: Generated<string>;
+  /** 1: a hibernated machine wakes on the next exec, files, WebSocket, port or edge request. */
+  auto_resume?: Generated<number>;
+  /** The snapshot the machine was made from (snp_…), or null. */
+  snapshot_id?: string | null;
+}
+
+export interface SnapshotsTable {
+  id: string; // snp_…
+  machine_id: string;
+  template_id: string;
+  artifact_id: string;
+  name: string | null;
+  /** 1: the machine's processes were saved too (a runtime checkpoint beside the disk). */
+  memory: number;
+  status: string; // SNAPSHOT_STATUSES
+  /** Bytes the snapshot holds on its host (disk image blocks, checkpoint); shared reflinked blocks count in full. */
+  size_bytes: number;
+  /** The machine's shape a snapshot restores into: its disk size, network, and (memory) runtime and guest runtime. */
+  disk_mb: number;
+  internet: number;
+  network_json: string | null;
+  vcpus: number;
+  memory_mb: number;
+  cwd: string | null;
+  user: string;
+  runtime: string;
+  guest_runtime: string;
+  /** Where its files are on its host: the disk image and (memory) the checkpoint dir. */
+  disk_path: string | null;
+  memory_path: string | null;
+  metadata_json: string;
+  /** Fork's own snapshots are internal: never listed, removed once the fork's machines exist. */
+  internal: number;
+  host_id: string;
+  created_at: string;
+  updated_at: string;
+  deleted_at: string | null;
+  failure_reason: string | null;
 }
 
 export interface EventsTable {
@@ -277,6 +319,7 @@ export interface Database {
   deployment_versions: DeploymentVersionsTable;
   services: ServicesTable;
   service_restarts: ServiceRestartsTable;
+  snapshots: SnapshotsTable;
 }
 
 export type Db = Kysely<Database>;
@@ -296,3 +339,5 @@ export type DeploymentRow = Selectable<DeploymentsTable>;
 export type DeploymentVersionRow = Selectable<DeploymentVersionsTable>;
 export type ServiceRow = Selectable<ServicesTable>;
 export type ServiceUpdate = Updateable<ServicesTable>;
+export type SnapshotRow = Selectable<SnapshotsTable>;
+export type SnapshotUpdate = Updateable<SnapshotsTable>;

@@ -83,7 +83,8 @@ function mountsUnder(dir: string): string[] {
  * could learn or guess (the machine's files, the volume's, the secrets' names).
  */
 function candidatePaths(): string[] {
-  const mounts = new Set(mountsUnder(k.dataDir));
+  // The disk pool (an XFS file mounted at disks/ on hosts whose data dir cannot reflink) is Kiln's own: walked too.
+  const mounts = new Set(mountsUnder(k.dataDir).filter((m) => m !== join(k.dataDir, "disks")));
   const out: string[] = [k.dataDir];
   const walk = (dir: string) => {
     for (const name of readdirSync(dir)) {
@@ -114,7 +115,7 @@ test("the probe can see: as nobody it reads a world-readable file and lists a wo
 test("after a machine, a webhook with a secret, a build and a volume, nobody can read or list anything in the data dir", () => {
   const paths = candidatePaths();
   assert.ok(paths.some((p) => p.endsWith("kiln.db")), "the store is among the paths tried");
-  assert.ok(paths.some((p) => p.endsWith("disk.img")), "a machine's disk image is among the paths tried");
+  assert.ok(paths.some((p) => p.endsWith(`${machineId}.img`)), "a machine's disk image is among the paths tried");
   assert.ok(paths.some((p) => p.includes("/volumes/")), "the volume is among the paths tried");
   assert.ok(paths.some((p) => p.includes("/blobs/")), "the build context's blobs are among the paths tried");
   assert.ok(paths.length > 30, `${paths.length} paths`);
@@ -144,7 +145,7 @@ test("the machines still read what they need: /etc files, the guest runtime, the
 test("an existing data dir left readable is tightened at the next start, and its machine still works", async () => {
   await k.stop();
   // What an older Kiln (umask 022) left behind.
-  const disk = candidatePaths().find((p) => p.endsWith("disk.img"))!;
+  const disk = candidatePaths().find((p) => p.endsWith(`${machineId}.img`))!;
   const blob = candidatePaths().find((p) => p.includes("/blobs/") && statSync(p).isFile())!;
   chmodSync(k.dataDir, 0o755);
   // (The WAL is gone: a clean stop checkpoints it into the store.)
@@ -154,6 +155,8 @@ test("an existing data dir left readable is tightened at the next start, and its
   chmodSync(join(k.dataDir, "machines", machineId), 0o755);
   chmodSync(join(k.dataDir, "machines", machineId, "disk"), 0o755);
   chmodSync(disk, 0o644);
+  chmodSync(join(k.dataDir, "disks"), 0o755);
+  chmodSync(join(k.dataDir, "disks", "machines"), 0o755);
   chmodSync(join(k.dataDir, "volumes", volumeId), 0o755);
   const loose = readableByNobody(candidatePaths());
   assert.ok(loose.some((l) => l.endsWith("kiln.db")), `the loosened store is readable before the restart: ${loose.join(", ")}`);

@@ -3,12 +3,13 @@
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES } from "../../services/machines.ts";
+import { HIBERNATE_MODES, MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES, ON_TIMEOUT } from "../../services/machines.ts";
 import { errors, Cursor, Envs, Id, Limit, Machine, MachinePath, Metadata, NoNul, UserName } from "../schemas.ts";
 import { INPUT_LIMITS } from "../../services/input-limits.ts";
 import { encodeCursor, pageAfter } from "../../store/cursor.ts";
 import { EXEC_ENCODINGS } from "../../services/exec.ts";
 import { VOLUME_LIMITS } from "../../services/volumes.ts";
+import { KilnError } from "../../errors.ts";
 
 const VolumeMountRequest = Type.Object(
   {
@@ -38,9 +39,16 @@ const TimeoutS = Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxTimeoutS 
 const Params = Type.Object({ id: Id });
 const CidrList = Type.Array(Type.String({ minLength: 1, maxLength: 64, description: "IPv4 or IPv6 CIDR (a bare address is one host)" }), { maxItems: MACHINE_LIMITS.maxCidrs });
 
+const Lifecycle = {
+  on_timeout: Type.Optional(Type.Enum(ON_TIMEOUT, { description: "destroy (default), or hibernate: its memory saved where the runtime can, else its disk kept" })),
+  auto_resume: Type.Optional(Type.Boolean({ description: "Wake a hibernated machine on the next exec, files, WebSocket, port or edge request" })),
+};
+
 const CreateMachine = Type.Object(
   {
     template: Type.Optional(NoNul({ minLength: 1, maxLength: 256, description: "Template ref (`local/base`, `base`, `base:tag`) or artifact id; default `local/base`" })),
+    snapshot: Type.Optional({ ...Id, description: "Make the machine from this snapshot (snp_…) instead of a template: its disk, and with memory its processes" }),
+    ...Lifecycle,
     name: Type.Optional(NoNul({ minLength: 1, maxLength: INPUT_LIMITS.nameChars })),
     cwd: Type.Optional(Type.String({ minLength: 1, maxLength: INPUT_LIMITS.pathChars, pattern: "^/[^\\u0000]*$" })),
     user: Type.Optional(UserName),
@@ -50,7 +58,8 @@ const CreateMachine = Type.Object(
     vcpus: Type.Optional(Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxVcpus })),
     memory_mb: Type.Optional(Type.Integer({ minimum: MACHINE_LIMITS.minMemoryMb, maximum: MACHINE_LIMITS.maxMemoryMb })),
     disk_mb: Type.Optional(Type.Integer({ minimum: MACHINE_LIMITS.minDiskMb, maximum: MACHINE_LIMITS.maxDiskMb, description: `Size of the machine's writable layer (default ${MACHINE_DEFAULTS.diskMb}; at most KILN_MAX_DISK_MB)` })),
-    internet: Type.Optional(Type.Boolean({ default: true })),
+    // No schema default: a machine from a memory snapshot takes the snapshot's setting unless it says otherwise.
+    internet: Type.Optional(Type.Boolean({ description: "Outbound network (default true; from a snapshot, the snapshot's)" })),
     // Volumes mounted at boot (room: volumes).
     volumes: Type.Optional(Type.Array(VolumeMountRequest, { maxItems: VOLUME_LIMITS.maxPerMachine })),
     network: Type.Optional(
@@ -67,7 +76,7 @@ const CreateMachine = Type.Object(
 );
 
 const UpdateMachine = Type.Object(
-  { name: Type.Optional(NoNul({ minLength: 1, maxLength: INPUT_LIMITS.nameChars })), timeout_s: Type.Optional(TimeoutS), metadata: Type.Optional(Metadata) },
+  { name: Type.Optional(NoNul({ minLength: 1, maxLength: INPUT_LIMITS.nameChars })), timeout_s: Type.Optional(TimeoutS), metadata: Type.Optional(Metadata), ...Lifecycle },
   { additionalProperties: false, minProperties: 1 },
 );
 
@@ -95,14 +104,22 @@ const ExecResult = Type.Object({
   oom_killed: Type.Optional(Type.Boolean({ description: "Present (true) when the kernel's OOM killer ended the command" })),
 });
 
+/** A POST whose body is all optional may come without one: it means `{}` (schemas validate an object). */
+export async function emptyBodyIsEmptyObject(req: { body: unknown }): Promise<void> {
+  if (req.body === undefined || req.body === null) req.body = {};
+}
+
 export async function machineRoutes(app: App, opts: { services: Services }) {
   const { machines, exec } = opts.services;
   const tags = ["Machines"];
 
   app.post(
     "/v1/machines",
-    { config: { auth: "key" }, schema: { tags, summary: "Create a machine from a template", body: CreateMachine, response: { 201: Machine, ...errors(400, 404, 503) } } },
-    async (req, reply) => reply.code(201).send(await machines.create(req.body)),
+    { config: { auth: "key" }, schema: { tags, summary: "Create a machine from a template or a snapshot", body: CreateMachine, response: { 201: Machine, ...errors(400, 404, 409, 503) } } },
+    async (req, reply) => {
+      const { snapshot, ...input } = req.body;
+      return reply.code(201).send(snapshot ? await opts.services.snapshots.createMachine(snapshot, input) : await machines.create(input));
+    },
   );
 
   app.get(
@@ -148,8 +165,29 @@ export async function machineRoutes(app: App, opts: { services: Services }) {
 
   app.post(
     "/v1/machines/:id/hibernate",
-    { config: { auth: "key" }, schema: { tags, summary: "Freeze every process of a running machine", params: Params, response: { 200: Machine, ...errors(404, 409) } } },
-    async (req) => machines.hibernate(req.params.id),
+    {
+      config: { auth: "key" },
+      schema: {
+        tags,
+        summary: "Hibernate a running machine: freeze its processes (default), stop them keeping its disk, or save them with its memory",
+        params: Params,
+        body: Type.Object(
+          {
+            memory: Type.Optional(Type.Boolean({ description: "true: save its processes to disk and release their memory (gVisor; 400 with the reason elsewhere); false: stop them, keep the disk" })),
+            mode: Type.Optional(Type.Enum(HIBERNATE_MODES, { description: "freeze (default): processes frozen in memory; disk; memory. Agrees with memory when both are given" })),
+          },
+          { additionalProperties: false, description: "Optional: no body is `{}`" },
+        ),
+        response: { 200: Machine, ...errors(400, 404, 409) },
+      },
+      preValidation: emptyBodyIsEmptyObject,
+    },
+    async (req) => {
+      const { memory, mode } = req.body ?? {};
+      const fromMemory = memory === undefined ? undefined : memory ? "memory" : "disk";
+      if (mode && fromMemory && mode !== fromMemory) throw new KilnError("invalid_request", `mode ${mode} contradicts memory ${memory}`);
+      return machines.hibernate(req.params.id, mode ?? fromMemory ?? "freeze");
+    },
   );
 
   app.post(

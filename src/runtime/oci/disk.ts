@@ -7,7 +7,7 @@
 import { execFile } from "node:child_process";
 import { existsSync, readFileSync, statSync } from "node:fs";
 import { chmod, chown, mkdir, readdir, rename, rm, truncate, writeFile } from "node:fs/promises";
-import { join } from "node:path";
+import { basename, join } from "node:path";
 import { promisify } from "node:util";
 import type { Logger } from "../../log.ts";
 import { isMounted, mountSource } from "./mounts.ts";
@@ -30,14 +30,17 @@ export interface WritableLayer {
  * The one place that says where a machine's writable layer lives. Whoever takes a stopped machine's upper dir out
  * (a template build capturing a layer) reads `upper` from here while the image is still mounted.
  */
-export function writableLayer(machineDir: string): WritableLayer {
-  return layerAt(join(machineDir, "disk"));
+export function writableLayer(machineDir: string, image?: string): WritableLayer {
+  return layerAt(join(machineDir, "disk"), image);
 }
 
-/** A disk's layout inside its directory; a stock disk has the same, so a rename of the directory makes it a machine's. */
-function layerAt(dir: string): WritableLayer {
+/**
+ * A disk's layout inside its directory; a stock disk has the same, so a rename of the directory makes it a machine's.
+ * The image lies beside its mount point unless it is kept elsewhere (a disk pool that can reflink, see disk-pool.ts).
+ */
+function layerAt(dir: string, image = join(dir, "disk.img")): WritableLayer {
   const mountPoint = join(dir, "mnt");
-  return { dir, image: join(dir, "disk.img"), mountPoint, upper: join(mountPoint, "upper"), work: join(mountPoint, "work") };
+  return { dir, image, mountPoint, upper: join(mountPoint, "upper"), work: join(mountPoint, "work") };
 }
 
 /**
@@ -103,8 +106,11 @@ function attachedTo(name: string, image: string): boolean {
 }
 
 export interface DiskStock {
-  /** Moves a ready (formatted, mounted) disk of `sizeMb` to `dir` and says so; false when none is in stock. */
-  take(dir: string, sizeMb: number): Promise<boolean>;
+  /**
+   * Moves a ready (formatted, mounted) disk of `sizeMb` to `dir` (its image to `image`, when the stock keeps images
+   * apart) and says so; false when none is in stock.
+   */
+  take(dir: string, sizeMb: number, image?: string): Promise<boolean>;
   /** How many ready disks the stock holds now. */
   spares(): number;
   /** Unmounts and removes the disks still in stock. */
@@ -116,7 +122,9 @@ export interface DiskStock {
  * rename of its directory (a mount below a renamed directory moves with it), so a create pays neither mkfs nor mount.
  * A disk is named `spare-*` only once ready; after a crash, ready ones are reused and anything else is cleared.
  */
-export function createDiskStock(opts: { dir: string; sizeMb: number; count: number; owner: number; log: Logger }): DiskStock {
+export function createDiskStock(opts: { dir: string; sizeMb: number; count: number; owner: number; log: Logger; imagesDir?: string }): DiskStock {
+  // A spare's image beside its mount point, or in the images dir under the spare's name.
+  const spareLayer = (path: string) => layerAt(path, opts.imagesDir ? join(opts.imagesDir, `${basename(path)}.img`) : undefined);
   const ready: string[] = [];
   let filling: Promise<void> | undefined;
   let closed = false;
@@ -124,16 +132,25 @@ export function createDiskStock(opts: { dir: string; sizeMb: number; count: numb
   let scanned = false;
 
   async function discard(path: string) {
-    await unmountWritableLayer(layerAt(path)).catch(() => undefined);
-    await rm(path, { recursive: true, force: true });
+    const layer = spareLayer(path);
+    await unmountWritableLayer(layer).catch(() => undefined);
+    await Promise.all([rm(path, { recursive: true, force: true }), rm(layer.image, { force: true })]);
   }
 
   async function scan() {
     scanned = true;
     await mkdir(opts.dir, { recursive: true });
-    for (const name of await readdir(opts.dir)) {
+    const names = await readdir(opts.dir);
+    // Images kept apart whose spare is gone (a crash between the two renames of a take) are removed too.
+    if (opts.imagesDir) {
+      await mkdir(opts.imagesDir, { recursive: true });
+      for (const image of await readdir(opts.imagesDir)) {
+        if (!names.includes(image.replace(/\.img$/, ""))) await rm(join(opts.imagesDir, image), { force: true });
+      }
+    }
+    for (const name of names) {
       const path = join(opts.dir, name);
-      const layer = layerAt(path);
+      const layer = spareLayer(path);
       const whole = name.startsWith("spare-") && isMounted(layer.mountPoint) && existsSync(layer.upper) && existsSync(layer.image) && statSync(layer.image).size === opts.sizeMb * MIB;
       if (whole) ready.push(path);
       else await discard(path);
@@ -148,12 +165,13 @@ export function createDiskStock(opts: { dir: string; sizeMb: number; count: numb
         const name = `${process.pid}-${Date.now()}-${seq++}`;
         const partial = join(opts.dir, `partial-${name}`);
         try {
-          await mountLayer(layerAt(partial), opts.sizeMb, opts.owner, true);
+          await mountLayer(spareLayer(partial), opts.sizeMb, opts.owner, true);
         } catch (err) {
           await discard(partial);
           throw err;
         }
         const spare = join(opts.dir, `spare-${name}`);
+        if (opts.imagesDir) await rename(spareLayer(partial).image, spareLayer(spare).image);
         await rename(partial, spare);
         ready.push(spare);
       }
@@ -163,12 +181,15 @@ export function createDiskStock(opts: { dir: string; sizeMb: number; count: numb
   }
 
   return {
-    async take(dir, sizeMb) {
+    async take(dir, sizeMb, image) {
       if (sizeMb !== opts.sizeMb) return false;
+      if (Boolean(opts.imagesDir) !== Boolean(image)) return false;
       const spare = ready.shift();
       fill();
       if (!spare) return false;
       try {
+        // A loop device follows its backing file through a rename, so the mounted image moves as it is.
+        if (image) await rename(spareLayer(spare).image, image);
         await rename(spare, dir);
         return true;
       } catch (err) {
@@ -189,7 +210,9 @@ export function createDiskStock(opts: { dir: string; sizeMb: number; count: numb
 }
 
 /** Makes the machine's writable layer ready: already mounted, from the stock, or mounted (and formatted) now. */
+/** An image already there (a copy of a snapshot's) is mounted as it is. */
 export async function mountWritableLayer(layer: WritableLayer, sizeMb: number, owner: number, stock: DiskStock): Promise<void> {
-  if (!existsSync(layer.dir) && (await stock.take(layer.dir, sizeMb))) return;
+  const apart = layer.image !== join(layer.dir, "disk.img");
+  if (!existsSync(layer.dir) && !existsSync(layer.image) && (await stock.take(layer.dir, sizeMb, apart ? layer.image : undefined))) return;
   await mountLayer(layer, sizeMb, owner);
 }

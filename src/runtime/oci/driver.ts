@@ -5,11 +5,11 @@ import { execFile, spawn } from "node:child_process";
 import { connect, createServer } from "node:net";
 import { get as httpGet } from "node:http";
 import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync } from "node:fs";
-import { chmod, chown, link, mkdir, readFile, readdir, rm, writeFile } from "node:fs/promises";
-import { join } from "node:path";
+import { chmod, chown, link, mkdir, readdir, readFile, rm, writeFile } from "node:fs/promises";
+import { dirname, join } from "node:path";
 import { promisify } from "node:util";
 import { DEFAULT_DISK_MB } from "../driver.ts";
-import type { DriverReadiness, LiveMachine, MachineCheckpoint, MachineDriver, MachineHealth, MachineSpec } from "../driver.ts";
+import type { DriverReadiness, HibernateMode, LiveMachine, MachineCheckpoint, MachineDriver, MachineHealth, MachineSpec, SavedSnapshot } from "../driver.ts";
 import type { Logger } from "../../log.ts";
 import { guestRuntimeComplete } from "../guest-runtime.ts";
 import { CANONICAL_BASE } from "./idmap.ts";
@@ -22,6 +22,10 @@ import { machineUsage } from "./usage.ts";
 import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, makeNetns, removeNetns, slirpAlive, startSlirp, stopSlirp } from "./network.ts";
 import { trimLog } from "./health.ts";
 import { createDiskStock, mountWritableLayer, unmountWritableLayer, writableLayer } from "./disk.ts";
+import type { DiskStock } from "./disk.ts";
+import { openDiskPool } from "./disk-pool.ts";
+import type { DiskPool, DiskPoolMode } from "./disk-pool.ts";
+import { allocatedBytes, copyLiveDisk, thawInterrupted } from "./snapshot.ts";
 import { createEgress } from "./egress.ts";
 import { createRuntimeCli, RUNSC_MIN_RELEASE } from "./runtime-cli.ts";
 
@@ -59,14 +63,25 @@ export interface OciDriverOptions {
   idRangesDir?: string;
   /** Caps on all machines together (Kiln's parent cgroup); each one not given comes from defaultHostLimits(). */
   hostLimits?: Partial<HostLimits>;
+  /**
+   * `auto`: machines' disks and snapshots on a filesystem that can reflink (an XFS file in the data dir when its own
+   * cannot); `off` (default here, `auto` in the server's config): plain copies. See disk-pool.ts.
+   */
+  diskPool?: DiskPoolMode;
+}
+
+/** Where a machine's disk image is: in the disk pool, or beside its mount point for a machine made before the pool. */
+function machineImage(dataDir: string, machineDir: string, id: string): string {
+  const legacy = join(machineDir, "disk", "disk.img");
+  return existsSync(legacy) ? legacy : join(dataDir, "disks", "machines", `${id}.img`);
 }
 
 type Paths = ReturnType<typeof machinePaths>;
 
-function machinePaths(machinesDir: string, id: string, runtime: "runc" | "runsc") {
+function machinePaths(dataDir: string, machinesDir: string, id: string, runtime: "runc" | "runsc") {
   if (!SAFE_ID.test(id)) throw new Error(`invalid machine id ${JSON.stringify(id)}`);
   const dir = join(machinesDir, id);
-  const layer = writableLayer(dir);
+  const layer = writableLayer(dir, machineImage(dataDir, dir, id));
   return {
     dir,
     rootfs: join(dir, "rootfs"),
@@ -86,6 +101,8 @@ function machinePaths(machinesDir: string, id: string, runtime: "runc" | "runsc"
     slirpLog: join(dir, "slirp.log"),
     /** runsc only: the machine's network namespace, made and wired before the sandbox starts. */
     netns: join(dir, "netns"),
+    /** runsc only: the checkpoint of a machine hibernated with its memory, consumed by its resume. */
+    hibernation: join(dir, "hibernation"),
   };
 }
 
@@ -94,6 +111,15 @@ function hostNofile(): number {
   const m = /^Max open files\s+\S+\s+(\S+)/m.exec(readFileSync("/proc/self/limits", "utf8"));
   const hard = m && m[1] !== "unlimited" ? Number(m[1]) : 1_048_576;
   return Math.min(hard, 1_048_576);
+}
+
+/** Bytes the files under `dir` take on disk. */
+async function dirBytes(dir: string): Promise<number> {
+  let total = 0;
+  for (const entry of await readdir(dir, { withFileTypes: true, recursive: true })) {
+    if (entry.isFile()) total += statSync(join(entry.parentPath, entry.name)).blocks * 512;
+  }
+  return total;
 }
 
 async function tail(file: string, chars = 800): Promise<string> {
@@ -173,11 +199,22 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   const stateRoot = join(opts.dataDir, "oci-state", opts.runtime);
   const cgroups = detectCgroups();
   const nofile = hostNofile();
-  const paths = (id: string) => machinePaths(machinesDir, id, opts.runtime);
+  const paths = (id: string) => machinePaths(opts.dataDir, machinesDir, id, opts.runtime);
   const cli = createRuntimeCli({ runtime: opts.runtime, stateRoot, runscPlatform: opts.runscPlatform });
   const passFd = opts.runtime === "runc";
   // Disks are stored in the canonical range like every file at rest; a machine on its own range sees them idmapped.
-  const disks = createDiskStock({ dir: join(opts.dataDir, "disk-stock"), sizeMb: DEFAULT_DISK_MB, count: SPARE_DISKS, owner: CANONICAL_BASE, log: opts.log });
+  // The disk pool is opened on first use; spare disks keep their images in it, so handing one out is two renames.
+  let poolOpening: Promise<{ pool: DiskPool; disks: DiskStock }> | undefined;
+  const storage = () =>
+    (poolOpening ??= openDiskPool({ dataDir: opts.dataDir, mode: opts.diskPool ?? "off", log: opts.log }).then(async (pool) => {
+      await Promise.all([mkdir(join(pool.dir, "machines"), { recursive: true }), mkdir(join(pool.dir, "snapshots"), { recursive: true })]);
+      const disks = createDiskStock({ dir: join(opts.dataDir, "disk-stock"), imagesDir: join(pool.dir, "stock"), sizeMb: DEFAULT_DISK_MB, count: SPARE_DISKS, owner: CANONICAL_BASE, log: opts.log });
+      return { pool, disks };
+    }));
+  const snapshotDir = (snapshotId: string) => {
+    if (!SAFE_ID.test(snapshotId)) throw new Error(`invalid snapshot id ${JSON.stringify(snapshotId)}`);
+    return join(opts.dataDir, "disks", "snapshots", snapshotId);
+  };
   const identities = createMachineIdentities({
     runtime: opts.runtime,
     mode: opts.identity ?? "auto",
@@ -211,6 +248,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
    */
   async function mountRoot(spec: MachineSpec, p: Paths, viaHelper: boolean): Promise<boolean> {
     if (isMounted(p.rootfs)) return false;
+    const { disks } = await storage();
     await Promise.all([mkdir(p.rootfs, { recursive: true }), mountWritableLayer(p.layer, spec.diskMb ?? DEFAULT_DISK_MB, CANONICAL_BASE, disks)]);
     for (const layer of spec.layers) if (!existsSync(layer)) throw new Error(`template layer ${layer} is missing`);
     if (viaHelper) return true;
@@ -267,8 +305,11 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     }
   }
 
-  /** Writes the bundle's config.json afresh (the guest runtime may have been rebuilt since) and runs it. */
-  async function boot(spec: MachineSpec): Promise<LiveMachine> {
+  /**
+   * Writes the bundle's config.json afresh (the guest runtime may have been rebuilt since) and runs it; with
+   * `restoreImage` (runsc), continues the processes saved there instead of starting the first one.
+   */
+  async function boot(spec: MachineSpec, restoreImage?: string): Promise<LiveMachine> {
     await hostLimitsApplied;
     const t0 = performance.now();
     const p = paths(spec.id);
@@ -313,11 +354,11 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     // runsc: the agent (machine root) makes its socket in the bound run dir, which is locked again once it has.
     if (!passFd) await chown(p.run, ids.hostBase, ids.hostBase);
     // A restored agent has no socket and listens again once this appears (it polls; nothing can reach it yet).
-    if (spec.restore) await writeFile(join(p.run, RELISTEN_FILE), "");
+    if (restoreImage) await writeFile(join(p.run, RELISTEN_FILE), "");
 
     /** The runtime's command line; behind the mount helper when the machine has its own ids or namespace. */
     const runtimeCommand = async () => {
-      const run = cli.runCommand({ id: spec.id, bundleDir: p.dir, pidFile: p.pidFile, internet: spec.internet, passListener: passFd, restoreFrom: spec.restore?.imageDir });
+      const run = cli.runCommand({ id: spec.id, bundleDir: p.dir, pidFile: p.pidFile, internet: spec.internet, passListener: passFd, restoreFrom: restoreImage });
       if (!viaHelper) return run;
       const root = rootPending ? p.rootfs : undefined;
       return identities.command(ids, { dir: p.dir, layers: spec.layers, disk: p.layer.mountPoint, rootfs: root, binds, nofile: { soft: machineNofileSoft(nofile), hard: nofile } }, run);
@@ -351,8 +392,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       agentReady,
       spec.internet && !netnsFirst ? egressCgroup!.then((cgroupProcs) => startSlirp({ target: { pid: pid! }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs })) : undefined,
     ]);
-    // The restored kernel still carries the build machine's hostname.
-    if (spec.restore) await cli.setHostname(spec.id, spec.hostname);
+    // The restored kernel still carries the hostname of the machine it was saved from.
+    if (restoreImage) await cli.setHostname(spec.id, spec.hostname);
     // Machine root could otherwise swap its socket for a symlink the host would follow (to another machine's agent).
     if (!passFd) await Promise.all([chown(p.run, 0, 0), chmod(p.run, 0o755), rm(join(p.run, RELISTEN_FILE), { force: true })]);
     const ms = (a: number, b: number) => Math.round((b - a) * 10) / 10;
@@ -361,7 +402,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   }
 
   async function create(spec: MachineSpec): Promise<LiveMachine> {
-    if (spec.restore && opts.runtime !== "runsc") throw new Error("only runsc machines can be restored from a checkpoint");
+    if ((spec.restore || spec.fromSnapshot?.memory) && opts.runtime !== "runsc") throw new Error("only runsc machines can be restored from a checkpoint");
     if (spec.restore && spec.restore.internet !== spec.internet) throw new Error("a checkpoint restores only into a machine with the same network setting");
     // The saved writable layer lies over the template's as their highest layer: the restored processes find the
     // files they had open, and the machine's own writes still go to its own upper dir. A later start keeps it.
@@ -379,8 +420,14 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const [, , identity] = await Promise.all([writeEtc(spec, p), writeFile(p.spec, JSON.stringify(spec)), identities.assign(p.dir, spec.layers)]);
     // The group is this machine's root: no other machine's root may enter.
     await chown(p.dir, 0, identity.hostBase);
+    // From a snapshot: the machine's disk is a copy of the snapshot's, mounted as it is (no spare, no mkfs).
+    if (spec.fromSnapshot) {
+      const { pool } = await storage();
+      await mkdir(dirname(p.layer.image), { recursive: true });
+      await pool.clone(spec.fromSnapshot.disk, p.layer.image);
+    }
     opts.log.debug({ machine_id: spec.id, prepare_ms: Math.round((performance.now() - t0) * 10) / 10 }, "machine prepared");
-    return boot(spec);
+    return boot(spec, spec.restore?.imageDir ?? spec.fromSnapshot?.memory ?? undefined);
   }
 
   /**
@@ -391,6 +438,23 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const p = paths(id);
     const spec = JSON.parse(await readFile(p.spec, "utf8")) as MachineSpec;
     const saved: MachineCheckpoint = { imageDir: join(destDir, "image"), upperDir: join(destDir, "upper"), internet: spec.internet, guestRuntime: opts.guestRuntimeDir };
+    try {
+      await saveProcesses(id, p, saved.imageDir);
+      await mkdir(saved.upperDir);
+      await exec("cp", ["-a", "--preserve=all", `${p.layer.upper}/.`, saved.upperDir], { maxBuffer: 1024 * 1024 });
+    } catch (err) {
+      await rm(destDir, { recursive: true, force: true });
+      throw new Error(`checkpointing ${id} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
+    }
+    return saved;
+  }
+
+  /**
+   * runsc: the agent lets go of its socket, then the sandbox's processes and memory are saved into `imageDir`; the
+   * sandbox stops once saved. (`runsc checkpoint --leave-running` would keep it going, but the agent's host socket
+   * comes back broken from it: EBADF on this runsc. A snapshot restores the machine from its own image instead.)
+   */
+  async function saveProcesses(id: string, p: Paths, imageDir: string): Promise<void> {
     await cli.kill(id, "USR2");
     // The host side of a host-uds socket may still take connections for a moment: the agent no longer answering
     // is the sign, and runsc refusing a socket still bound is retried until the bound.
@@ -399,24 +463,16 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       if (performance.now() > deadline) throw new Error(`the guest agent of ${id} did not let go of its socket within ${LET_GO_WAIT_MS} ms`);
       await sleep(10);
     }
-    await mkdir(saved.imageDir, { recursive: true });
-    try {
-      for (;;) {
-        try {
-          await cli.checkpoint(id, saved.imageDir);
-          break;
-        } catch (err) {
-          if (!/bound host socket/i.test((err as Error).message) || performance.now() > deadline) throw err;
-          await sleep(50);
-        }
+    await mkdir(imageDir, { recursive: true });
+    for (;;) {
+      try {
+        await cli.checkpoint(id, imageDir);
+        return;
+      } catch (err) {
+        if (!/bound host socket/i.test((err as Error).message) || performance.now() > deadline) throw err;
+        await sleep(50);
       }
-      await mkdir(saved.upperDir);
-      await exec("cp", ["-a", "--preserve=all", `${p.layer.upper}/.`, saved.upperDir], { maxBuffer: 1024 * 1024 });
-    } catch (err) {
-      await rm(destDir, { recursive: true, force: true });
-      throw new Error(`checkpointing ${id} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
     }
-    return saved;
   }
 
   async function releaseNetwork(id: string, p: Paths) {
@@ -482,7 +538,117 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     // The range goes back while the dir still names it (see id-ranges.ts), and the dir only once nothing is mounted
     // under it: rm -r through a live overlay would write whiteouts, not free space.
     await identities.release(p.dir, { ifIdle: opts.leftover });
-    await rm(p.dir, { recursive: true, force: true });
+    await Promise.all([rm(p.dir, { recursive: true, force: true }), rm(p.layer.image, { force: true })]);
+  }
+
+  /** Stops a machine's processes and takes down its network, cgroups and mounts; its bundle and disk image stay. */
+  async function stop(id: string): Promise<void> {
+    const p = paths(id);
+    await cli.remove(id);
+    await Promise.all([releaseNetwork(id, p), removeCgroups(cgroups, `kiln/${id}`)]);
+    await unmountRoot(p);
+  }
+
+  async function readSpec(id: string): Promise<MachineSpec> {
+    const text = await readFile(paths(id).spec, "utf8").catch(() => {
+      throw new Error(`machine ${id} does not exist on this host`);
+    });
+    return JSON.parse(text) as MachineSpec;
+  }
+
+  /** A restart boots afresh on the same layers and disk; a checkpoint or a snapshot's memory is for the first boot only. */
+  const fresh = (spec: MachineSpec): MachineSpec => ({ ...spec, restore: undefined, fromSnapshot: undefined });
+
+  const memoryUnsupported = () =>
+    opts.runtime === "runsc"
+      ? undefined
+      : "saving a machine's memory needs the gVisor runtime (KILN_OCI_RUNTIME=runsc): runc would need CRIU, and CRIU 3.17 (Debian 12) cannot checkpoint on this kernel";
+
+  async function hibernate(id: string, mode: HibernateMode = "freeze"): Promise<void> {
+    if (mode === "freeze") return cli.pause(id);
+    const p = paths(id);
+    if (mode === "memory") {
+      const why = memoryUnsupported();
+      if (why) throw new Error(why);
+      await rm(p.hibernation, { recursive: true, force: true });
+      // A frozen machine is thawed first: its agent must let go of its socket before the save.
+      if ((await cli.state(id))?.status === "paused") await cli.resume(id);
+      await saveProcesses(id, p, p.hibernation).catch(async (err: unknown) => {
+        await rm(p.hibernation, { recursive: true, force: true });
+        throw err;
+      });
+    }
+    await stop(id);
+  }
+
+  async function resume(id: string, mode: HibernateMode = "freeze"): Promise<LiveMachine> {
+    if (mode === "freeze") {
+      await cli.resume(id);
+      const st = await cli.state(id);
+      if (!st || st.status !== "running") throw new Error(`machine ${id} is ${st?.status ?? "gone"} after resume`);
+      return { id, state: "running", agentSocket: paths(id).socket, pid: st.pid };
+    }
+    const p = paths(id);
+    const spec = await readSpec(id);
+    // A start after a crash may find the old container still registered (stopped): clear it first.
+    await cli.remove(id);
+    await releaseNetwork(id, p);
+    if (mode === "disk") return boot(fresh(spec));
+    if (!existsSync(p.hibernation)) throw new Error(`machine ${id} has no saved memory to resume from`);
+    const live = await boot(fresh(spec), p.hibernation);
+    // The saved image is consumed: a later hibernate saves a new one.
+    await rm(p.hibernation, { recursive: true, force: true });
+    return live;
+  }
+
+  /**
+   * Saves the machine's disk (and with memory its processes) as a snapshot; the machine goes on as it was. A machine
+   * whose disk is not mounted (hibernated to disk) has nothing in flight: its image is copied as it is.
+   */
+  async function snapshot(id: string, snapshotId: string, o: { memory: boolean }): Promise<SavedSnapshot> {
+    const p = paths(id);
+    const { pool } = await storage();
+    const dir = snapshotDir(snapshotId);
+    const disk = join(dir, "disk.img");
+    const memory = o.memory ? join(dir, "memory") : null;
+    await mkdir(dir, { recursive: true });
+    try {
+      const mounted = isMounted(p.layer.mountPoint);
+      // `stopped`: no process runs (a saved sandbox), so only the filesystem is frozen (fsfreeze flushes it).
+      const copyDisk = (stopped = false) =>
+        mounted
+          ? copyLiveDisk({
+              machineDir: p.dir,
+              mountPoint: p.layer.mountPoint,
+              image: p.layer.image,
+              dest: disk,
+              pool,
+              hooks: { paused: async () => stopped || (await cli.state(id))?.status === "paused", pause: () => cli.pause(id), resume: () => cli.resume(id) },
+            })
+          : pool.clone(p.layer.image, disk);
+      if (memory) {
+        const why = memoryUnsupported();
+        if (why) throw new Error(why);
+        if ((await cli.state(id))?.status !== "running") throw new Error(`machine ${id} is not running: only a running machine's memory can be saved`);
+        // The sandbox stops once saved, so the disk copied next is of the same instant; then the machine continues
+        // from the image just saved (its processes go on; connections to its agent are cut, as by any restore).
+        await saveProcesses(id, p, memory);
+        try {
+          await copyDisk(true);
+        } finally {
+          await cli.remove(id);
+          await releaseNetwork(id, p);
+          await boot(fresh(await readSpec(id)), memory);
+        }
+      } else {
+        await copyDisk();
+      }
+      const sizes = await Promise.all([allocatedBytes(disk), memory ? dirBytes(memory) : 0]);
+      return { disk, memory, sizeBytes: sizes[0] + sizes[1], runtime: opts.runtime, guestRuntime: opts.guestRuntimeDir };
+    } catch (err) {
+      await rm(dir, { recursive: true, force: true });
+      throw err;
+    }
   }
 
   async function readiness(): Promise<DriverReadiness> {
@@ -523,35 +689,26 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     readiness,
     create,
 
-    async stop(id) {
-      const p = paths(id);
-      await cli.remove(id);
-      await Promise.all([releaseNetwork(id, p), removeCgroups(cgroups, `kiln/${id}`)]);
-      await unmountRoot(p);
-    },
+    stop,
 
     async start(id) {
-      const p = paths(id);
-      const spec = JSON.parse(await readFile(p.spec, "utf8").catch(() => {
-        throw new Error(`machine ${id} does not exist on this host`);
-      })) as MachineSpec;
-      // A start after a crash may find the old container still registered (stopped): clear it first.
-      await cli.remove(id);
-      await releaseNetwork(id, p);
-      // A restart boots afresh on the same layers; the checkpoint is for the first boot only.
-      return boot({ ...spec, restore: undefined });
+      return resume(id, "disk");
     },
 
-    async hibernate(id) {
-      await cli.pause(id);
+    hibernate,
+    resume,
+    memorySnapshotsUnsupported: memoryUnsupported,
+    snapshot,
+
+    async deleteSnapshot(snapshotId) {
+      await rm(snapshotDir(snapshotId), { recursive: true, force: true });
     },
 
-    async resume(id) {
-      await cli.resume(id);
-      const st = await cli.state(id);
-      if (!st || st.status !== "running") throw new Error(`machine ${id} is ${st?.status ?? "gone"} after resume`);
-      return { id, state: "running", agentSocket: paths(id).socket, pid: st.pid };
+    async listSnapshots() {
+      return readdir(join(opts.dataDir, "disks", "snapshots")).catch(() => []);
     },
+
+    canRestoreSnapshot: (saved) => saved.memory === null || (opts.runtime === "runsc" && saved.guestRuntime === opts.guestRuntimeDir && existsSync(saved.memory)),
 
     async captureLayer(id, destDir) {
       const p = paths(id);
@@ -574,7 +731,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       await identities.unmountLeftovers(p.dir);
       // What is left (bundle, the disk image, sockets) goes as in destroy; the runtime already has no container.
       await identities.release(p.dir);
-      await rm(p.dir, { recursive: true, force: true });
+      await Promise.all([rm(p.dir, { recursive: true, force: true }), rm(p.layer.image, { force: true })]);
     },
 
     checkpoint: opts.runtime === "runsc" ? checkpoint : undefined,
@@ -600,7 +757,10 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       for (const c of await cli.list()) {
         if (c.status !== "running" && c.status !== "paused") continue;
         if (!SAFE_ID.test(c.id) || !alive(c.pid) || isZombie(c.pid)) continue;
-        live.push({ id: c.id, state: c.status === "paused" ? "paused" : "running", agentSocket: paths(c.id).socket, pid: c.pid });
+        // A snapshot cut short by a crash left it frozen: thawed, it is the running machine it was.
+        const p = paths(c.id);
+        if (await thawInterrupted(p.dir, p.layer.mountPoint, () => cli.resume(c.id))) c.status = (await cli.state(c.id))?.status ?? c.status;
+        live.push({ id: c.id, state: c.status === "paused" ? "paused" : "running", agentSocket: p.socket, pid: c.pid });
       }
       return live;
     },
@@ -611,8 +771,13 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     },
 
     async close() {
-      // Machines (and their slirp4netns) outlive the control plane on purpose; only the spare disks are released.
+      // Machines (and their slirp4netns) outlive the control plane on purpose; only the spare disks are released, and
+      // the disk pool when no machine's disk is attached from it.
+      // A pool an earlier server mounted is released too, even when this one never needed a disk.
+      if (!poolOpening && !isMounted(join(opts.dataDir, "disks"))) return;
+      const { pool, disks } = await storage();
       await disks.close();
+      await pool.close();
     },
   };
 }

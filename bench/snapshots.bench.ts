@@ -1,0 +1,141 @@
+// Snapshots and forks of a running runc machine that has written 300 MB, beside a `cp` of the same disk image (the
+// cost without a reflink pool); under gVisor, a memory snapshot of a machine using 256 MiB and the restore to its
+// first exec beside bare `runsc checkpoint`/`restore`-through-Kiln, and how much memory a memory hibernate releases.
+
+import { execFileSync } from "node:child_process";
+import { readFileSync, rmSync } from "node:fs";
+import { join } from "node:path";
+import { api } from "./api.ts";
+import { median, percentile } from "./report.ts";
+import type { BenchResult } from "./report.ts";
+import type { BenchContext } from "./run.ts";
+import { startTestKiln } from "../test/support/kiln.ts";
+import type { TestKiln } from "../test/support/kiln.ts";
+
+const ROUNDS = Number(process.env.KILN_BENCH_SNAPSHOT_ROUNDS ?? 5);
+
+const ms = (t0: number) => performance.now() - t0;
+
+function caller(k: TestKiln, key: string) {
+  return (method: string, path: string, body?: unknown) => api(k.url, key, method, path, body);
+}
+
+async function runcNumbers(k: TestKiln, key: string): Promise<BenchResult[]> {
+  const call = caller(k, key);
+  const parent = await call("POST", "/v1/machines", {});
+  await call("POST", `/v1/machines/${parent.id}/exec`, { cmd: "head -c 300M /dev/urandom > /var/tmp/big && sync", timeout_s: 300 });
+  const image = join(k.dataDir, "disks", "machines", `${parent.id}.img`);
+  const snap: number[] = [];
+  const fork1: number[] = [];
+  const fork10: number[] = [];
+  const copy: number[] = [];
+  for (let i = 0; i < ROUNDS; i++) {
+    let t0 = performance.now();
+    const s = await call("POST", `/v1/machines/${parent.id}/snapshots`, {});
+    snap.push(ms(t0));
+    await call("DELETE", `/v1/snapshots/${s.id}`);
+    t0 = performance.now();
+    const one = await call("POST", `/v1/machines/${parent.id}/fork`, { count: 1 });
+    await call("POST", `/v1/machines/${one.machines[0].id}/exec`, { cmd: "true" });
+    fork1.push(ms(t0));
+    for (const m of one.machines) await call("DELETE", `/v1/machines/${m.id}`);
+    // The baseline: what a snapshot costs without reflink, a sparse copy of the same image onto the data dir's own
+    // filesystem (ext4 here) and its flush. (Within the pool, cp's copy_file_range would itself reflink.)
+    const dest = join(k.dataDir, "bench-copy.img");
+    t0 = performance.now();
+    execFileSync("sh", ["-c", `cp --reflink=never --sparse=always '${image}' '${dest}' && sync '${dest}'`]);
+    copy.push(ms(t0));
+    rmSync(dest, { force: true });
+  }
+  for (let i = 0; i < Math.max(1, Math.floor(ROUNDS / 2)); i++) {
+    const t0 = performance.now();
+    const ten = await call("POST", `/v1/machines/${parent.id}/fork`, { count: 10 });
+    fork10.push(ms(t0));
+    for (const m of ten.machines) await call("DELETE", `/v1/machines/${m.id}`);
+  }
+  await call("DELETE", `/v1/machines/${parent.id}`);
+  const base = { name: "cp --sparse of the same 10 GiB disk image holding 300 MB onto the data dir's ext4, and sync", median: median(copy), p99: percentile(copy, 99) };
+  return [
+    { name: "runc: snapshot of a running machine that wrote 300 MB", unit: "ms", better: "lower", median: median(snap), p99: percentile(snap, 99), baseline: base, goal: "≤ 100 ms", note: `machines' disks on ${poolKind(k)} (reflink)` },
+    { name: "runc: fork of that machine → the child answers its first exec", unit: "ms", better: "lower", median: median(fork1), p99: percentile(fork1, 99), baseline: base, goal: "≤ 150 ms (CubeSandbox's clone: 220 ms)" },
+    { name: "runc: 10 forks of that machine in one call, all running", unit: "ms", better: "lower", median: median(fork10), p99: percentile(fork10, 99), baseline: { ...base, median: base.median * 10, p99: base.p99 * 10, name: "10 × " + base.name }, goal: "≤ 1 s" },
+  ];
+}
+
+function poolKind(k: TestKiln): string {
+  return execFileSync("stat", ["-f", "-c", "%T", join(k.dataDir, "disks")], { encoding: "utf8" }).trim();
+}
+
+function cgroupMemory(id: string): number | null {
+  for (const file of [`/sys/fs/cgroup/memory/kiln/${id}/memory.usage_in_bytes`, `/sys/fs/cgroup/kiln/${id}/memory.current`]) {
+    try {
+      return Number(readFileSync(file, "utf8").trim());
+    } catch {
+      // the other cgroup version, or gone
+    }
+  }
+  return null;
+}
+
+async function gvisorNumbers(key: string): Promise<BenchResult[]> {
+  try {
+    execFileSync("runsc", ["--version"], { stdio: "ignore" });
+  } catch {
+    process.stderr.write("  runsc is not installed: no memory snapshot numbers\n");
+    return [];
+  }
+  const k = await startTestKiln({ env: { KILN_LOG_LEVEL: "warn", KILN_OCI_RUNTIME: "runsc", KILN_WARM_POOL: "0" } });
+  try {
+    const call = caller(k, key);
+    const hold = "nohup python3 -c 'import time; b = bytearray(256 * 1024 * 1024); b[::4096] = b\"x\" * len(b[::4096]); time.sleep(86400)' >/dev/null 2>&1 & sleep 3";
+    const snap: number[] = [];
+    const restore: number[] = [];
+    const stop: number[] = [];
+    const released: number[] = [];
+    for (let i = 0; i < Math.max(2, Math.floor(ROUNDS / 2)); i++) {
+      const m = await call("POST", "/v1/machines", { internet: false, memory_mb: 1024 });
+      await call("POST", `/v1/machines/${m.id}/exec`, { cmd: hold, timeout_s: 60 });
+      let t0 = performance.now();
+      const s = await call("POST", `/v1/machines/${m.id}/snapshots`, { memory: true });
+      snap.push(ms(t0));
+      t0 = performance.now();
+      const child = await call("POST", "/v1/machines", { snapshot: s.id });
+      await call("POST", `/v1/machines/${child.id}/exec`, { cmd: "true" });
+      restore.push(ms(t0));
+      const before = cgroupMemory(m.id);
+      t0 = performance.now();
+      await call("POST", `/v1/machines/${m.id}/hibernate`, { memory: true });
+      stop.push(ms(t0));
+      const after = cgroupMemory(m.id) ?? 0;
+      if (before) released.push(100 * (1 - after / before));
+      for (const id of [m.id, child.id]) await call("DELETE", `/v1/machines/${id}`);
+      await call("DELETE", `/v1/snapshots/${s.id}`);
+    }
+    return [
+      { name: "gVisor: memory snapshot of a running machine holding 256 MiB", unit: "ms", better: "lower", median: median(snap), p99: percentile(snap, 99), goal: "≤ 1 s", note: "the machine is saved, its disk reflinked, and it is restored from its own image (its processes go on)" },
+      { name: "gVisor: machine from that memory snapshot → first exec", unit: "ms", better: "lower", median: median(restore), p99: percentile(restore, 99), goal: "≤ 500 ms" },
+      { name: "gVisor: memory hibernate of that machine", unit: "ms", better: "lower", median: median(stop), p99: percentile(stop, 99) },
+      { name: "gVisor: memory a memory hibernate releases (cgroup usage before/after)", unit: "%", better: "higher", median: median(released), p99: percentile(released, 1), goal: "≥ 90 %" },
+    ];
+  } catch (err) {
+    // The runc numbers stand on their own: report why these are missing instead of losing both.
+    process.stderr.write(`  no gVisor snapshot numbers: ${(err as Error).message}\n`);
+    for (const line of k.logs) if (/"level":50/.test(line)) process.stderr.write(line.slice(0, 2000) + "\n");
+    return [];
+  } finally {
+    await k.close();
+  }
+}
+
+export async function run(ctx: BenchContext): Promise<BenchResult[]> {
+  const k = await startTestKiln({ env: { KILN_LOG_LEVEL: "warn", KILN_WARM_POOL: "0" } });
+  try {
+    return [...(await runcNumbers(k, ctx.key)), ...(await gvisorNumbers(ctx.key))];
+  } catch (err) {
+    // What the server said about it (its errors only: the run is otherwise quiet).
+    for (const line of k.logs) if (/"level":50/.test(line)) process.stderr.write(line.slice(0, 2000) + "\n");
+    throw err;
+  } finally {
+    await k.close();
+  }
+}

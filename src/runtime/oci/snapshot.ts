@@ -1,0 +1,80 @@
+// Consistent copies of a running machine's disk: its processes frozen, its filesystem frozen (fsfreeze flushes it
+// into the image), the image reflinked, everything thawed. A marker file says a freeze is under way, so a server
+// killed in the middle leaves nothing frozen: the next one thaws what the marker names (thawInterrupted). The marker
+// names the process taking the snapshot, so a look at live machines meanwhile never thaws one being copied.
+
+import { execFile } from "node:child_process";
+import { existsSync } from "node:fs";
+import { readFile, rm, stat, writeFile } from "node:fs/promises";
+import { join } from "node:path";
+import { promisify } from "node:util";
+import type { DiskPool } from "./disk-pool.ts";
+
+const exec = promisify(execFile);
+const FREEZE_MARKER = "snapshot-freeze";
+
+export interface FreezeHooks {
+  /** Whether the machine's processes are frozen already (a hibernated machine): then they are left so. */
+  paused(): Promise<boolean>;
+  /** Freezes the machine's processes (the runtime's pause). */
+  pause(): Promise<void>;
+  resume(): Promise<void>;
+}
+
+function processAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (err) {
+    return (err as NodeJS.ErrnoException).code === "EPERM";
+  }
+}
+
+/** The bytes a file takes on disk (a sparse image's allocated blocks, not its size). */
+export async function allocatedBytes(path: string): Promise<number> {
+  const st = await stat(path);
+  return st.blocks * 512;
+}
+
+/**
+ * Copies the disk image of a live machine (its writable layer mounted at `mountPoint`) to `dest`, consistent as of
+ * one instant: no process runs and no write is in flight while the copy is taken.
+ */
+export async function copyLiveDisk(opts: { machineDir: string; mountPoint: string; image: string; dest: string; pool: DiskPool; hooks: FreezeHooks }): Promise<void> {
+  const marker = join(opts.machineDir, FREEZE_MARKER);
+  // The marker says whether the processes are to be thawed too, before they are frozen.
+  const pausing = !(await opts.hooks.paused());
+  await writeFile(marker, JSON.stringify({ pid: process.pid, resume: pausing }));
+  try {
+    if (pausing) await opts.hooks.pause();
+    await exec("fsfreeze", ["--freeze", opts.mountPoint]);
+    try {
+      await opts.pool.clone(opts.image, opts.dest);
+    } finally {
+      await exec("fsfreeze", ["--unfreeze", opts.mountPoint]);
+    }
+  } finally {
+    if (pausing) await opts.hooks.resume();
+    await rm(marker, { force: true });
+  }
+}
+
+/**
+ * After a server died during copyLiveDisk: thaws the machine's filesystem and processes so it is not left frozen
+ * (and not mistaken for a hibernated one). True when there was something to thaw.
+ */
+export async function thawInterrupted(machineDir: string, mountPoint: string, resume: () => Promise<void>): Promise<boolean> {
+  const marker = join(machineDir, FREEZE_MARKER);
+  if (!existsSync(marker)) return false;
+  let left: { pid?: number; resume?: boolean } = {};
+  try {
+    left = JSON.parse(await readFile(marker, "utf8"));
+  } catch {
+    // unreadable: thawed as if its writer were gone
+  }
+  if (left.pid && processAlive(left.pid)) return false; // a snapshot under way, not one cut short
+  await exec("fsfreeze", ["--unfreeze", mountPoint]).catch(() => undefined); // EINVAL when it was not frozen
+  if (left.resume) await resume().catch(() => undefined);
+  await rm(marker, { force: true });
+  return true;
+}
