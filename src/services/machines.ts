@@ -559,6 +559,7 @@ export function createMachineService(deps: {
       live.delete(row.id);
       // Hibernated to disk or with memory: nothing runs, and its disk (and saved memory) wait for a resume.
       if (stoppedHibernation(row)) {
+        kept.add(row.id); // its dir holds what a resume needs: not a leftover
         adopted++;
         continue;
       }
