@@ -3,6 +3,7 @@
 import type { Command } from "commander";
 import { apiClient, fail, listAll } from "./client.ts";
 import { openShell } from "./shell.ts";
+import { streamExec } from "./exec-stream.ts";
 import type { MachineView } from "../services/machines.ts";
 
 function parseKv(list: string[] | undefined): Record<string, string> | undefined {
@@ -106,22 +107,19 @@ export function machineCommands(program: Command) {
 
   machines
     .command("exec <id> <cmd...>")
-    .description("Run a command (one word: a shell line; several: program and arguments) and print its output")
+    .description("Run a command (one word: a shell line; several: program and arguments), streaming its output as it comes")
     .option("-u, --user <user>")
     .option("-w, --cwd <dir>")
     .option("-e, --env <KEY=VALUE>", "environment variable (repeatable)", collect)
-    .option("--timeout <seconds>", "kill after this many seconds", (v) => Number(v))
-    .action(async (id: string, cmd: string[], opts: { user?: string; cwd?: string; env?: string[]; timeout?: number }) => {
-      const r = await apiClient().call<{ exit_code: number | null; stdout: string; stderr: string }>("POST", `/v1/machines/${id}/exec`, {
-        cmd: cmd[0],
-        args: cmd.length > 1 ? cmd.slice(1) : undefined,
-        user: opts.user,
-        cwd: opts.cwd,
-        envs: parseKv(opts.env),
-        timeout_s: opts.timeout,
-      });
-      process.stdout.write(r.stdout);
-      process.stderr.write(r.stderr);
-      process.exitCode = r.exit_code ?? 1;
+    .option("-i, --interactive", "send this terminal's stdin to the command (as docker exec -i)")
+    .option("--timeout <seconds>", "kill the command after this many seconds, keeping its output so far (exit status 124)", (v) => Number(v))
+    .action(async (id: string, cmd: string[], opts: { user?: string; cwd?: string; env?: string[]; interactive?: boolean; timeout?: number }) => {
+      if (opts.timeout !== undefined && !(opts.timeout > 0)) fail("--timeout takes a number of seconds above 0");
+      process.exitCode = await streamExec(
+        apiClient(),
+        id,
+        { cmd: cmd[0]!, ...(cmd.length > 1 ? { args: cmd.slice(1) } : {}), user: opts.user, cwd: opts.cwd, envs: parseKv(opts.env) },
+        { timeoutS: opts.timeout, stdin: opts.interactive },
+      );
     });
 }
