@@ -152,7 +152,10 @@ export function templateCommands(program: Command) {
         process.stdout.write(`${artifact ?? ""}\n`);
         return;
       }
-      if (last?.kind === "error") fail(`build ${last.build_id} failed in phase ${last.error_detail?.phase ?? last.phase ?? "?"}${last.error_detail?.step_index ? ` at step ${last.error_detail.step_index}` : ""}: ${last.message}`);
+      if (last?.kind === "error") {
+        const d = last.error_detail;
+        fail(`build ${last.build_id} failed in phase ${d?.phase ?? last.phase ?? "?"}${d?.step_index ? ` at step ${d.step_index}` : ""}: ${last.message}${d?.suggested_action ? `\n  what to do: ${d.suggested_action}` : ""}`);
+      }
       fail(last?.kind === "cancelled" ? `build ${last.build_id} was cancelled` : "the build stream ended without a result");
     });
 
