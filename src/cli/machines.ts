@@ -4,6 +4,7 @@ import type { Command } from "commander";
 import { apiClient, fail, listAll } from "./client.ts";
 import { openShell } from "./shell.ts";
 import { streamExec } from "./exec-stream.ts";
+import { copy } from "./copy.ts";
 import type { MachineView } from "../services/machines.ts";
 
 function parseKv(list: string[] | undefined): Record<string, string> | undefined {
@@ -40,12 +41,18 @@ export function machineCommands(program: Command) {
     .option("-e, --env <KEY=VALUE>", "environment variable (repeatable)", collect)
     .option("--no-internet", "no outbound network")
     .option("-v, --volume <vol_id:/path[:ro]>", "mount a volume (repeatable)", collect)
+    .option("--vcpus <n>", "vCPUs", (v) => Number(v))
+    .option("--memory <mb>", "memory in MiB", (v) => Number(v))
+    .option("--disk <mb>", "size of the machine's writable disk in MiB", (v) => Number(v))
     .option("--json", "print the whole record")
-    .action(async (opts: { template: string; name?: string; timeout?: number; env?: string[]; internet: boolean; volume?: string[]; json?: boolean }) => {
+    .action(async (opts: { template: string; name?: string; timeout?: number; env?: string[]; internet: boolean; volume?: string[]; vcpus?: number; memory?: number; disk?: number; json?: boolean }) => {
       const m = await apiClient().call<MachineView>("POST", "/v1/machines", {
         template: opts.template,
         name: opts.name,
         timeout_s: opts.timeout,
+        vcpus: opts.vcpus,
+        memory_mb: opts.memory,
+        disk_mb: opts.disk,
         envs: parseKv(opts.env),
         internet: opts.internet,
         volumes: parseVolumes(opts.volume),
@@ -97,8 +104,15 @@ export function machineCommands(program: Command) {
   }
 
   machines
+    .command("cp <src> <dst>")
+    .description("Copy a file between a machine and here, as docker cp: one side is <machine id>:<path>, the other a local path or - (stdin/stdout)")
+    .action(async (src: string, dst: string) => {
+      await copy(apiClient(), src, dst);
+    });
+
+  machines
     .command("shell <id>")
-    .description("Open an interactive terminal in a machine (reconnects after a dropped connection)")
+    .description("Open an interactive terminal in a machine (reconnects after a dropped connection); with piped stdin, run the commands it carries")
     .option("-u, --user <user>")
     .option("-c, --cmd <cmd>", "program to run instead of the user's login shell")
     .action(async (id: string, opts: { user?: string; cmd?: string }) => {
