@@ -1,6 +1,7 @@
 // Machine lifecycle: create from a template, hibernate, resume, update, destroy, expire — each state change
 // written with its lifecycle event in one transaction — and adoption of live machines after a restart.
 
+import { BASE_USER } from "../builder/base-template.ts";
 import { EventEmitter } from "node:events";
 import { createKeyedLock } from "./keyed-lock.ts";
 import type { Db, MachineRow, MachineUpdate } from "../store/schema.ts";
@@ -26,7 +27,7 @@ export type MachineStatus = (typeof MACHINE_STATUSES)[number];
 export const LIFECYCLE_OPERATIONS = ["create", "update", "hibernate", "resume", "destroy"] as const;
 export type LifecycleOperation = (typeof LIFECYCLE_OPERATIONS)[number];
 
-export const MACHINE_DEFAULTS = { user: "user", timeoutS: 300, vcpus: 1, memoryMb: 1024, diskMb: DEFAULT_DISK_MB, internet: true } as const;
+export const MACHINE_DEFAULTS = { user: BASE_USER, timeoutS: 300, vcpus: 1, memoryMb: 1024, diskMb: DEFAULT_DISK_MB, internet: true } as const;
 /** Schema bounds; the host's own size and KILN_MAX_DISK_MB narrow them further at admission. */
 export const MACHINE_LIMITS = { maxTimeoutS: 7 * 24 * 3600, maxVcpus: 64, minMemoryMb: 64, maxMemoryMb: 262_144, minDiskMb: 128, maxDiskMb: 16 * 1024 * 1024, maxCidrs: 256 } as const;
 
