@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql util-linux openssh-server e2fsprogs inotify-tools nftables)
+PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql util-linux openssh-server e2fsprogs inotify-tools nftables curl jq)
 # openssh-server: the git tests start their own sshd (own config and port on 127.0.0.1) as an SSH git remote.
 # Image imports and Dockerfile builds: xattrs on layer dirs (attr), the embedded Dockerfile builder (buildah), and
 # what the tests and benchmarks run against (a loopback registry with bcrypt htpasswd, skopeo as the baseline).

@@ -67,7 +67,7 @@ function fragment(url: string): [string, string | undefined] {
 }
 
 /**
- * The flags that each add one declarative step (DESIGN.md's 15 kinds; docs/builds.md lists their fields), in the
+ * The flags that each add one declarative step (the 15 kinds; docs/builds.md lists their fields), in the
  * order they are given on the command line. Repeated --env, --apt, --pip and --npm in a row make one step.
  */
 const STEP_FLAGS: { flags: string; help: string; step: (v: string, last: any) => Record<string, unknown> | null }[] = [
