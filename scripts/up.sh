@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql util-linux openssh-server e2fsprogs inotify-tools nftables xfsprogs)
+PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql util-linux openssh-server e2fsprogs inotify-tools nftables xfsprogs curl jq)
 # chromium: the console's tests and benchmarks drive the web console in real headless Chromium (puppeteer-core).
 PACKAGES+=(chromium)
 # python3: the Python SDK (sdk/python, standard library only) is tested with Debian's own interpreter.

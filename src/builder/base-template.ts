@@ -13,6 +13,8 @@ import { HOST_ID_BASE } from "../runtime/oci/idmap.ts";
 
 /** Bump when the recipe below changes: a new version is a new cache entry (and a new artifact). */
 export const BASE_TEMPLATE_VERSION = "bookworm-2";
+/** The account every base-template machine runs as unless told otherwise (uid 1000, home /home/user). */
+export const BASE_USER = "user";
 export const BASE_PACKAGES = ["ca-certificates", "curl", "git", "openssh-client", "python3", "python3-pip", "python3-venv", "python3-ipykernel", "python-is-python3", "procps"];
 
 export interface BaseTemplate {

@@ -9,13 +9,16 @@ export class BuildFailure extends KilnError {
   readonly stepIndex: number | undefined;
   readonly retryable: boolean;
   readonly suggestedAction: string;
+  /** Goes to the terminal entry's error_detail.details (a failed step's last lines of output), never to the record. */
+  readonly details: Record<string, unknown> | undefined;
 
-  constructor(message: string, opts: { phase: BuildPhase; stepIndex?: number; retryable?: boolean; suggestedAction?: string; cause?: unknown }) {
+  constructor(message: string, opts: { phase: BuildPhase; stepIndex?: number; retryable?: boolean; suggestedAction?: string; details?: Record<string, unknown>; cause?: unknown }) {
     super("build_error", message, { cause: opts.cause });
     this.phase = opts.phase;
     this.stepIndex = opts.stepIndex;
     this.retryable = opts.retryable ?? false;
     this.suggestedAction = opts.suggestedAction ?? (this.retryable ? "retry the build" : "fix the step and build again");
+    this.details = opts.details;
   }
 }
 

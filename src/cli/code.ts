@@ -1,4 +1,4 @@
-// `kiln code run|contexts|rm`: the code interpreter for people. `run` streams an execute's frames as they come:
+// `kiln code run|create|contexts|rm`: the code interpreter for people. `run` streams an execute's frames as they come:
 // stdout and results to stdout, stderr and errors to stderr, and exits non-zero when the execute did not end ok.
 
 import type { Command } from "commander";
@@ -25,7 +25,7 @@ export function codeCommands(program: Command) {
     .argument("<machine>")
     .argument("[code]")
     .option("-l, --language <language>", "python or javascript: that language's default context")
-    .option("-c, --context <ctx_id>", "a context made with the API")
+    .option("-c, --context <ctx_id>", "a context made with kiln code create (or the API)")
     .option("--timeout <seconds>", "interrupt the execution after this many seconds", (v) => Number(v))
     .action(async (machine: string, text: string | undefined, opts: { language?: string; context?: string; timeout?: number }) => {
       const client = apiClient();
@@ -55,6 +55,18 @@ export function codeCommands(program: Command) {
         }
       }
       if (status !== "ok") process.exitCode = 1;
+    });
+
+  code
+    .command("create")
+    .description("Create a context (its own kernel, whose state persists across runs) and print its id")
+    .argument("<machine>")
+    .option("-l, --language <language>", "python or javascript", "python")
+    .option("--cwd <dir>", "the kernel's working directory")
+    .option("--json", "print the whole record")
+    .action(async (machine: string, opts: { language: string; cwd?: string; json?: boolean }) => {
+      const ctx = await apiClient().call<{ id: string }>("POST", `/v1/machines/${machine}/code/contexts`, { language: opts.language, cwd: opts.cwd });
+      process.stdout.write(opts.json ? JSON.stringify(ctx, null, 2) + "\n" : ctx.id + "\n");
     });
 
   code

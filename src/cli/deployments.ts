@@ -3,6 +3,7 @@
 
 import type { Command } from "commander";
 import { apiClient, listAll } from "./client.ts";
+import type { ApiClient } from "./client.ts";
 
 const collect = (v: string, prev: string[] = []) => [...prev, v];
 
@@ -122,12 +123,16 @@ export function deploymentCommands(program: Command) {
 
   deployments
     .command("logs <id> <service_id>")
-    .description("Print a service's recent output")
+    .description("Print a service's recent output; -f keeps printing what it writes next")
     .option("--tail <bytes>", "at most this many bytes", (v) => Number(v))
-    .action(async (id: string, serviceId: string, opts: { tail?: number }) => {
+    .option("-f, --follow", "keep printing new output (every 0.5 s) until Ctrl-C")
+    .action(async (id: string, serviceId: string, opts: { tail?: number; follow?: boolean }) => {
+      const client = apiClient();
+      const path = `/v1/agent-deployments/${id}/services/${serviceId}/logs`;
       const q = opts.tail === undefined ? "" : `?tail_bytes=${opts.tail}`;
-      const logs = await apiClient().call<{ output: string }>("GET", `/v1/agent-deployments/${id}/services/${serviceId}/logs${q}`);
-      process.stdout.write(logs.output);
+      const first = await client.call<ServiceLogs>("GET", path + q);
+      process.stdout.write(first.output);
+      if (opts.follow) await followLogs(client, path, first.total_bytes);
     });
 
   deployments
@@ -156,4 +161,33 @@ export function deploymentCommands(program: Command) {
         process.stdout.write(`${id} deleted\n`);
       }
     });
+}
+
+interface ServiceLogs {
+  output: string;
+  total_bytes: number;
+  truncated: boolean;
+}
+
+/** The service keeps its last 256 KiB and a running byte count: what it wrote since `seen` is the tail past it. */
+const LOG_RING_BYTES = 262144;
+const FOLLOW_INTERVAL_MS = 500;
+
+async function followLogs(client: ApiClient, path: string, seen: number): Promise<never> {
+  for (;;) {
+    await new Promise((r) => setTimeout(r, FOLLOW_INTERVAL_MS));
+    const head = await client.call<ServiceLogs>("GET", `${path}?tail_bytes=0`);
+    if (head.total_bytes === seen) continue;
+    const now = await client.call<ServiceLogs>("GET", `${path}?tail_bytes=${LOG_RING_BYTES}`);
+    const bytes = Buffer.from(now.output, "utf8");
+    if (now.total_bytes < seen) {
+      // A new process (a restart or a new machine) starts its count again: all it wrote is new.
+      process.stdout.write(bytes);
+    } else {
+      const fresh = now.total_bytes - seen;
+      if (fresh > bytes.length) process.stderr.write(`kiln: [${fresh - bytes.length} bytes of output went by unseen]\n`);
+      process.stdout.write(bytes.subarray(Math.max(0, bytes.length - fresh)));
+    }
+    seen = now.total_bytes;
+  }
 }

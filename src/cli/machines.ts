@@ -3,6 +3,8 @@
 import type { Command } from "commander";
 import { apiClient, fail, listAll } from "./client.ts";
 import { openShell } from "./shell.ts";
+import { streamExec } from "./exec-stream.ts";
+import { copy } from "./copy.ts";
 import type { MachineView } from "../services/machines.ts";
 
 function parseKv(list: string[] | undefined): Record<string, string> | undefined {
@@ -39,12 +41,18 @@ export function machineCommands(program: Command) {
     .option("-e, --env <KEY=VALUE>", "environment variable (repeatable)", collect)
     .option("--no-internet", "no outbound network")
     .option("-v, --volume <vol_id:/path[:ro]>", "mount a volume (repeatable)", collect)
+    .option("--vcpus <n>", "vCPUs", (v) => Number(v))
+    .option("--memory <mb>", "memory in MiB", (v) => Number(v))
+    .option("--disk <mb>", "size of the machine's writable disk in MiB", (v) => Number(v))
     .option("--json", "print the whole record")
-    .action(async (opts: { template: string; name?: string; timeout?: number; env?: string[]; internet: boolean; volume?: string[]; json?: boolean }) => {
+    .action(async (opts: { template: string; name?: string; timeout?: number; env?: string[]; internet: boolean; volume?: string[]; vcpus?: number; memory?: number; disk?: number; json?: boolean }) => {
       const m = await apiClient().call<MachineView>("POST", "/v1/machines", {
         template: opts.template,
         name: opts.name,
         timeout_s: opts.timeout,
+        vcpus: opts.vcpus,
+        memory_mb: opts.memory,
+        disk_mb: opts.disk,
         envs: parseKv(opts.env),
         internet: opts.internet,
         volumes: parseVolumes(opts.volume),
@@ -96,8 +104,15 @@ export function machineCommands(program: Command) {
   }
 
   machines
+    .command("cp <src> <dst>")
+    .description("Copy a file between a machine and here, as docker cp: one side is <machine id>:<path>, the other a local path or - (stdin/stdout)")
+    .action(async (src: string, dst: string) => {
+      await copy(apiClient(), src, dst);
+    });
+
+  machines
     .command("shell <id>")
-    .description("Open an interactive terminal in a machine (reconnects after a dropped connection)")
+    .description("Open an interactive terminal in a machine (reconnects after a dropped connection); with piped stdin, run the commands it carries")
     .option("-u, --user <user>")
     .option("-c, --cmd <cmd>", "program to run instead of the user's login shell")
     .action(async (id: string, opts: { user?: string; cmd?: string }) => {
@@ -106,22 +121,19 @@ export function machineCommands(program: Command) {
 
   machines
     .command("exec <id> <cmd...>")
-    .description("Run a command (one word: a shell line; several: program and arguments) and print its output")
+    .description("Run a command (one word: a shell line; several: program and arguments), streaming its output as it comes")
     .option("-u, --user <user>")
     .option("-w, --cwd <dir>")
     .option("-e, --env <KEY=VALUE>", "environment variable (repeatable)", collect)
-    .option("--timeout <seconds>", "kill after this many seconds", (v) => Number(v))
-    .action(async (id: string, cmd: string[], opts: { user?: string; cwd?: string; env?: string[]; timeout?: number }) => {
-      const r = await apiClient().call<{ exit_code: number | null; stdout: string; stderr: string }>("POST", `/v1/machines/${id}/exec`, {
-        cmd: cmd[0],
-        args: cmd.length > 1 ? cmd.slice(1) : undefined,
-        user: opts.user,
-        cwd: opts.cwd,
-        envs: parseKv(opts.env),
-        timeout_s: opts.timeout,
-      });
-      process.stdout.write(r.stdout);
-      process.stderr.write(r.stderr);
-      process.exitCode = r.exit_code ?? 1;
+    .option("-i, --interactive", "send this terminal's stdin to the command (as docker exec -i)")
+    .option("--timeout <seconds>", "kill the command after this many seconds, keeping its output so far (exit status 124)", (v) => Number(v))
+    .action(async (id: string, cmd: string[], opts: { user?: string; cwd?: string; env?: string[]; interactive?: boolean; timeout?: number }) => {
+      if (opts.timeout !== undefined && !(opts.timeout > 0)) fail("--timeout takes a number of seconds above 0");
+      process.exitCode = await streamExec(
+        apiClient(),
+        id,
+        { cmd: cmd[0]!, ...(cmd.length > 1 ? { args: cmd.slice(1) } : {}), user: opts.user, cwd: opts.cwd, envs: parseKv(opts.env) },
+        { timeoutS: opts.timeout, stdin: opts.interactive },
+      );
     });
 }

@@ -1,10 +1,17 @@
 // `kiln machines shell <id>`: an interactive terminal in a machine over the machine WebSocket. Raw mode, resize
 // on SIGWINCH, and after a dropped connection it reconnects to the same PTY session and replays what it missed.
+// Without a terminal on stdin (a pipe, a file, a script) the shell runs without a PTY instead, reading its commands
+// from stdin until it ends, as `docker exec -i` does.
 
 import { WebSocket } from "ws";
 import type { ApiClient } from "./client.ts";
+import { streamExec } from "./exec-stream.ts";
+
+/** A login shell where the machine has bash, else sh: what a person gets at a terminal. */
+const LOGIN_SHELL = "if command -v bash >/dev/null 2>&1; then exec bash -l; else exec sh -l; fi";
 
 export async function openShell(client: ApiClient, id: string, opts: { cmd?: string; user?: string }): Promise<number> {
+  if (!process.stdin.isTTY) return streamExec(client, id, { cmd: opts.cmd ?? LOGIN_SHELL, user: opts.user }, { stdin: true });
   const url = `${client.baseUrl.replace(/^http/, "ws")}/v1/machines/${id}/ws`;
   const stdin = process.stdin;
   const stdout = process.stdout;
@@ -31,7 +38,10 @@ export async function openShell(client: ApiClient, id: string, opts: { cmd?: str
     };
     const onResize = () => session && send({ type: "pty.resize", session_id: session.id, ...size() });
     process.on("SIGWINCH", onResize);
-    stdin.on("data", (data: Buffer) => session && send({ type: "pty.input", session_id: session.id, data_base64: data.toString("base64") }));
+    // Keys typed (or pasted) before the session exists are held, not dropped, and sent once it starts.
+    const early: Buffer[] = [];
+    const input = (data: Buffer) => send({ type: "pty.input", session_id: session!.id, data_base64: data.toString("base64") });
+    stdin.on("data", (data: Buffer) => (session ? input(data) : early.push(data)));
 
     const connect = () => {
       ws = new WebSocket(url, { headers: { authorization: `Bearer ${client.key}` } });
@@ -42,7 +52,10 @@ export async function openShell(client: ApiClient, id: string, opts: { cmd?: str
       });
       ws.on("message", (raw) => {
         const f = JSON.parse(raw.toString());
-        if (f.type === "pty.started") session = { id: f.session_id, pid: f.pid };
+        if (f.type === "pty.started") {
+          session = { id: f.session_id, pid: f.pid };
+          for (const data of early.splice(0)) input(data);
+        }
         else if (f.type === "pty.output") {
           const bytes = Buffer.from(f.data_base64, "base64");
           // Replays may overlap what we already printed: skip bytes before our offset.

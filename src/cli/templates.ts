@@ -11,6 +11,7 @@ import { createTemplateService } from "../services/templates.ts";
 import { createLogger } from "../log.ts";
 import { openStoreFor } from "../app.ts";
 import { apiClient, fail, loadConfigOrExit } from "./client.ts";
+import type { ApiClient } from "./client.ts";
 import { createProgress } from "./build-progress.ts";
 import type { LogEntry } from "../builder/log.ts";
 
@@ -39,83 +40,159 @@ interface BuildOpts {
   alias?: string;
   tag?: string[];
   baseImage?: string;
-  run?: string[];
-  apt?: string[];
-  pip?: string[];
-  env?: string[];
+  dockerfile?: string;
   buildEnv?: string[];
-  workdir?: string;
   context?: string;
-  copy?: string[];
   startCmd?: string;
   readyCmd?: string;
+  vcpus?: number;
+  memory?: number;
+  internet: boolean;
   skipCache?: boolean;
   json?: boolean;
+  dryRun?: boolean;
+}
+
+/** `a<sep>b` split at the first separator, or a clear error naming the flag. */
+function pair(flag: string, value: string, sep: string, shape: string): [string, string] {
+  const i = value.indexOf(sep);
+  if (i < 1 || i === value.length - 1) fail(`--${flag} takes ${shape}, not ${JSON.stringify(value)}`);
+  return [value.slice(0, i), value.slice(i + 1)];
+}
+
+/** `url#fragment` → the URL a server sees and the fragment (never sent over the wire, so free to carry options). */
+function fragment(url: string): [string, string | undefined] {
+  const i = url.indexOf("#");
+  return i < 0 ? [url, undefined] : [url.slice(0, i), url.slice(i + 1)];
+}
+
+/**
+ * The flags that each add one declarative step (the 15 kinds; docs/builds.md lists their fields), in the
+ * order they are given on the command line. Repeated --env, --apt, --pip and --npm in a row make one step.
+ */
+const STEP_FLAGS: { flags: string; help: string; step: (v: string, last: any) => Record<string, unknown> | null }[] = [
+  { flags: "--run <command>", help: "run step: a shell line", step: (command) => ({ type: "run", command }) },
+  { flags: "--env <KEY=VALUE>", help: "env step: baked into the template", step: (v, last) => merge(last, "env", "envs", kv([v])!) },
+  { flags: "--workdir <path>", help: "workdir step", step: (path) => ({ type: "workdir", path }) },
+  { flags: "--user <user>", help: "user step: later steps and machines run as this user", step: (user) => ({ type: "user", user }) },
+  { flags: "--copy <src:dest>", help: "copy step from the --context", step: (v) => ((([src, dest]) => ({ type: "copy", src, dest }))(pair("copy", v, ":", "src:dest"))) },
+  { flags: "--apt <package>", help: "apt_install step", step: (v, last) => merge(last, "apt_install", "packages", [v]) },
+  { flags: "--pip <package>", help: "pip_install step", step: (v, last) => merge(last, "pip_install", "packages", [v]) },
+  { flags: "--npm <package>", help: "npm_install step (in the working directory)", step: (v, last) => merge(last, "npm_install", "packages", [v]) },
+  { flags: "--npm-global <package>", help: "npm_install step with global: true", step: (v) => ({ type: "npm_install", packages: [v], global: true }) },
+  {
+    flags: "--git-clone <dest=url[#branch]>",
+    help: "git_clone step",
+    step: (v) => {
+      const [dest, rest] = pair("git-clone", v, "=", "dest=url[#branch]");
+      const [url, branch] = fragment(rest);
+      return { type: "git_clone", url, dest, ...(branch ? { branch } : {}) };
+    },
+  },
+  {
+    flags: "--download <dest=url[#sha256=hex]>",
+    help: "download step (the digest is checked when given)",
+    step: (v) => {
+      const [dest, rest] = pair("download", v, "=", "dest=url[#sha256=hex]");
+      const [url, frag] = fragment(rest);
+      if (frag !== undefined && !frag.startsWith("sha256=")) fail(`--download takes url#sha256=<hex>, not #${frag}`);
+      return { type: "download", url, dest, ...(frag ? { sha256: frag.slice("sha256=".length) } : {}) };
+    },
+  },
+  {
+    flags: "--write-file <path=content|path=@localfile>",
+    help: "write_file step",
+    step: (v) => {
+      const [path, content] = pair("write-file", v, "=", "path=content or path=@localfile");
+      return { type: "write_file", path, content: content.startsWith("@") ? readFileSync(content.slice(1), "utf8") : content };
+    },
+  },
+  { flags: "--mkdir <path>", help: "mkdir step (parents too)", step: (path) => ({ type: "mkdir", path }) },
+  { flags: "--remove <path>", help: "remove step (recursive, as rm -rf)", step: (path) => ({ type: "remove", path, recursive: true }) },
+  { flags: "--rename <src:dest>", help: "rename step", step: (v) => ((([src, dest]) => ({ type: "rename", src, dest }))(pair("rename", v, ":", "src:dest"))) },
+  { flags: "--symlink <path:target>", help: "symlink step: path becomes a link to target", step: (v) => ((([path, target]) => ({ type: "symlink", path, target }))(pair("symlink", v, ":", "path:target"))) },
+];
+
+/** Adds to the previous step when it is of the same kind (one env or package step for flags given in a row). */
+function merge(last: any, type: string, field: string, value: Record<string, string> | string[]) {
+  if (last?.type === type && !last.global) {
+    last[field] = Array.isArray(value) ? [...last[field], ...value] : { ...last[field], ...value };
+    return null;
+  }
+  return { type, [field]: value };
+}
+
+/** Puts a context file's bytes as a blob unless the server has it already. */
+async function uploadBlob(client: ApiClient, sha: string, bytes: Buffer, path: string) {
+  const head = await request(`${client.baseUrl}/v1/templates/blobs/${sha}`, { method: "HEAD", headers: { authorization: `Bearer ${client.key}` } });
+  await head.body.dump();
+  if (head.statusCode === 200) return;
+  const put = await request(`${client.baseUrl}/v1/templates/blobs/${sha}`, { method: "PUT", headers: { authorization: `Bearer ${client.key}`, "content-type": "application/octet-stream" }, body: bytes });
+  if (put.statusCode >= 300) fail(`uploading ${path} failed: ${await put.body.text()}`);
+  await put.body.dump();
 }
 
 export function templateCommands(program: Command) {
   const templates = program.command("templates").alias("t").description("Templates machines are made from");
 
-  templates
+  const steps: Record<string, unknown>[] = [];
+  const build = templates
     .command("build")
-    .description("Build a template from a JSON request (-f) and/or flags; streams the build log live, exits non-zero on failure")
-    .option("-f, --file <path>", "build request JSON (DESIGN.md field names); flags below add to it")
+    .description("Build a template from a JSON request (-f), a Dockerfile and/or step flags (applied in the order given); streams the build log live, exits non-zero on failure")
+    .option("-f, --file <path>", "build request JSON (fields in docs/builds.md; - for stdin); flags add to it")
     .option("-n, --name <name>", "template name")
     .option("--alias <alias>", "read-only alias of the template")
     .option("--tag <tag>", "tag for the artifact (repeatable; default: default)", collect)
-    .option("--base-image <ref>", "a Kiln template (local/x, local/x:tag, art_…) to build FROM")
-    .option("--env <KEY=VALUE>", "env step: baked into the template (repeatable)", collect)
-    .option("--workdir <path>", "workdir step")
-    .option("--apt <package>", "apt_install step (repeatable, one step)", collect)
-    .option("--pip <package>", "pip_install step (repeatable, one step)", collect)
-    .option("--run <command>", "run step (repeatable, in order, after the steps above)", collect)
+    .option("--base-image <ref>", "a Kiln template (local/x, local/x:tag, art_…) or an OCI image to build FROM")
+    .option("--dockerfile <path>", "build this Dockerfile (with --context as its build context)");
+  for (const f of STEP_FLAGS) {
+    build.option(f.flags, `${f.help} (repeatable)`);
+    const name = f.flags.split(" ")[0]!.slice(2);
+    build.on(`option:${name}`, (v: string) => {
+      const step = f.step(v, steps.at(-1));
+      if (step) steps.push(step);
+    });
+  }
+  build
     .option("--context <dir>", "upload every file under dir as the build context")
-    .option("--copy <src:dest>", "copy step from the context (repeatable)", collect)
     .option("--build-env <KEY=VALUE>", "visible to build steps only, never baked in (repeatable)", collect)
     .option("--start-cmd <cmd>", "started in every machine made from the template")
     .option("--ready-cmd <cmd>", "decides when start-cmd is up (default: alive for 1 s)")
+    .option("--vcpus <n>", "vCPUs of the build machine", (v) => Number(v))
+    .option("--memory <mb>", "memory (MiB) of the build machine", (v) => Number(v))
+    .option("--no-internet", "build machine without outbound network")
     .option("--skip-cache", "bypass every cache tier")
     .option("--json", "print each log entry as a JSON line")
+    .option("--dry-run", "print the build request as JSON (a file for -f) and send nothing")
     .action(async (opts: BuildOpts) => {
-      const client = apiClient();
       const body: Record<string, any> = opts.file ? JSON.parse(readFileSync(opts.file === "-" ? 0 : opts.file, "utf8")) : {};
-      const steps: unknown[] = body.steps ?? [];
-      if (opts.env) steps.push({ type: "env", envs: kv(opts.env) });
-      if (opts.workdir) steps.push({ type: "workdir", path: opts.workdir });
-      if (opts.apt) steps.push({ type: "apt_install", packages: opts.apt });
-      if (opts.pip) steps.push({ type: "pip_install", packages: opts.pip });
-      for (const c of opts.copy ?? []) {
-        const i = c.indexOf(":");
-        if (i < 1) fail(`--copy wants src:dest, not ${JSON.stringify(c)}`);
-        steps.push({ type: "copy", src: c.slice(0, i), dest: c.slice(i + 1) });
-      }
-      for (const command of opts.run ?? []) steps.push({ type: "run", command });
-      if (steps.length) body.steps = steps;
+      if (steps.length) body.steps = [...(body.steps ?? []), ...steps];
       if (opts.name) body.name = opts.name;
       if (opts.alias) body.alias = opts.alias;
       if (opts.tag) body.tags = opts.tag;
       if (opts.baseImage) body.base_image = opts.baseImage;
+      if (opts.dockerfile) body.dockerfile = readFileSync(opts.dockerfile === "-" ? 0 : opts.dockerfile, "utf8");
       if (opts.buildEnv) body.build_envs = { ...body.build_envs, ...kv(opts.buildEnv) };
       if (opts.startCmd) body.start_cmd = opts.startCmd;
       if (opts.readyCmd) body.ready_cmd = opts.readyCmd;
+      if (opts.vcpus !== undefined || opts.memory !== undefined || !opts.internet) {
+        body.vm = { ...body.vm, ...(opts.vcpus !== undefined ? { vcpus: opts.vcpus } : {}), ...(opts.memory !== undefined ? { memory_mb: opts.memory } : {}), ...(!opts.internet ? { internet: false } : {}) };
+      }
       if (opts.skipCache) body.skip_cache = true;
+      // A dry run needs no server: context files are hashed, not uploaded.
+      const client = opts.dryRun ? null : apiClient();
       if (opts.context) {
         const files = [];
         for (const path of walk(opts.context)) {
           const bytes = readFileSync(join(opts.context, path));
           const sha = createHash("sha256").update(bytes).digest("hex");
-          const head = await request(`${client.baseUrl}/v1/templates/blobs/${sha}`, { method: "HEAD", headers: { authorization: `Bearer ${client.key}` } });
-          await head.body.dump();
-          if (head.statusCode !== 200) {
-            const put = await request(`${client.baseUrl}/v1/templates/blobs/${sha}`, { method: "PUT", headers: { authorization: `Bearer ${client.key}`, "content-type": "application/octet-stream" }, body: bytes });
-            if (put.statusCode >= 300) fail(`uploading ${path} failed: ${await put.body.text()}`);
-            await put.body.dump();
-          }
+          if (client) await uploadBlob(client, sha, bytes, path);
           const mode = (statSync(join(opts.context, path)).mode & 0o777).toString(8).padStart(4, "0");
           files.push({ path, sha256: sha, mode });
         }
         body.context = { files: [...(body.context?.files ?? []), ...files] };
       }
+      if (!client) return void process.stdout.write(JSON.stringify(body, null, 2) + "\n");
       const res = await request(`${client.baseUrl}/v1/templates/build`, {
         method: "POST",
         headers: { authorization: `Bearer ${client.key}`, "content-type": "application/json", accept: "text/event-stream" },
@@ -152,7 +229,10 @@ export function templateCommands(program: Command) {
         process.stdout.write(`${artifact ?? ""}\n`);
         return;
       }
-      if (last?.kind === "error") fail(`build ${last.build_id} failed in phase ${last.error_detail?.phase ?? last.phase ?? "?"}${last.error_detail?.step_index ? ` at step ${last.error_detail.step_index}` : ""}: ${last.message}`);
+      if (last?.kind === "error") {
+        const d = last.error_detail;
+        fail(`build ${last.build_id} failed in phase ${d?.phase ?? last.phase ?? "?"}${d?.step_index ? ` at step ${d.step_index}` : ""}: ${last.message}${d?.suggested_action ? `\n  what to do: ${d.suggested_action}` : ""}`);
+      }
       fail(last?.kind === "cancelled" ? `build ${last.build_id} was cancelled` : "the build stream ended without a result");
     });
 

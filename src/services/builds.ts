@@ -393,6 +393,7 @@ export function createBuildService(deps: {
             retryable: f?.retryable ?? true,
             suggested_action: f?.suggestedAction ?? "retry the build; if it fails again, report it with the build id",
             build_id: p.buildId,
+            ...(f?.details ? { details: f.details } : {}),
           },
         });
       }

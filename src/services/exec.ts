@@ -50,11 +50,28 @@ export function createExecService(machines: MachineService) {
       if (err instanceof KilnError && err.code === "machine_not_running") throw new KilnError("machine_not_running", `Machine ${id} stopped running while the command ran`, { cause: err });
       throw err;
     });
-    if (result.timed_out) {
-      throw new KilnError("timeout", `The command did not finish within ${input.timeout_s ?? EXEC_DEFAULT_TIMEOUT_S} s and was killed`);
-    }
     const base64 = input.encoding === "base64";
     const text = (b64: string) => (base64 ? b64 : Buffer.from(b64, "base64").toString("utf8"));
+    if (result.timed_out) {
+      // Still a 504, but what the command printed before it was killed is the caller's: it rides in the envelope.
+      const seconds = input.timeout_s ?? EXEC_DEFAULT_TIMEOUT_S;
+      throw new KilnError("timeout", `The command did not finish within ${seconds} s and was killed; error_detail.details has its output so far`, {
+        detail: {
+          code: "timeout",
+          retryable: false,
+          suggested_action: "raise timeout_s, or stream the command over the machine WebSocket (kiln machines exec does)",
+          details: {
+            timed_out: true,
+            exit_code: result.exit_code,
+            signal: result.signal,
+            stdout: text(result.stdout_base64),
+            stderr: text(result.stderr_base64),
+            duration_ms: result.duration_ms,
+            ...(base64 ? { encoding: "base64" } : {}),
+          },
+        },
+      });
+    }
     return {
       exit_code: result.exit_code,
       signal: result.signal,

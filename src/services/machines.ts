@@ -1,6 +1,7 @@
 // Machine lifecycle: create from a template, hibernate, resume, update, destroy, expire — each state change
 // written with its lifecycle event in one transaction — and adoption of live machines after a restart.
 
+import { BASE_USER } from "../builder/base-template.ts";
 import { EventEmitter } from "node:events";
 import { createKeyedLock } from "./keyed-lock.ts";
 import type { Db, MachineRow, MachineUpdate } from "../store/schema.ts";
@@ -26,7 +27,7 @@ export type MachineStatus = (typeof MACHINE_STATUSES)[number];
 export const LIFECYCLE_OPERATIONS = ["create", "update", "hibernate", "resume", "destroy", "snapshot", "fork"] as const;
 export type LifecycleOperation = (typeof LIFECYCLE_OPERATIONS)[number];
 
-export const MACHINE_DEFAULTS = { user: "user", timeoutS: 300, vcpus: 1, memoryMb: 1024, diskMb: DEFAULT_DISK_MB, internet: true } as const;
+export const MACHINE_DEFAULTS = { user: BASE_USER, timeoutS: 300, vcpus: 1, memoryMb: 1024, diskMb: DEFAULT_DISK_MB, internet: true } as const;
 export const HIBERNATE_MODES = ["freeze", "disk", "memory"] as const satisfies readonly HibernateMode[];
 export const ON_TIMEOUT = ["destroy", "hibernate"] as const;
 export type OnTimeout = (typeof ON_TIMEOUT)[number];

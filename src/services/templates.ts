@@ -14,11 +14,24 @@ export interface ResolvedTemplate {
   layers: string[];
 }
 
-/** Splits `ns/name:tag`, `name:tag`, `name` into canonical ref and tag (default tag `default`). */
-export function parseTemplateRef(ref: string): { canonicalRef: string; tag: string } {
+/** Splits `ns/name:tag`, `name:tag`, `name` into canonical ref and tag (`tag` undefined when the ref names none). */
+export function parseTemplateRef(ref: string): { canonicalRef: string; tag: string | undefined } {
   const m = /^(?:([a-z0-9][a-z0-9._-]*)\/)?([a-z0-9][a-z0-9._-]*)(?::([A-Za-z0-9][A-Za-z0-9._-]*))?$/.exec(ref);
   if (!m) throw new KilnError("invalid_request", `Not a template reference: ${JSON.stringify(ref)} (use name, namespace/name, name:tag or an art_ id)`);
-  return { canonicalRef: `${m[1] ?? DEFAULT_NAMESPACE}/${m[2]}`, tag: m[3] ?? "default" };
+  return { canonicalRef: `${m[1] ?? DEFAULT_NAMESPACE}/${m[2]}`, tag: m[3] };
+}
+
+/** Tags a ref without one tries, in order, before falling back to a template's only tag. */
+export const IMPLICIT_TAGS = ["default", "latest"] as const;
+
+/**
+ * The tag a ref means: the one it names; else `default`, else `latest`, else the template's only tag. Null when
+ * that tag does not exist (or the template has several and none of the implicit ones), for the caller to say so.
+ */
+export function chooseTag(named: string | undefined, tags: string[]): string | null {
+  if (named !== undefined) return tags.includes(named) ? named : null;
+  for (const t of IMPLICIT_TAGS) if (tags.includes(t)) return t;
+  return tags.length === 1 ? tags[0]! : null;
 }
 
 export function createTemplateService(db: Db) {
@@ -40,13 +53,19 @@ export function createTemplateService(db: Db) {
           .where("template_aliases.alias_ref", "=", canonicalRef)
           .executeTakeFirst());
       if (template) {
-        artifact = await db
-          .selectFrom("artifact_tags")
-          .innerJoin("artifacts", "artifacts.id", "artifact_tags.artifact_id")
-          .selectAll("artifacts")
-          .where("artifact_tags.template_id", "=", template.id)
-          .where("artifact_tags.tag", "=", tag)
-          .executeTakeFirst();
+        const tagged = await db.selectFrom("artifact_tags").select(["tag", "artifact_id"]).where("template_id", "=", template.id).orderBy("tag").execute();
+        const chosen = chooseTag(tag, tagged.map((t) => t.tag));
+        if (chosen === null && tagged.length > 0) {
+          // The template exists: say which tags it has rather than that it does not.
+          const list = tagged.map((t) => t.tag).join(", ");
+          const message =
+            tag === undefined
+              ? `Template ${canonicalRef} has several tags and none is default or latest: name one (${list}), as ${ref}:${tagged[0]!.tag}`
+              : `Template ${canonicalRef} has no tag ${JSON.stringify(tag)}; its tags: ${list}`;
+          throw new KilnError("not_found", message, { detail: { code: "not_found", details: { template: canonicalRef, tags: tagged.map((t) => t.tag) } } });
+        }
+        const artifactId = tagged.find((t) => t.tag === chosen)?.artifact_id;
+        if (artifactId) artifact = await db.selectFrom("artifacts").selectAll().where("id", "=", artifactId).executeTakeFirst();
       }
     }
     if (!artifact) {

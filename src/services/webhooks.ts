@@ -9,6 +9,8 @@ import { SERVICE_EVENT_OPERATIONS } from "../deployments/lifecycle.ts";
 import type { LifecycleOperation } from "./machines.ts";
 import { generateSecret, secretProblem } from "../webhooks/signing.ts";
 import { addressProblem, ipLiteral } from "../webhooks/ssrf.ts";
+import type { Resolve } from "../webhooks/ssrf.ts";
+import { lookup as dnsLookup } from "node:dns";
 import type { DeliveryStatus } from "../webhooks/dispatcher.ts";
 
 export { DELIVERY_STATUSES } from "../webhooks/dispatcher.ts";
@@ -71,11 +73,18 @@ export type DeliveryView = ReturnType<typeof deliveryView>;
 
 type Page<T> = { items: T[]; last?: [string, string]; more: boolean };
 
-export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rotationGraceMs: number; wake: () => void }) {
+/** A create or update waits at most this long on DNS to judge a receiver's name; past it the name is taken as is. */
+const NAME_CHECK_TIMEOUT_MS = 3_000;
+
+export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rotationGraceMs: number; wake: () => void; resolve?: Resolve }) {
   const { db } = deps;
 
-  /** http(s) only, no credentials in it, and an IP literal must be one a delivery could reach. */
-  function checkUrl(raw: string): string {
+  /**
+   * http(s) only, no credentials in it, and judged as a delivery judges it: an IP literal, and every address a name
+   * resolves to now (`localhost` is 127.0.0.1), must be one a delivery may reach. A name that does not resolve yet
+   * is accepted: its deliveries fail and retry until it does, as they would for a receiver that goes away later.
+   */
+  async function checkUrl(raw: string): Promise<string> {
     let url: URL;
     try {
       url = new URL(raw);
@@ -85,9 +94,26 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
     if (url.protocol !== "http:" && url.protocol !== "https:") throw new KilnError("invalid_request", `url must be http or https, not ${url.protocol.replace(/:$/, "")}`);
     if (url.username || url.password) throw new KilnError("invalid_request", "url must not carry credentials (user:password@); put a token in the path or query, or verify signatures");
     const literal = ipLiteral(url.hostname);
-    const problem = literal ? addressProblem(literal, deps.allowPrivate) : null;
+    const problem = literal ? addressProblem(literal, deps.allowPrivate) : await nameProblem(url.hostname);
     if (problem) throw new KilnError("invalid_request", `url is not allowed: ${problem}`);
     return url.toString();
+  }
+
+  /** What a delivery's guarded lookup would refuse about this name's addresses now, or null. */
+  function nameProblem(hostname: string): Promise<string | null> {
+    const resolve = deps.resolve ?? (dnsLookup as unknown as Resolve);
+    return new Promise((done) => {
+      const timer = setTimeout(() => done(null), NAME_CHECK_TIMEOUT_MS);
+      resolve(hostname, { all: true }, (err, addresses) => {
+        clearTimeout(timer);
+        if (err) return done(null);
+        for (const a of addresses) {
+          const problem = addressProblem(a.address, deps.allowPrivate);
+          if (problem) return done(`${hostname}: ${problem}`);
+        }
+        done(null);
+      });
+    });
   }
 
   function checkOperations(ops: string[]): string {
@@ -111,7 +137,7 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
 
   /** The new record, and the signing secret when Kiln made it (shown in this one response only). */
   async function create(input: CreateWebhookInput): Promise<WebhookView & { signing_secret?: string }> {
-    const url = checkUrl(input.url);
+    const url = await checkUrl(input.url);
     const operations = checkOperations(input.operations);
     const generated = input.signing_secret === undefined ? generateSecret() : undefined;
     const secret = generated ?? checkSecret(input.signing_secret!);
@@ -148,7 +174,7 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
   /** A new signing_secret rotates: the old one keeps signing beside it for the grace period. */
   async function update(id: string, input: UpdateWebhookInput): Promise<WebhookView> {
     const set: Partial<WebhookRow> = {};
-    if (input.url !== undefined) set.url = checkUrl(input.url);
+    if (input.url !== undefined) set.url = await checkUrl(input.url);
     if (input.operations !== undefined) set.operations_json = checkOperations(input.operations);
     if (input.enabled !== undefined) set.enabled = input.enabled ? 1 : 0;
     const secret = input.signing_secret === undefined ? undefined : checkSecret(input.signing_secret);

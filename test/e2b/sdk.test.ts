@@ -289,8 +289,12 @@ test("the README's three variables are all the SDK needs", async () => {
   }
 });
 
-test("getHost(port) reaches a server in the sandbox through Kiln, with the sandbox's token", async () => {
-  const token = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
+test("getHost(port) reaches a server in the sandbox through Kiln, with the SDK's traffic token", async () => {
+  // The SDK fills sbx.trafficAccessToken from Kiln's answer, as from E2B's: that is the token getHost traffic needs.
+  const token = sbx.trafficAccessToken!;
+  assert.ok(token, "sbx.trafficAccessToken is set");
+  const connected = await Sandbox.connect(sbx.sandboxId, opts);
+  assert.equal(connected.trafficAccessToken, token, "connect fills it too");
   await sbx.files.write("/tmp/site/index.html", "<h1>served from the sandbox</h1>");
   const server = await sbx.commands.run("cd /tmp/site && exec python3 -m http.server 8000 --bind 127.0.0.1", { background: true });
   const host = sbx.getHost(8000);

@@ -97,11 +97,15 @@ test("Retry-After as seconds or an HTTP date", () => {
   assert.equal(parseRetryAfter(undefined, now), 0);
 });
 
-test("SSRF: a receiver name resolving to loopback is refused at delivery time unless private addresses are allowed", async () => {
+test("SSRF: a receiver name resolving to loopback is refused at create, as at delivery time, unless private addresses are allowed", async () => {
   const strict = service(false);
-  await assert.rejects(strict.create({ url: `${rx.url}/literal`, operations: ["create"] }), /private or loopback/);
+  await assert.rejects(strict.create({ url: `${rx.url}/literal`, operations: ["create"] }), /private or loopback \(127\.0\.0\.0\/8\); set KILN_WEBHOOK_ALLOW_PRIVATE=1/);
   const port = new URL(rx.url).port;
-  const hook = await strict.create({ url: `http://localhost:${port}/by-name`, operations: ["create"] });
+  // `localhost` is judged by what it resolves to, with the same message as the literal address.
+  await assert.rejects(strict.create({ url: `http://localhost:${port}/by-name`, operations: ["create"] }), /url is not allowed: localhost: the receiver address 127\.0\.0\.1 is private or loopback \(127\.0\.0\.0\/8\); set KILN_WEBHOOK_ALLOW_PRIVATE=1/);
+  const hook = await strict.create({ url: `http://no-such-receiver.invalid:${port}/later`, operations: ["create"] }).then(
+    async (later) => (await strict.remove(later.id), service(true).create({ url: `http://localhost:${port}/by-name`, operations: ["create"] })),
+  );
   const d = dispatcher({ allowPrivate: false });
   await d.start();
   try {

@@ -160,7 +160,7 @@ export function validateDockerfileBuild(
 let defaultEgress: Egress | undefined;
 
 /** Runs the build and imports its image; the builder's storage, its sandbox and every secret file are gone when this returns. */
-export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers> {
+export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers & { userIds?: { uid: number; gid: number } }> {
   const { text, hosts } = validateDockerfileBuild(b);
   await mkdir(b.scratchParent, { recursive: true });
   await chmod(b.scratchParent, 0o711);

@@ -74,3 +74,22 @@ export function externalFroms(images: DockerfileImages): DockerfileImages["froms
   }
   return out;
 }
+
+/**
+ * The image the built stage (the last, or `target`) finally stands on, following stage aliases down to a FROM that
+ * names an image: null for `scratch`, a variable, or a stage that cannot be found.
+ */
+export function finalStageBase(images: DockerfileImages, target?: string): string | null {
+  const { froms } = images;
+  let at = target ? froms.findIndex((f) => f.alias === target.toLowerCase()) : froms.length - 1;
+  for (let hops = 0; at >= 0 && hops <= froms.length; hops++) {
+    const image = froms[at]!.image;
+    // An earlier stage by alias (or by index) is followed; anything else is the image itself.
+    const byAlias = froms.slice(0, at).findLastIndex((f) => f.alias === image.toLowerCase());
+    const byIndex = /^\d+$/.test(image) && Number(image) < at ? Number(image) : -1;
+    const next = byAlias >= 0 ? byAlias : byIndex;
+    if (next < 0) return image.toLowerCase() === "scratch" || image.includes("$") ? null : image;
+    at = next;
+  }
+  return null;
+}

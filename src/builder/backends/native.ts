@@ -19,6 +19,7 @@ import type { LayerCache } from "../cache/layers.ts";
 import { selectContext } from "../context.ts";
 import type { ContextFile } from "../context.ts";
 import { BuildCancelled, BuildFailure } from "../failure.ts";
+import { judgeStepExit, LastLines } from "../step-exit.ts";
 
 /** Real bounds (KILN_BUILD_STEP_TIMEOUT_S, KILN_BUILD_TIMEOUT_S, as for Dockerfile builds): a command that hangs does not hold a build machine forever. */
 export const NATIVE_TIMEOUTS = { stepMs: 3_600_000, buildMs: 14_400_000 };
@@ -67,7 +68,14 @@ function inputDigests(step: PlannedStep, context: ContextFile[]): string[] {
   return out;
 }
 
-class TransientError extends Error {}
+/** A failure another attempt may fix; `failure` is what to answer when no attempt is left. */
+class TransientError extends Error {
+  readonly failure: BuildFailure | undefined;
+  constructor(message: string, failure?: BuildFailure) {
+    super(message);
+    this.failure = failure;
+  }
+}
 
 export function createNativeBackend(deps: { driver: MachineDriver; layerCache: LayerCache; layersDir: string; log: Logger; timeouts?: { stepMs: number; buildMs: number } }): BuildBackend {
   const { driver, layerCache } = deps;
@@ -144,17 +152,26 @@ export function createNativeBackend(deps: { driver: MachineDriver; layerCache: L
       for (const ins of step.instructions) {
         if (ctx.signal.aborted) throw new BuildCancelled();
         if (ins.op === "RUN") {
+          const last = new LastLines();
           const code = await runScript(
             agent,
             ins.script,
             { cwd: config.workingDir ?? "/", user: config.user ?? "root", envs: { ...config.env, ...ctx.buildEnvs } },
-            (line) => ctx.log({ kind: "message", phase: "step", message: line, ...common }),
+            (line) => {
+              last.push(line);
+              ctx.log({ kind: "message", phase: "step", message: line, ...common });
+            },
             ctx.signal,
           );
           if (code !== 0) {
-            const msg = `step ${step.index} (${step.description}) exited with code ${code}`;
-            if (step.transient) throw new TransientError(msg);
-            throw new BuildFailure(msg, { phase: "step", stepIndex: step.index, suggestedAction: "fix the command of this step and build again" });
+            // Only a fetch that the network let down is tried again; the step's own failure would fail the same way.
+            const lines = last.get();
+            const judged = judgeStepExit(step.transient, lines);
+            const tail = lines.at(-1);
+            const msg = `step ${step.index}/${ctx.steps.length} (${step.description}) exited with code ${code}${tail ? `: ${tail}` : ""}`;
+            const failure = new BuildFailure(msg, { phase: "step", stepIndex: step.index, retryable: judged.retryable, suggestedAction: judged.suggestedAction, details: { exit_code: code, last_lines: lines } });
+            if (judged.retryable) throw new TransientError(msg, failure);
+            throw failure;
           }
         } else if (ins.op === "COPY") {
           await copyIn(agent, ins, config, ctx.context, step.index);
@@ -239,7 +256,8 @@ export function createNativeBackend(deps: { driver: MachineDriver; layerCache: L
             }
             if (ctx.signal.aborted) throw new BuildCancelled();
             if (attempt >= ctx.maxAttempts) {
-              throw new BuildFailure(`${err.message} (after ${attempt} attempts)`, { phase: "step", stepIndex: step.index, retryable: true });
+              const f = err.failure;
+              throw new BuildFailure(`${err.message} (after ${attempt} attempts)`, { phase: "step", stepIndex: step.index, retryable: true, suggestedAction: f?.suggestedAction, details: f?.details });
             }
             ctx.log({ kind: "retry", level: "warn", phase: "retry", message: `${err.message}; trying step ${step.index} again`, ...common, attempt: attempt + 1, max_attempts: ctx.maxAttempts });
           }

@@ -6,7 +6,7 @@ import type { ImportEvents } from "./types.ts";
 /** The slice of the build pipeline's log entry an import emits (structurally the pipeline's LogInput). */
 export interface ImportLogEntry {
   kind: "message" | "cache";
-  phase: "preparing" | "cache";
+  phase: "preparing" | "cache" | "finalize";
   message: string;
   level?: "debug" | "info";
   cache_layer?: "layer";

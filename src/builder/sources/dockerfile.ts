@@ -7,6 +7,8 @@ import { buildDockerfile, sweepDockerfileBuilds, validateDockerfileBuild } from 
 import type { ContextFileInput, RegistryCredentialInput } from "../backends/buildkit.ts";
 import { importLogEvents } from "../oci/events.ts";
 import type { ImportLogEntry } from "../oci/events.ts";
+import { dockerfileImages, finalStageBase } from "../backends/dockerfile-images.ts";
+import { BASE_USER } from "../base-template.ts";
 import type { BaseImageAuth } from "../oci/auth.ts";
 import type { ImportLimits } from "../oci/limits.ts";
 import type { SourceLayers } from "../oci/types.ts";
@@ -137,7 +139,33 @@ export function createDockerfileSource(deps: DockerfileSourceDeps) {
         signal: call.signal,
         ...events,
       });
-      return { ...out, digest: dockerfileSourceDigest(req) };
+      const config = { ...out.config, user: await machineUser(req, out, call) };
+      return { ...out, config, digest: dockerfileSourceDigest(req) };
     },
   };
+}
+
+/**
+ * Who machines from a Dockerfile template run as: the image's USER when it has one (the Dockerfile's, or the one
+ * its FROM image set); with none at all, a Dockerfile on a Kiln template keeps that template's user (`user` for
+ * local/base, whose RUN steps still ran as root, as the image has no USER), and on any other image it is root, as
+ * container runtimes run it. The build log says which, and why.
+ */
+async function machineUser(
+  req: DockerfileRequest,
+  out: SourceLayers & { userIds?: unknown },
+  call: { log?: (entry: ImportLogEntry) => void; resolveTemplate?: (name: string) => Promise<SourceLayers | undefined> },
+): Promise<string | undefined> {
+  let user: string | undefined = out.config.user;
+  let why = `the image's USER`;
+  if (!out.userIds) {
+    const base = req.dockerfile ? finalStageBase(dockerfileImages(req.dockerfile), req.target) : null;
+    const template = base ? await call.resolveTemplate?.(base) : undefined;
+    if (template) {
+      user = template.config.user;
+      why = `the Dockerfile sets no USER, so machines keep the user of template ${base}`;
+    } else why = "the image sets no USER, so machines run as root, as container runtimes run it; add USER to change it";
+  }
+  call.log?.({ kind: "message", phase: "finalize", message: `machines from this template run as ${JSON.stringify(user ?? BASE_USER)} (${why})` });
+  return user;
 }

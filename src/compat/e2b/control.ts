@@ -90,8 +90,15 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
 
   const domainFor = (req: FastifyRequest) => deps.domain ?? req.headers.host ?? "localhost";
 
+  // E2B hands out a traffic token for a sandbox's non-public ports (getHost). Kiln's port route takes the sandbox's
+  // envd token there, so both fields carry it: the SDK's `sbx.trafficAccessToken` is set as E2B sets it.
+  const tokens = (m: MachineView, req: FastifyRequest) => {
+    const token = deps.tokenOf(m.id, req.apiKeyId!);
+    return { envdAccessToken: token, trafficAccessToken: token };
+  };
+
   function created(m: MachineView, req: FastifyRequest) {
-    return { sandboxID: m.id, templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, envdAccessToken: deps.tokenOf(m.id, req.apiKeyId!), domain: domainFor(req) };
+    return { sandboxID: m.id, templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, ...tokens(m, req), domain: domainFor(req) };
   }
 
   function listed(m: MachineView) {
@@ -113,7 +120,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   }
 
   function detail(m: MachineView, req: FastifyRequest) {
-    return { ...listed(m), allowInternetAccess: m.internet, envdAccessToken: deps.tokenOf(m.id, req.apiKeyId!), domain: domainFor(req) };
+    return { ...listed(m), allowInternetAccess: m.internet, ...tokens(m, req), domain: domainFor(req) };
   }
 
   async function create(req: FastifyRequest) {
