@@ -29,6 +29,7 @@ const MACHINE_SUITES = [
   "test/security/machine-root.test.ts",
   "test/security/attack-builds.test.ts",
   "test/security/attack-files.test.ts",
+  "test/security/attack-deployments.test.ts",
 ];
 
 const started = Date.now();
