@@ -33,6 +33,8 @@ const MACHINE_SUITES = [
   "test/security/machine-root.test.ts",
   "test/security/attack-builds.test.ts",
   "test/security/attack-files.test.ts",
+  "test/security/attack-deployments.test.ts",
+  "test/security/attack-kernels.test.ts",
 ];
 
 const started = Date.now();

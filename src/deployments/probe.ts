@@ -12,7 +12,7 @@ export interface ProbeSpec {
 
 export type ProbeResult = { ok: true; kind: "tcp" | "http"; status?: number; ms: number } | { ok: false; kind: "tcp" | "http"; status?: number; error: string; ms: number };
 
-export async function probe(connect: (port: number) => Promise<Socket>, spec: ProbeSpec): Promise<ProbeResult> {
+export async function probe(connect: (port: number, timeoutMs: number) => Promise<Socket>, spec: ProbeSpec): Promise<ProbeResult> {
   const kind = spec.path ? "http" : "tcp";
   const started = performance.now();
   const ms = () => Math.round((performance.now() - started) * 100) / 100;
@@ -21,8 +21,10 @@ export async function probe(connect: (port: number) => Promise<Socket>, spec: Pr
   const deadline = new Promise<never>((_, reject) => {
     timer = setTimeout(() => reject(new Error(`no answer within ${spec.timeoutMs} ms`)), spec.timeoutMs);
   });
+  // The tunnel's own bound is the probe's: connections a service never completes do not pile up between probes.
+  const connecting = connect(spec.port, spec.timeoutMs);
   try {
-    socket = await Promise.race([connect(spec.port), deadline]);
+    socket = await Promise.race([connecting, deadline]);
     if (!spec.path) return { ok: true, kind, ms: ms() };
     const status = await Promise.race([httpStatus(socket, spec.port, spec.path), deadline]);
     if (status >= 200 && status < 400) return { ok: true, kind, status, ms: ms() };
@@ -32,6 +34,9 @@ export async function probe(connect: (port: number) => Promise<Socket>, spec: Pr
   } finally {
     clearTimeout(timer);
     socket?.destroy();
+    // A tunnel that opens after the deadline is closed too: a service that accepts late must not leave the server
+    // one open connection per probe.
+    connecting.then((late) => late.destroy(), () => undefined);
   }
 }
 

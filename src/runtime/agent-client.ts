@@ -142,8 +142,8 @@ export interface AgentClient {
   remove(path: string, recursive: boolean): Promise<{ removed: true }>;
   move(src: string, dest: string, user?: string): Promise<FileInfo>;
   user(name: string): Promise<UserInfo>;
-  /** A byte stream to a TCP port a process listens on inside the machine (HTTP CONNECT through the agent). */
-  connectPort(port: number): Promise<Socket>;
+  /** A byte stream to a TCP port a process listens on inside the machine (HTTP CONNECT through the agent), within `timeoutMs` (at most headersMs). */
+  connectPort(port: number, timeoutMs?: number): Promise<Socket>;
   /** Starts a supervised service process (an id the agent already runs answers its state). */
   startService(req: ServiceStartRequest): Promise<ServiceState>;
   serviceState(id: string): Promise<ServiceState>;
@@ -275,11 +275,12 @@ export function createAgentClient(socketPath: string): AgentClient {
     remove: (path: string, recursive: boolean) => json<{ removed: true }>("DELETE", `/files?${q({ path, recursive })}`),
     move: (src: string, dest: string, user?: string) => json<FileInfo>("POST", "/files/move", { src, dest, user }),
     user: (name: string) => json<UserInfo>("GET", `/users/${encodeURIComponent(name)}`),
-    connectPort(port: number): Promise<Socket> {
+    connectPort(port: number, timeoutMs: number = L.headersMs): Promise<Socket> {
+      const bound = Math.min(timeoutMs, L.headersMs);
       return new Promise((resolve, reject) => {
         const req = httpRequest({ socketPath, method: "CONNECT", path: `127.0.0.1:${port}`, agent: false });
         // Only the answer to CONNECT is bounded here: the byte stream after it lives as long as its users want.
-        const timer = setTimeout(() => req.destroy(tooSlow(L.headersMs)), L.headersMs).unref();
+        const timer = setTimeout(() => req.destroy(tooSlow(bound)), bound).unref();
         req.once("close", () => clearTimeout(timer));
         req.once("connect", (res, socket, head) => {
           clearTimeout(timer);

@@ -261,7 +261,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       }
       const stored = JSON.parse(row.readiness_json) as ReadinessDetail;
       const result =
-        state?.status === "running" ? await probe((port) => agent.connectPort(port), { port: row.port, path: readiness.path, timeoutMs: readiness.timeout_s * 1000 }) : null;
+        state?.status === "running" ? await probe((port, timeoutMs) => agent.connectPort(port, timeoutMs), { port: row.port, path: readiness.path, timeoutMs: readiness.timeout_s * 1000 }) : null;
       const next = assess({ status: row.status as ServiceStatus, pid: row.process_id, detail: { ...stored, ...live.get(id) }, state, probe: result, path: readiness.path, now: new Date().toISOString() });
       if (next.failure !== null) {
         await transition(id, { readiness_json: JSON.stringify(next.detail), process_id: null });

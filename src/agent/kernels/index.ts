@@ -62,6 +62,9 @@ class Kernel {
   private queue: Promise<unknown> = Promise.resolve();
   private exited: Promise<void> = Promise.resolve();
   private stderrTail = "";
+  /** The pipes the kernel's frames and output arrive on: not read while the caller's side is full. */
+  private outputs: NodeJS.ReadableStream[] = [];
+  private held = false;
   dead = false;
 
   constructor(spec: CodeContextCreate) {
@@ -87,6 +90,7 @@ class Kernel {
     this.stderrTail = "";
     this.exited = new Promise((resolve) => child.once("close", () => resolve()));
     const protocol = this.info.language === "python" ? child.stdout! : (child.stdio[3] as NodeJS.ReadableStream);
+    this.outputs = this.info.language === "python" ? [protocol] : [protocol, child.stdout!, child.stderr!];
     const ready = new Promise<void>((resolve, reject) => {
       const timer = setTimeout(() => reject(new AgentFailure("timeout", "The kernel did not start within 60 s")), START_TIMEOUT_MS);
       const lines = createInterface({ input: protocol });
@@ -133,6 +137,22 @@ class Kernel {
       await this.stop();
       throw err;
     }
+  }
+
+  /**
+   * The caller is not keeping up: the kernel's pipes are not read until `drained` settles, so the kernel waits on its
+   * own writes instead of the agent holding its output (the agent is out of the OOM killer's way: its growth would
+   * take the whole machine down). Python's own stderr tail is not held: it is kept to 4000 characters.
+   */
+  holdOutput(drained: Promise<unknown>) {
+    if (this.held) return;
+    this.held = true;
+    const streams = this.outputs;
+    for (const s of streams) s.pause();
+    void drained.finally(() => {
+      this.held = false;
+      for (const s of streams) s.resume();
+    });
   }
 
   private command(cmd: Record<string, unknown>) {
@@ -274,6 +294,19 @@ export async function stopAllKernels(): Promise<void> {
   defaults.clear();
 }
 
+/** Settles when `res` can take more, or will take nothing more. */
+function drainedOrClosed(res: ServerResponse): Promise<void> {
+  return new Promise((resolve) => {
+    const done = () => {
+      res.off("drain", done);
+      res.off("close", done);
+      resolve();
+    };
+    res.on("drain", done);
+    res.on("close", done);
+  });
+}
+
 type Json = (req: IncomingMessage) => Promise<Record<string, any>>;
 type Send = (res: ServerResponse, status: number, body: unknown) => void;
 
@@ -327,8 +360,10 @@ export async function handleCode(req: IncomingMessage, res: ServerResponse, path
     });
     res.writeHead(200, { "content-type": "application/x-ndjson", "x-kiln-context-id": kernel.info.id });
     res.flushHeaders();
+    const running = kernel;
     await kernel.execute(body.code, timeoutMs, abort.signal, (frame) => {
-      if (!res.writableEnded && !res.destroyed) res.write(JSON.stringify(frame) + "\n");
+      if (res.writableEnded || res.destroyed) return;
+      if (!res.write(JSON.stringify(frame) + "\n")) running.holdOutput(drainedOrClosed(res));
     });
     res.end();
     return true;

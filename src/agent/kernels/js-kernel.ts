@@ -5,7 +5,7 @@
 import { writeSync } from "node:fs";
 import { createInterface } from "node:readline";
 import { Console } from "node:console";
-import { Writable } from "node:stream";
+import { EventEmitter } from "node:events";
 import { createRequire } from "node:module";
 import { inspect } from "node:util";
 import { Script } from "node:vm";
@@ -14,16 +14,23 @@ import { compileCell } from "./js-cell.ts";
 const PROTOCOL_FD = 3;
 
 function emit(frame: Record<string, unknown>) {
-  writeSync(PROTOCOL_FD, JSON.stringify(frame) + "\n");
+  // Whole lines only: a write a signal cut short (SIGINT is the interrupt) goes on from where it stopped.
+  const line = Buffer.from(JSON.stringify(frame) + "\n");
+  for (let at = 0; at < line.length; ) at += writeSync(PROTOCOL_FD, line, at);
 }
 
-function sink(type: "stdout" | "stderr") {
-  return new Writable({
-    write(chunk, _enc, cb) {
-      emit({ type, text: String(chunk) });
-      cb();
-    },
-  });
+/**
+ * What the console writes to: a plain writer with no stream state. A Writable whose write an interrupt cut short
+ * (breakOnSigint ends the cell mid-call, while the agent paces a slow caller) never called back, and every later
+ * console line of the context queued behind it, unseen.
+ */
+function sink(type: "stdout" | "stderr"): NodeJS.WritableStream {
+  const writer = new EventEmitter() as EventEmitter & { write(chunk: string | Uint8Array): boolean };
+  writer.write = (chunk) => {
+    emit({ type, text: typeof chunk === "string" ? chunk : Buffer.from(chunk).toString("utf8") });
+    return true;
+  };
+  return writer as unknown as NodeJS.WritableStream;
 }
 
 const g = globalThis as Record<string, unknown>;
