@@ -5,7 +5,7 @@ import { Type } from "typebox";
 import type { TSchema } from "typebox";
 import { Compile } from "typebox/compile";
 import { Envs, NoNul, UserName } from "./schemas.ts";
-import { checkEnvs, INPUT_LIMITS } from "../services/input-limits.ts";
+import { checkEnvs, INPUT_LIMITS } from "../machines/input-limits.ts";
 import { KilnError } from "../errors.ts";
 
 const RequestId = Type.Optional(Type.String({ maxLength: 128 }));

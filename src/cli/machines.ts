@@ -3,7 +3,7 @@
 import type { Command } from "commander";
 import { apiClient, fail, listAll } from "./client.ts";
 import { openShell } from "./shell.ts";
-import type { MachineView } from "../services/machines.ts";
+import type { MachineView } from "../machines/service.ts";
 
 function parseKv(list: string[] | undefined): Record<string, string> | undefined {
   if (!list || list.length === 0) return undefined;

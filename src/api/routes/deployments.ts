@@ -5,7 +5,7 @@ import { Type } from "typebox";
 import type { FastifyReply, FastifyRequest } from "fastify";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { SERVICE_STATUSES, DEPLOYMENT_STATUSES, ROLLOUT_STATUSES } from "../../services/deployments.ts";
+import { SERVICE_STATUSES, DEPLOYMENT_STATUSES, ROLLOUT_STATUSES } from "../../deployments/service.ts";
 import { errors, Cursor, Id, Limit } from "../schemas.ts";
 import { encodeCursor, pageAfter } from "../../store/cursor.ts";
 import { KilnError } from "../../errors.ts";

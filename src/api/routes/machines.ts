@@ -3,12 +3,12 @@
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES } from "../../services/machines.ts";
+import { MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES } from "../../machines/service.ts";
 import { errors, Cursor, Envs, Id, Limit, Machine, MachinePath, Metadata, NoNul, UserName } from "../schemas.ts";
-import { INPUT_LIMITS } from "../../services/input-limits.ts";
+import { INPUT_LIMITS } from "../../machines/input-limits.ts";
 import { encodeCursor, pageAfter } from "../../store/cursor.ts";
-import { EXEC_ENCODINGS } from "../../services/exec.ts";
-import { VOLUME_LIMITS } from "../../services/volumes.ts";
+import { EXEC_ENCODINGS } from "../../machines/exec.ts";
+import { VOLUME_LIMITS } from "../../volumes/service.ts";
 
 const VolumeMountRequest = Type.Object(
   {

@@ -5,7 +5,7 @@ import { Type } from "typebox";
 import type { Readable } from "node:stream";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { VOLUME_LIMITS, VOLUME_STATUSES } from "../../services/volumes.ts";
+import { VOLUME_LIMITS, VOLUME_STATUSES } from "../../volumes/service.ts";
 import { errors, Cursor, FileListPage, FileMetadata, Id, Limit, ListCursor, ListDepth, ListLimit, OctalMode } from "../schemas.ts";
 import { decodeListCursor, encodeCursor, encodeListCursor, pageAfter } from "../../store/cursor.ts";
 import { LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT } from "../../agent/list-pages.ts";

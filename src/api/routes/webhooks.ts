@@ -4,7 +4,7 @@
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { DELIVERY_STATUSES, WEBHOOK_OPERATIONS } from "../../services/webhooks.ts";
+import { DELIVERY_STATUSES, WEBHOOK_OPERATIONS } from "../../webhooks/service.ts";
 import { errors, Cursor, Id, Limit } from "../schemas.ts";
 import { encodeCursor, pageAfter } from "../../store/cursor.ts";
 

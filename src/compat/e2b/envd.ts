@@ -8,7 +8,7 @@ import { createGunzip } from "node:zlib";
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import type { Services } from "../../services/index.ts";
 import type { FileInfo } from "../../agent/protocol.ts";
-import { userOf } from "../../services/exec.ts";
+import { userOf } from "../../machines/exec.ts";
 import { KilnError } from "../../errors.ts";
 import { ConnectFailure, openServerStream, parseEnvelopedRequest, parseJson, sendUnaryError } from "./connect.ts";
 import type { ServerStream } from "./connect.ts";

@@ -2,7 +2,7 @@
 // updates, restarts with request-only envs, status events, signed public URLs, and re-attachment after a restart.
 
 import type { Socket } from "node:net";
-import { createKeyedLock } from "./keyed-lock.ts";
+import { createKeyedLock } from "../keyed-lock.ts";
 import type { KeyObject } from "node:crypto";
 import type { Db, DeploymentRow, DeploymentVersionRow, ServiceRow, ServiceUpdate } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
@@ -11,19 +11,19 @@ import { AgentError } from "../runtime/agent-client.ts";
 import type { AgentClient } from "../runtime/agent-client.ts";
 import type { ServiceState } from "../agent/protocol.ts";
 import type { Logger } from "../log.ts";
-import { MACHINE_LIMITS } from "./machines.ts";
-import type { MachineService } from "./machines.ts";
-import type { TemplateService } from "./templates.ts";
-import { Supervisor } from "../deployments/supervisor.ts";
-import { probe } from "../deployments/probe.ts";
-import { SERVICE_EVENT_OPERATIONS, assess } from "../deployments/lifecycle.ts";
-import type { ReadinessDetail, ServiceStatus } from "../deployments/lifecycle.ts";
+import { MACHINE_LIMITS } from "../machines/service.ts";
+import type { MachineService } from "../machines/service.ts";
+import type { TemplateService } from "../templates/service.ts";
+import { Supervisor } from "./supervisor.ts";
+import { probe } from "./probe.ts";
+import { SERVICE_EVENT_OPERATIONS, assess } from "./lifecycle.ts";
+import type { ReadinessDetail, ServiceStatus } from "./lifecycle.ts";
 import { announceDeliveries, recordEvent } from "../webhooks/outbox.ts";
-import { loadEdgeSecret, signEdgeToken, verifyEdgeToken } from "../deployments/edge-tokens.ts";
-import { loadEnvSealer } from "../deployments/sealed-envs.ts";
-import type { EnvSealer } from "../deployments/sealed-envs.ts";
+import { loadEdgeSecret, signEdgeToken, verifyEdgeToken } from "./edge-tokens.ts";
+import { loadEnvSealer } from "./sealed-envs.ts";
+import type { EnvSealer } from "./sealed-envs.ts";
 
-export { SERVICE_STATUSES, SERVICE_EVENT_OPERATIONS } from "../deployments/lifecycle.ts";
+export { SERVICE_STATUSES, SERVICE_EVENT_OPERATIONS } from "./lifecycle.ts";
 
 export const DEPLOYMENT_STATUSES = ["active", "deleting", "deleted"] as const;
 export const ROLLOUT_STATUSES = ["idle", "rolling", "failed"] as const;

@@ -4,7 +4,7 @@
 import type { Db, TemplateRow } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
-import { BASE_TEMPLATE_REF } from "./templates.ts";
+import { BASE_TEMPLATE_REF } from "./service.ts";
 
 export function createTemplateCatalog(deps: { db: Db; templateIdOf: (id: string) => Promise<string> }) {
   const { db } = deps;

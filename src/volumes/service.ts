@@ -2,16 +2,16 @@
 // machine mounts it), the mounts a machine asks for at create, and each volume's data plane (files and watches).
 
 import { EventEmitter } from "node:events";
-import { createKeyedLock } from "./keyed-lock.ts";
+import { createKeyedLock } from "../keyed-lock.ts";
 import { posix } from "node:path";
 import { mkdir } from "node:fs/promises";
 import type { Db, VolumeRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
 import type { Logger } from "../log.ts";
-import { createVolumeStorage, destroyVolumeStorage, hostFreeBytes, mountVolumeStorage, volumePaths } from "../volumes/storage.ts";
-import { localDataPlane } from "../volumes/data-plane.ts";
-import type { DataPlane } from "../volumes/data-plane.ts";
+import { createVolumeStorage, destroyVolumeStorage, hostFreeBytes, mountVolumeStorage, volumePaths } from "./storage.ts";
+import { localDataPlane } from "./data-plane.ts";
+import type { DataPlane } from "./data-plane.ts";
 
 export const VOLUME_STATUSES = ["creating", "ready", "deleting"] as const;
 export type VolumeStatus = (typeof VOLUME_STATUSES)[number];

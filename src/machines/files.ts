@@ -3,7 +3,7 @@
 
 import type { Readable } from "node:stream";
 import { KilnError } from "../errors.ts";
-import type { MachineService } from "./machines.ts";
+import type { MachineService } from "./service.ts";
 import { viaAgent } from "./agent-errors.ts";
 import { userOf } from "./exec.ts";
 import { needsUserHome, resolveMachinePath } from "./paths.ts";

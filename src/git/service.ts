@@ -3,10 +3,10 @@
 
 import { KilnError } from "../errors.ts";
 import type { GitAuth, GitRunResult } from "../agent/protocol.ts";
-import type { MachineService } from "./machines.ts";
-import { viaAgent } from "./agent-errors.ts";
-import { userOf } from "./exec.ts";
-import { needsUserHome, resolveMachinePath } from "./paths.ts";
+import type { MachineService } from "../machines/service.ts";
+import { viaAgent } from "../machines/agent-errors.ts";
+import { userOf } from "../machines/exec.ts";
+import { needsUserHome, resolveMachinePath } from "../machines/paths.ts";
 
 export const GIT_AUTH_KINDS = ["https", "ssh"] as const;
 /** DESIGN.md §4's reasons, plus `failed` for a git error that is none of them (a merge conflict, nothing to commit). */

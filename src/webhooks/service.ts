@@ -4,14 +4,14 @@
 import type { Db, DeliveryAttemptRow, DeliveryRow, WebhookRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
-import { LIFECYCLE_OPERATIONS } from "./machines.ts";
+import { LIFECYCLE_OPERATIONS } from "../machines/service.ts";
 import { SERVICE_EVENT_OPERATIONS } from "../deployments/lifecycle.ts";
-import type { LifecycleOperation } from "./machines.ts";
-import { generateSecret, secretProblem } from "../webhooks/signing.ts";
-import { addressProblem, ipLiteral } from "../webhooks/ssrf.ts";
-import type { DeliveryStatus } from "../webhooks/dispatcher.ts";
+import type { LifecycleOperation } from "../machines/service.ts";
+import { generateSecret, secretProblem } from "./signing.ts";
+import { addressProblem, ipLiteral } from "./ssrf.ts";
+import type { DeliveryStatus } from "./dispatcher.ts";
 
-export { DELIVERY_STATUSES } from "../webhooks/dispatcher.ts";
+export { DELIVERY_STATUSES } from "./dispatcher.ts";
 
 /** What a webhook may subscribe to: one list, shared with what emits them — the machine lifecycle and the status
  *  changes of deployment services (`service.ready`, …). */

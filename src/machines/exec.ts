@@ -2,7 +2,7 @@
 // and returns the output as text, with base64 beside it when the bytes are not valid UTF-8.
 
 import { KilnError } from "../errors.ts";
-import type { MachineService } from "./machines.ts";
+import type { MachineService } from "./service.ts";
 import { viaAgent } from "./agent-errors.ts";
 import { resolveMachinePath, needsUserHome, DEFAULT_WORKDIR } from "./paths.ts";
 import { checkEnvs } from "./input-limits.ts";

@@ -2,7 +2,7 @@
 // written with its lifecycle event in one transaction — and adoption of live machines after a restart.
 
 import { EventEmitter } from "node:events";
-import { createKeyedLock } from "./keyed-lock.ts";
+import { createKeyedLock } from "../keyed-lock.ts";
 import type { Db, MachineRow, MachineUpdate } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
@@ -12,9 +12,9 @@ import { parseCidr } from "../runtime/cidr.ts";
 import type { Admission } from "./admission.ts";
 import { createAgentClient, AgentError } from "../runtime/agent-client.ts";
 import type { AgentClient } from "../runtime/agent-client.ts";
-import type { TemplateService } from "./templates.ts";
+import type { TemplateService } from "../templates/service.ts";
 import type { WarmPool } from "./warm-pool.ts";
-import type { VolumeMountRequest, VolumeService } from "./volumes.ts";
+import type { VolumeMountRequest, VolumeService } from "../volumes/service.ts";
 import type { Logger } from "../log.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
 import { runStartCommand } from "../builder/phases/startup.ts";

@@ -2,7 +2,7 @@
 // user reads — CPU as a share of the machine's vCPUs over a recent interval, memory against its limit, disk.
 
 import type { MachineDriver, MachineUsage } from "../runtime/driver.ts";
-import type { MachineService } from "./machines.ts";
+import type { MachineService } from "./service.ts";
 
 /** A previous CPU sample younger than this (and at least MIN_WINDOW_MS old) is the start of the interval. */
 const REUSE_SAMPLE_MS = 60_000;

@@ -5,9 +5,9 @@ import type { Readable } from "node:stream";
 import { KilnError } from "../errors.ts";
 import { newId } from "../store/ids.ts";
 import type { CodeContext, CodeLanguage } from "../agent/protocol.ts";
-import type { MachineService } from "./machines.ts";
-import { viaAgent } from "./agent-errors.ts";
-import { DEFAULT_WORKDIR, resolveMachinePath } from "./paths.ts";
+import type { MachineService } from "../machines/service.ts";
+import { viaAgent } from "../machines/agent-errors.ts";
+import { DEFAULT_WORKDIR, resolveMachinePath } from "../machines/paths.ts";
 
 export const CODE_LANGUAGES = ["python", "javascript"] as const satisfies readonly CodeLanguage[];
 export const CODE_DEFAULT_LANGUAGE: CodeLanguage = "python";
