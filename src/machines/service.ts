@@ -17,7 +17,7 @@ import type { WarmPool } from "./warm-pool.ts";
 import type { VolumeMountRequest, VolumeService } from "../volumes/service.ts";
 import type { Logger } from "../log.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
-import { runStartCommand } from "../builder/phases/startup.ts";
+import { runStartCommand } from "../builder/start-command.ts";
 import { announceDeliveries, recordEvent } from "../webhooks/outbox.ts";
 import { checkEnvs, checkMetadata } from "./input-limits.ts";
 

@@ -4,7 +4,8 @@ import type { Store } from "../store/db.ts";
 import type { MachineDriver } from "../runtime/driver.ts";
 import type { Logger } from "../log.ts";
 import { createKeyService } from "../keys/service.ts";
-import { createTemplateService, BASE_TEMPLATE_REF } from "../templates/service.ts";
+import { createTemplateService } from "../templates/service.ts";
+import { BASE_TEMPLATE_REF } from "../templates/resolver.ts";
 import { createMachineService } from "../machines/service.ts";
 import { createExecService } from "../machines/exec.ts";
 import { createFileService } from "../machines/files.ts";
@@ -52,7 +53,7 @@ export function createServices(deps: {
   const admission = createAdmission({ db: store.db, limits: deps.limits });
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission });
   const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions });
-  const templateCatalog = createTemplateCatalog({ db: store.db, templateIdOf: builds.templateIdOf });
+  const templateCatalog = createTemplateCatalog({ db: store.db });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
   const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });
   const deployments = createDeploymentService({ db: store.db, machines, templates, log, options: deps.deployments, hostId });

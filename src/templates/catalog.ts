@@ -4,9 +4,9 @@
 import type { Db, TemplateRow } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
-import { BASE_TEMPLATE_REF } from "./service.ts";
+import { BASE_TEMPLATE_REF, templateIdOf } from "./resolver.ts";
 
-export function createTemplateCatalog(deps: { db: Db; templateIdOf: (id: string) => Promise<string> }) {
+export function createTemplateCatalog(deps: { db: Db }) {
   const { db } = deps;
 
   async function view(t: TemplateRow) {
@@ -47,7 +47,7 @@ export function createTemplateCatalog(deps: { db: Db; templateIdOf: (id: string)
   }
 
   async function load(id: string): Promise<TemplateRow> {
-    const templateId = await deps.templateIdOf(id);
+    const templateId = await templateIdOf(db, id);
     return db.selectFrom("templates").selectAll().where("id", "=", templateId).executeTakeFirstOrThrow();
   }
 
