@@ -6,14 +6,15 @@ import type { BuildRow, Db } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
 import { findTemplate, parseTemplateRef, templateIdOf } from "../templates/resolver.ts";
 import type { BuildBackendName, BuildStatus, SourceType } from "./enums.ts";
-import { encodeCursor, pageAfter } from "../store/cursor.ts";
+import type { PageKey } from "../store/pages.ts";
+import { newestFirstPage } from "../store/pages.ts";
 
 export interface BuildListQuery {
   status?: BuildStatus;
   build_backend?: BuildBackendName;
   source_type?: SourceType;
   limit: number;
-  cursor?: string;
+  after?: PageKey;
 }
 
 export function createBuildHistory(db: Db) {
@@ -55,18 +56,12 @@ export function createBuildHistory(db: Db) {
 
   async function list(id: string, q: BuildListQuery) {
     const templateId = await templateIdOf(db, id);
-    let query = db.selectFrom("builds").selectAll().where("template_id", "=", templateId).orderBy("created_at", "desc").orderBy("id", "desc").limit(q.limit + 1);
+    let query = db.selectFrom("builds").selectAll().where("template_id", "=", templateId);
     if (q.status) query = query.where("status", "=", q.status);
     if (q.build_backend) query = query.where("build_backend", "=", q.build_backend);
     if (q.source_type) query = query.where("source_type", "=", q.source_type);
-    const after = pageAfter(q.cursor);
-    if (after) {
-      query = query.where((eb) => eb.or([eb("created_at", "<", after[0]), eb.and([eb("created_at", "=", after[0]), eb("id", "<", after[1])])]));
-    }
-    const rows = await query.execute();
-    const page = rows.slice(0, q.limit);
-    const last = page.at(-1);
-    return { builds: await Promise.all(page.map(view)), next_cursor: rows.length > q.limit && last ? encodeCursor([last.created_at, last.id]) : null };
+    const page = await newestFirstPage(query, q);
+    return { builds: await Promise.all(page.rows.map(view)), last: page.last, more: page.more };
   }
 
   async function loadBuild(id: string, buildId: string): Promise<BuildRow> {

@@ -3,6 +3,7 @@
 // artifacts and tags, history.ts shows records, recovery.ts ends builds a restart interrupted, retention.ts collects.
 
 import { join } from "node:path";
+import type { PageKey } from "../store/pages.ts";
 import type { Db } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
 import type { Logger } from "../log.ts";
@@ -38,7 +39,7 @@ export interface BuildService {
   prepare(req: BuildRequestT, triggeredBy: string | null): Promise<PreparedBuild>;
   /** Records the build and starts it; the caller follows its log. A dropped follower never stops it. */
   start(p: PreparedBuild): Promise<{ buildId: string; templateId: string }>;
-  list(id: string, q: BuildListQuery): Promise<{ builds: BuildView[]; next_cursor: string | null }>;
+  list(id: string, q: BuildListQuery): Promise<{ builds: BuildView[]; last: PageKey | undefined; more: boolean }>;
   get(id: string, buildId: string): Promise<BuildView>;
   cancel(id: string, buildId: string): Promise<BuildView>;
   /** The build's log from after `lastEventId`, then live entries until its terminal one, at the sink's pace. */

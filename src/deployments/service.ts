@@ -22,6 +22,7 @@ import { Rollouts } from "./rollout.ts";
 import { READINESS_DEFAULTS, deploymentView, readinessOfVersion, serviceView } from "./views.ts";
 import type { DeploymentView, Readiness, ServiceView } from "./views.ts";
 import type { CreateDeploymentInput, ReadinessInput, RestartInput, UpdateDeploymentInput } from "./schemas.ts";
+import { newestFirstPage } from "../store/pages.ts";
 
 export interface DeploymentOptions {
   dataDir: string;
@@ -173,13 +174,8 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   }
 
   async function list(o: { limit: number; after?: [string, string] }) {
-    let q = db.selectFrom("deployments").selectAll().where("status", "!=", "deleted").orderBy("created_at", "desc").orderBy("id", "desc").limit(o.limit + 1);
-    const after = o.after;
-    if (after) q = q.where((eb) => eb.or([eb("created_at", "<", after[0]), eb.and([eb("created_at", "=", after[0]), eb("id", "<", after[1])])]));
-    const rows = await q.execute();
-    const page = rows.slice(0, o.limit);
-    const last = page.at(-1);
-    return { deployments: await Promise.all(page.map((r) => view(r, false))), last: last ? ([last.created_at, last.id] as [string, string]) : undefined, more: rows.length > o.limit };
+    const page = await newestFirstPage(db.selectFrom("deployments").selectAll().where("status", "!=", "deleted"), o);
+    return { deployments: await Promise.all(page.rows.map((r) => view(r, false))), last: page.last, more: page.more };
   }
 
   async function remove(id: string) {

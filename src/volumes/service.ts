@@ -12,6 +12,7 @@ import type { Logger } from "../log.ts";
 import { createVolumeStorage, destroyVolumeStorage, hostFreeBytes, mountVolumeStorage, volumePaths } from "./storage.ts";
 import { localDataPlane } from "./data-plane.ts";
 import type { DataPlane } from "./data-plane.ts";
+import { newestFirstPage } from "../store/pages.ts";
 
 export const VOLUME_STATUSES = ["creating", "ready", "deleting"] as const;
 export type VolumeStatus = (typeof VOLUME_STATUSES)[number];
@@ -83,13 +84,8 @@ export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger
 
   /** Newest first by (created_at, id); `after` is the key of the last row of the previous page. */
   async function list(opts: { limit: number; after?: [string, string] }) {
-    let q = db.selectFrom("volumes").selectAll().where("status", "=", "ready").orderBy("created_at", "desc").orderBy("id", "desc").limit(opts.limit + 1);
-    const after = opts.after;
-    if (after) q = q.where((eb) => eb.or([eb("created_at", "<", after[0]), eb.and([eb("created_at", "=", after[0]), eb("id", "<", after[1])])]));
-    const rows = await q.execute();
-    const page = rows.slice(0, opts.limit);
-    const lastRow = page.at(-1);
-    return { volumes: page.map(volumeView), last: lastRow ? ([lastRow.created_at, lastRow.id] as [string, string]) : undefined, more: rows.length > opts.limit };
+    const page = await newestFirstPage(db.selectFrom("volumes").selectAll().where("status", "=", "ready"), opts);
+    return { volumes: page.rows.map(volumeView), last: page.last, more: page.more };
   }
 
   /** Machines that hold the volume mounted now (a mount recorded for a machine not yet inserted counts too). */

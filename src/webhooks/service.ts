@@ -10,6 +10,7 @@ import type { LifecycleOperation } from "../machines/service.ts";
 import { generateSecret, secretProblem } from "./signing.ts";
 import { addressProblem, ipLiteral } from "./ssrf.ts";
 import type { DeliveryStatus } from "./dispatcher.ts";
+import { newestFirstPage } from "../store/pages.ts";
 
 export { DELIVERY_STATUSES } from "./dispatcher.ts";
 
@@ -136,13 +137,8 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
   }
 
   async function list(opts: { limit: number; after?: [string, string] }): Promise<Page<WebhookView>> {
-    let q = db.selectFrom("webhooks").selectAll().orderBy("created_at", "desc").orderBy("id", "desc").limit(opts.limit + 1);
-    const after = opts.after;
-    if (after) q = q.where((eb) => eb.or([eb("created_at", "<", after[0]), eb.and([eb("created_at", "=", after[0]), eb("id", "<", after[1])])]));
-    const rows = await q.execute();
-    const page = rows.slice(0, opts.limit);
-    const lastRow = page.at(-1);
-    return { items: page.map(webhookView), last: lastRow ? [lastRow.created_at, lastRow.id] : undefined, more: rows.length > opts.limit };
+    const page = await newestFirstPage(db.selectFrom("webhooks").selectAll(), opts);
+    return { items: page.rows.map(webhookView), last: page.last, more: page.more };
   }
 
   /** A new signing_secret rotates: the old one keeps signing beside it for the grace period. */
@@ -193,15 +189,11 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
   /** Newest first; `status` narrows the list. */
   async function listDeliveries(webhookId: string, opts: { limit: number; after?: [string, string]; status?: DeliveryStatus }): Promise<Page<DeliveryView>> {
     await load(webhookId);
-    let q = db.selectFrom("webhook_deliveries").selectAll().where("webhook_id", "=", webhookId).orderBy("created_at", "desc").orderBy("id", "desc").limit(opts.limit + 1);
-    const after = opts.after;
-    if (after) q = q.where((eb) => eb.or([eb("created_at", "<", after[0]), eb.and([eb("created_at", "=", after[0]), eb("id", "<", after[1])])]));
+    let q = db.selectFrom("webhook_deliveries").selectAll().where("webhook_id", "=", webhookId);
     if (opts.status) q = q.where("status", "=", opts.status);
-    const rows = await q.execute();
-    const page = rows.slice(0, opts.limit);
-    const attempts = await attemptsOf(page.map((r) => r.id));
-    const lastRow = page.at(-1);
-    return { items: page.map((r) => deliveryView(r, attempts.get(r.id)!)), last: lastRow ? [lastRow.created_at, lastRow.id] : undefined, more: rows.length > opts.limit };
+    const page = await newestFirstPage(q, opts);
+    const attempts = await attemptsOf(page.rows.map((r) => r.id));
+    return { items: page.rows.map((r) => deliveryView(r, attempts.get(r.id)!)), last: page.last, more: page.more };
   }
 
   async function loadDelivery(webhookId: string, deliveryId: string): Promise<DeliveryRow> {

@@ -9,7 +9,7 @@ import { SERVICE_STATUSES } from "../../deployments/lifecycle.ts";
 import { DEPLOYMENT_STATUSES, ROLLOUT_STATUSES } from "../../deployments/views.ts";
 import { CreateDeployment, RestartRequest, UpdateDeployment } from "../../deployments/schemas.ts";
 import { errors, Cursor, Id, Limit } from "../schemas.ts";
-import { encodeCursor, pageAfter } from "../../store/cursor.ts";
+import { nextCursor, pageAfter } from "../../store/cursor.ts";
 import { KilnError } from "../../errors.ts";
 
 const Nullable = <T extends Parameters<typeof Type.Union>[0][number]>(t: T) => Type.Union([t, Type.Null()]);
@@ -109,7 +109,7 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
     async (req) => {
       const after = pageAfter(req.query.cursor);
       const page = await deployments.list({ limit: req.query.limit ?? 50, after });
-      return { deployments: page.deployments, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
+      return { deployments: page.deployments, next_cursor: nextCursor(page) };
     },
   );
 

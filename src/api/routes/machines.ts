@@ -6,7 +6,7 @@ import type { Services } from "../../services/index.ts";
 import { MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES } from "../../machines/service.ts";
 import { errors, Cursor, Envs, Id, Limit, Machine, MachinePath, Metadata, NoNul, UserName } from "../schemas.ts";
 import { INPUT_LIMITS } from "../../machines/input-limits.ts";
-import { encodeCursor, pageAfter } from "../../store/cursor.ts";
+import { nextCursor, pageAfter } from "../../store/cursor.ts";
 import { EXEC_ENCODINGS } from "../../machines/exec.ts";
 import { VOLUME_LIMITS } from "../../volumes/service.ts";
 
@@ -122,7 +122,7 @@ export async function machineRoutes(app: App, opts: { services: Services }) {
     async (req) => {
       const after = pageAfter(req.query.cursor);
       const page = await machines.list({ limit: req.query.limit ?? 50, after, status: req.query.status });
-      return { machines: page.machines, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
+      return { machines: page.machines, next_cursor: nextCursor(page) };
     },
   );
 
