@@ -157,7 +157,33 @@ function firstLine(s: string) {
   return s.trim().split("\n")[0] ?? "";
 }
 
-export function createGitService(machines: MachineService) {
+export interface GitService {
+  push(id: string, input: Common & WithAuth & { remote?: string; branch?: string; set_upstream?: boolean }, signal?: AbortSignal): Promise<{ summary: string }>;
+  clone(id: string, input: Common & WithAuth & { url: string; branch?: string; depth?: number }, signal?: AbortSignal): Promise<{
+    path: string;
+    branch: string | null;
+    commit: string | null;
+    summary: string;
+  }>;
+  pull(id: string, input: Common & WithAuth & { remote?: string; branch?: string; rebase?: boolean }, signal?: AbortSignal): Promise<{ summary: string }>;
+  fetch(id: string, input: Common & WithAuth & { remote?: string; prune?: boolean }, signal?: AbortSignal): Promise<{ summary: string }>;
+  status(id: string, input: Common): Promise<GitStatus>;
+  add(id: string, input: Common & { files?: string[] }): Promise<GitStatus>;
+  commit(id: string, input: Common & { message: string; author_name?: string; author_email?: string; allow_empty?: boolean }): Promise<{
+    sha: string;
+    branch: string | null;
+    author_name: string;
+    author_email: string;
+    message: string;
+  }>;
+  branches(id: string, input: Common): Promise<{
+    current: string | null;
+    branches: { name: string; current: boolean; commit: string; upstream: string | null }[];
+  }>;
+  checkout(id: string, input: Common & { branch: string; create?: boolean }): Promise<{ branch: string | null; commit: string | null; detached: boolean }>;
+}
+
+export function createGitService(machines: MachineService): GitService {
   /** The machine, its agent, the repository path resolved like file paths, and who runs git. */
   async function target(id: string, path: string, user: string | undefined) {
     const { row, agent } = await machines.agentOf(id);
@@ -282,5 +308,3 @@ export function createGitService(machines: MachineService) {
     },
   };
 }
-
-export type GitService = ReturnType<typeof createGitService>;

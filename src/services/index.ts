@@ -1,4 +1,5 @@
-// The services the API stands on, made once at start and handed to the routes.
+// The composition root: every domain's service made once at start, wired to the others it needs, and handed to the
+// routes as one Services object. Nothing else lives here; each domain owns its story in its own folder.
 
 import type { Store } from "../store/db.ts";
 import type { MachineDriver } from "../runtime/driver.ts";
@@ -23,11 +24,49 @@ import type { DeploymentOptions } from "../deployments/service.ts";
 import { createAdmission } from "../machines/admission.ts";
 import { createMachineMetrics } from "../machines/metrics.ts";
 import type { AdmissionLimits } from "../machines/admission.ts";
+import type { KeyService } from "../keys/service.ts";
+import type { TemplateService } from "../templates/service.ts";
+import type { TemplateCatalog } from "../templates/catalog.ts";
+import type { MachineService } from "../machines/service.ts";
+import type { ExecService } from "../machines/exec.ts";
+import type { FileService } from "../machines/files.ts";
+import type { WarmPool } from "../machines/warm-pool.ts";
+import type { Admission } from "../machines/admission.ts";
+import type { MachineMetricsService } from "../machines/metrics.ts";
+import type { BuildService } from "../builder/service.ts";
+import type { WebhookService } from "../webhooks/service.ts";
+import type { Dispatcher } from "../webhooks/dispatcher.ts";
+import type { GitService } from "../git/service.ts";
+import type { CodeService } from "../code/service.ts";
+import type { VolumeService } from "../volumes/service.ts";
+import type { DeploymentService } from "../deployments/service.ts";
 
 export interface WebhookSettings {
   retryScheduleMs: number[];
   allowPrivate: boolean;
   rotationGraceMs: number;
+}
+
+/** What the routes, the E2B layer and the server's start and stop see: one service per domain. */
+export interface Services {
+  store: Store;
+  driver: MachineDriver;
+  keys: KeyService;
+  templates: TemplateService;
+  pool: WarmPool;
+  admission: Admission;
+  machines: MachineService;
+  machineMetrics: MachineMetricsService;
+  exec: ExecService;
+  files: FileService;
+  builds: BuildService;
+  templateCatalog: TemplateCatalog;
+  webhooks: WebhookService;
+  dispatcher: Dispatcher;
+  git: GitService;
+  code: CodeService;
+  volumes: VolumeService;
+  deployments: DeploymentService;
 }
 
 export function createServices(deps: {
@@ -44,7 +83,7 @@ export function createServices(deps: {
   webhooks: WebhookSettings;
   deployments: DeploymentOptions;
   limits: AdmissionLimits;
-}) {
+}): Services {
   const { store, driver, log, hostId } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
@@ -79,4 +118,3 @@ export function createServices(deps: {
   };
 }
 
-export type Services = ReturnType<typeof createServices>;

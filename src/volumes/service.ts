@@ -13,6 +13,7 @@ import { createVolumeStorage, destroyVolumeStorage, hostFreeBytes, mountVolumeSt
 import { localDataPlane } from "./data-plane.ts";
 import type { DataPlane } from "./data-plane.ts";
 import { newestFirstPage } from "../store/pages.ts";
+import type { PageKey } from "../store/pages.ts";
 
 export const VOLUME_STATUSES = ["creating", "ready", "deleting"] as const;
 export type VolumeStatus = (typeof VOLUME_STATUSES)[number];
@@ -39,7 +40,23 @@ export function volumeView(row: VolumeRow) {
 }
 export type VolumeView = ReturnType<typeof volumeView>;
 
-export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger }) {
+export interface VolumeService {
+  create(input: { name: string; size_mb?: number }): Promise<VolumeView>;
+  get(id: string): Promise<VolumeView>;
+  /** Newest first by (created_at, id); `after` is the key of the last row of the previous page. */
+  list(opts: { limit: number; after?: PageKey }): Promise<{ volumes: VolumeView[]; last: PageKey | undefined; more: boolean }>;
+  remove(id: string): Promise<void>;
+  /** Checks and records a machine's volume mounts before its row exists; answers where each mounts. */
+  attach(machineId: string, requests: VolumeMountRequest[]): Promise<VolumeMount[]>;
+  resolveDataPlane(id: string): Promise<DataPlane>;
+  onDeleted(listener: (id: string) => void): () => void;
+  start(): Promise<{ mounted: number; cleaned: number }>;
+  close(): Promise<void>;
+  /** Machines that hold the volume mounted now. */
+  liveMachinesOf(id: string): Promise<string[]>;
+}
+
+export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger }): VolumeService {
   const { db, dataDir, log } = deps;
   const planes = new Map<string, DataPlane>();
   const locks = createKeyedLock();
@@ -229,5 +246,3 @@ function checkGuestPath(path: string): string {
   }
   return p;
 }
-
-export type VolumeService = ReturnType<typeof createVolumeService>;

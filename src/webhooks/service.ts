@@ -72,7 +72,18 @@ export type DeliveryView = ReturnType<typeof deliveryView>;
 
 type Page<T> = { items: T[]; last?: [string, string]; more: boolean };
 
-export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rotationGraceMs: number; wake: () => void }) {
+export interface WebhookService {
+  create(input: CreateWebhookInput): Promise<WebhookView & { signing_secret?: string }>;
+  get(id: string): Promise<WebhookView>;
+  list(opts: { limit: number; after?: [string, string] }): Promise<Page<WebhookView>>;
+  update(id: string, input: UpdateWebhookInput): Promise<WebhookView>;
+  remove(id: string): Promise<{ id: string; deleted: true }>;
+  listDeliveries(webhookId: string, opts: { limit: number; after?: [string, string]; status?: DeliveryStatus }): Promise<Page<DeliveryView>>;
+  getDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView & { payload: unknown }>;
+  retryDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView>;
+}
+
+export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rotationGraceMs: number; wake: () => void }): WebhookService {
   const { db } = deps;
 
   /** http(s) only, no credentials in it, and an IP literal must be one a delivery could reach. */
@@ -228,5 +239,3 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
 
   return { create, get, list, update, remove, listDeliveries, getDelivery, retryDelivery };
 }
-
-export type WebhookService = ReturnType<typeof createWebhookService>;
