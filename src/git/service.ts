@@ -4,9 +4,8 @@
 import { KilnError } from "../errors.ts";
 import type { GitAuth, GitRunResult } from "../agent/protocol.ts";
 import type { MachineService } from "../machines/service.ts";
+import { machineTarget } from "../machines/target.ts";
 import { viaAgent } from "../machines/agent-errors.ts";
-import { userOf } from "../machines/exec.ts";
-import { needsUserHome, resolveMachinePath } from "../machines/paths.ts";
 
 export const GIT_AUTH_KINDS = ["https", "ssh"] as const;
 /** DESIGN.md §4's reasons, plus `failed` for a git error that is none of them (a merge conflict, nothing to commit). */
@@ -185,18 +184,7 @@ export interface GitService {
 
 export function createGitService(machines: MachineService): GitService {
   /** The machine, its agent, the repository path resolved like file paths, and who runs git. */
-  async function target(id: string, path: string, user: string | undefined) {
-    const { row, agent } = await machines.agentOf(id);
-    if (user !== undefined) await userOf(agent, user);
-    const home = needsUserHome(path, row.cwd, user) ? (await userOf(agent, user!)).home : undefined;
-    let resolved: string;
-    try {
-      resolved = resolveMachinePath(path, { machineCwd: row.cwd, userHome: home });
-    } catch (err) {
-      throw new KilnError("invalid_request", (err as Error).message);
-    }
-    return { agent, path: resolved, user: user ?? row.user };
-  }
+  const target = (id: string, path: string, user: string | undefined) => machineTarget(machines, id, path, user);
 
   /** Runs `git -C <repo> <args>`; a failed run becomes git_error with its reason and git's scrubbed stderr. */
   async function git(id: string, input: Common & WithAuth, args: string[], opts: { repo?: boolean; envs?: Record<string, string>; stdin?: string; signal?: AbortSignal } = {}) {

@@ -4,9 +4,8 @@
 import type { Readable } from "node:stream";
 import { KilnError } from "../errors.ts";
 import type { MachineService } from "./service.ts";
+import { machineTarget } from "./target.ts";
 import { viaAgent } from "./agent-errors.ts";
-import { userOf } from "./exec.ts";
-import { needsUserHome, resolveMachinePath } from "./paths.ts";
 import { LIST_DEFAULT_LIMIT } from "../agent/list-pages.ts";
 import type { FileInfo } from "../agent/protocol.ts";
 import { decodeListCursor, encodeListCursor } from "../store/cursor.ts";
@@ -27,19 +26,7 @@ export interface FileService {
 
 export function createFileService(machines: MachineService): FileService {
   /** Resolves `path` for machine `id` and, when a user is named, checks that user exists (400 otherwise). */
-  async function target(id: string, path: string, user: string | undefined) {
-    const { row, agent } = await machines.agentOf(id);
-    if (path === "") throw new KilnError("invalid_request", "path must not be empty");
-    const info = user !== undefined ? await userOf(agent, user) : undefined;
-    const home = needsUserHome(path, row.cwd, user) ? info?.home : undefined;
-    let resolved: string;
-    try {
-      resolved = resolveMachinePath(path, { machineCwd: row.cwd, userHome: home });
-    } catch (err) {
-      throw new KilnError("invalid_request", (err as Error).message);
-    }
-    return { agent, path: resolved, user: user ?? row.user };
-  }
+  const target = (id: string, path: string, user: string | undefined) => machineTarget(machines, id, path, user, { refuseEmpty: true });
 
   return {
     async info(id: string, input: { path: string; user?: string }) {
