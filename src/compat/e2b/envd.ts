@@ -1,5 +1,6 @@
 // envd, E2B's in-sandbox daemon, answered by Kiln for every machine: process.Process and filesystem.Filesystem
 // over Connect (JSON), /files and /health — each a translation onto the machine's guest agent via Kiln's services.
+// Long for now: the process, filesystem and /files protocols are still one file; splitting them is open (issue 19).
 
 import { posix } from "node:path";
 import { Transform } from "node:stream";

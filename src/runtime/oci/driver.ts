@@ -1,5 +1,7 @@
 // The `oci` MachineDriver: each machine is an OCI bundle (overlayfs root over the template's read-only layers)
 // run by runc — or gVisor's runsc — under a Kiln-owned state root, so `list` sees only Kiln's machines.
+// Long on purpose: one machine's lifecycle against runc/runsc (create, hibernate, resume, heal, destroy) in one place;
+// disks, egress, identity, network and spec already live in their own files beside it.
 
 import { execFile, spawn } from "node:child_process";
 import { connect, createServer } from "node:net";
