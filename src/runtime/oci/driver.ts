@@ -26,6 +26,7 @@ import { trimLog } from "./health.ts";
 import { createDiskStock, mountWritableLayer, unmountWritableLayer, writableLayer } from "./disk.ts";
 import { createEgress } from "./egress.ts";
 import { createRuntimeCli, RUNSC_MIN_RELEASE } from "./runtime-cli.ts";
+import { pidAlive } from "../pid-alive.ts";
 
 export { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
 export { containerName } from "./runtime-cli.ts";
@@ -147,15 +148,6 @@ function canConnect(socket: string): Promise<boolean> {
   });
 }
 
-function alive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (err) {
-    return (err as NodeJS.ErrnoException).code === "EPERM";
-  }
-}
-
 /**
  * A killed machine's first process stays a zombie until the host's init reaps it; runsc counts that as running.
  * (runc does not.) Either way it is dead.
@@ -262,7 +254,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       const first = pid();
       if (first && now > nextLivenessCheck) {
         nextLivenessCheck = now + 50;
-        if (!alive(first)) throw new Error(`the first process of ${id} exited before its agent answered: ${await tail(p.log)}`);
+        if (!pidAlive(first)) throw new Error(`the first process of ${id} exited before its agent answered: ${await tail(p.log)}`);
       }
       if (now > deadline) throw new Error(`the guest agent of ${id} did not answer within ${AGENT_WAIT_MS} ms: ${await tail(p.log)}`);
       await sleep(1);
@@ -457,7 +449,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const spec = JSON.parse(text) as MachineSpec;
     // A machine whose own processes are gone is the reaper's (it tells why: out of memory, stopped unexpectedly).
     const first = Number(await readFile(p.pidFile, "utf8").catch(() => ""));
-    if (!first || !alive(first) || isZombie(first)) return { ok: true, repaired };
+    if (!first || !pidAlive(first) || isZombie(first)) return { ok: true, repaired };
     if (spec.internet && !(await slirpAlive(p.slirpPid))) {
       try {
         await restartSlirp(spec, p, first);
@@ -601,7 +593,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       const live: LiveMachine[] = [];
       for (const c of await cli.list()) {
         if (c.status !== "running" && c.status !== "paused") continue;
-        if (!SAFE_ID.test(c.id) || !alive(c.pid) || isZombie(c.pid)) continue;
+        if (!SAFE_ID.test(c.id) || !pidAlive(c.pid) || isZombie(c.pid)) continue;
         live.push({ id: c.id, state: c.status === "paused" ? "paused" : "running", agentSocket: paths(c.id).socket, pid: c.pid });
       }
       return live;
