@@ -1,5 +1,6 @@
 // The delivery worker: claims due deliveries from the outbox (FOR UPDATE SKIP LOCKED on PostgreSQL, so several
 // servers share one store), sends them signed, records every attempt, retries on schedule and dead-letters.
+// Long on purpose: claim, send, record and reschedule are one delivery's transaction story, read top to bottom.
 
 import { Agent, request } from "undici";
 import { sql } from "kysely";

@@ -5,9 +5,9 @@ import type { Readable } from "node:stream";
 import { KilnError } from "../errors.ts";
 import { newId } from "../store/ids.ts";
 import type { CodeContext, CodeLanguage } from "../agent/protocol.ts";
-import type { MachineService } from "./machines.ts";
-import { viaAgent } from "./agent-errors.ts";
-import { DEFAULT_WORKDIR, resolveMachinePath } from "./paths.ts";
+import type { MachineService } from "../machines/service.ts";
+import { viaAgent } from "../machines/agent-errors.ts";
+import { DEFAULT_WORKDIR, resolveMachinePath } from "../machines/paths.ts";
 
 export const CODE_LANGUAGES = ["python", "javascript"] as const satisfies readonly CodeLanguage[];
 export const CODE_DEFAULT_LANGUAGE: CodeLanguage = "python";
@@ -16,7 +16,18 @@ export const CODE_FRAME_TYPES = ["stdout", "stderr", "result", "error", "end"] a
 
 const publicView = (c: CodeContext) => ({ id: c.id, language: c.language, cwd: c.cwd });
 
-export function createCodeService(machines: MachineService) {
+export interface CodeService {
+  create(id: string, input: { language?: CodeLanguage; cwd?: string }): Promise<{ id: string; language: CodeLanguage; cwd: string }>;
+  list(id: string): Promise<{
+    contexts: { id: string; language: CodeLanguage; cwd: string }[];
+  }>;
+  restart(id: string, ctxId: string): Promise<{ id: string; language: CodeLanguage; cwd: string }>;
+  remove(id: string, ctxId: string): Promise<void>;
+  /** NDJSON frames; without context_id the language's default context (made on first use). */
+  execute(id: string, input: { code: string; context_id?: string; language?: CodeLanguage; timeout_s?: number }, signal?: AbortSignal): Promise<Readable>;
+}
+
+export function createCodeService(machines: MachineService): CodeService {
   async function cwdOf(id: string, cwd: string | undefined) {
     const { row, agent } = await machines.agentOf(id);
     let resolved = row.cwd ?? DEFAULT_WORKDIR;
@@ -73,5 +84,3 @@ export function createCodeService(machines: MachineService) {
     },
   };
 }
-
-export type CodeService = ReturnType<typeof createCodeService>;

@@ -54,7 +54,20 @@ const VERIFIED_TTL_MS = 30_000;
 /** Remembered verifications are not trusted when the last successful poll is older than this. */
 const POLL_STALE_MS = 3000;
 
-export function createKeyService(db: Db) {
+export interface KeyService {
+  create(name: string, key?: string): Promise<KeySummary & { key: string }>;
+  list(): Promise<KeySummary[]>;
+  revoke(id: string): Promise<KeySummary>;
+  verify(presented: string): string | null | Promise<string | null>;
+  isActive(id: string): Promise<boolean>;
+  isRevoked(id: string): boolean;
+  onRevoked(fn: (ids: string[]) => void): () => void;
+  watchRevocations(onError: (err: unknown) => void): Promise<() => void>;
+  seed(opts: { apiKey?: string; dataDir: string; log: Logger }): Promise<void>;
+  isKey(candidate: string): Promise<boolean>;
+}
+
+export function createKeyService(db: Db): KeyService {
   // Verified hashes are remembered so the hot path does not hit the store on every request. Revocation reaches them
   // through `revoked` (every revoked key id, reloaded whenever the store's count of revoked keys changes), which the
   // revocation poll keeps current; when the poll is not current, nothing remembered is trusted.
@@ -220,5 +233,3 @@ export function createKeyService(db: Db) {
 
   return { create, list, revoke, verify, isActive, isRevoked, onRevoked, watchRevocations, seed, isKey };
 }
-
-export type KeyService = ReturnType<typeof createKeyService>;

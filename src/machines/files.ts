@@ -3,29 +3,30 @@
 
 import type { Readable } from "node:stream";
 import { KilnError } from "../errors.ts";
-import type { MachineService } from "./machines.ts";
+import type { MachineService } from "./service.ts";
+import { machineTarget } from "./target.ts";
 import { viaAgent } from "./agent-errors.ts";
-import { userOf } from "./exec.ts";
-import { needsUserHome, resolveMachinePath } from "./paths.ts";
 import { LIST_DEFAULT_LIMIT } from "../agent/list-pages.ts";
 import type { FileInfo } from "../agent/protocol.ts";
 import { decodeListCursor, encodeListCursor } from "../store/cursor.ts";
 
-export function createFileService(machines: MachineService) {
+export interface FileService {
+  info(id: string, input: { path: string; user?: string }): Promise<FileInfo>;
+  read(id: string, input: { path: string; user?: string }): Promise<Readable>;
+  write(id: string, input: { path: string; user?: string; mode?: string; metadata?: Record<string, string> }, body: Readable | Buffer): Promise<FileInfo>;
+  /**
+   * One page of a directory listing: `limit` entries (default LIST_DEFAULT_LIMIT, at most LIST_MAX_LIMIT), the rest
+   * through `next_cursor` (null on the last page). The agent never holds a whole directory, nor does this.
+   */
+  list(id: string, input: { path: string; user?: string; depth?: number; limit?: number; cursor?: string }): Promise<{ entries: FileInfo[]; next_cursor: string | null }>;
+  mkdir(id: string, input: { path: string; user?: string; mode?: string }): Promise<FileInfo>;
+  remove(id: string, input: { path: string; user?: string; recursive?: boolean }): Promise<void>;
+  move(id: string, input: { src: string; dest: string; user?: string }): Promise<FileInfo>;
+}
+
+export function createFileService(machines: MachineService): FileService {
   /** Resolves `path` for machine `id` and, when a user is named, checks that user exists (400 otherwise). */
-  async function target(id: string, path: string, user: string | undefined) {
-    const { row, agent } = await machines.agentOf(id);
-    if (path === "") throw new KilnError("invalid_request", "path must not be empty");
-    const info = user !== undefined ? await userOf(agent, user) : undefined;
-    const home = needsUserHome(path, row.cwd, user) ? info?.home : undefined;
-    let resolved: string;
-    try {
-      resolved = resolveMachinePath(path, { machineCwd: row.cwd, userHome: home });
-    } catch (err) {
-      throw new KilnError("invalid_request", (err as Error).message);
-    }
-    return { agent, path: resolved, user: user ?? row.user };
-  }
+  const target = (id: string, path: string, user: string | undefined) => machineTarget(machines, id, path, user, { refuseEmpty: true });
 
   return {
     async info(id: string, input: { path: string; user?: string }) {
@@ -67,5 +68,3 @@ export function createFileService(machines: MachineService) {
     },
   };
 }
-
-export type FileService = ReturnType<typeof createFileService>;

@@ -2,16 +2,18 @@
 // machine mounts it), the mounts a machine asks for at create, and each volume's data plane (files and watches).
 
 import { EventEmitter } from "node:events";
-import { createKeyedLock } from "./keyed-lock.ts";
+import { createKeyedLock } from "../keyed-lock.ts";
 import { posix } from "node:path";
 import { mkdir } from "node:fs/promises";
 import type { Db, VolumeRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
 import type { Logger } from "../log.ts";
-import { createVolumeStorage, destroyVolumeStorage, hostFreeBytes, mountVolumeStorage, volumePaths } from "../volumes/storage.ts";
-import { localDataPlane } from "../volumes/data-plane.ts";
-import type { DataPlane } from "../volumes/data-plane.ts";
+import { createVolumeStorage, destroyVolumeStorage, hostFreeBytes, mountVolumeStorage, volumePaths } from "./storage.ts";
+import { localDataPlane } from "./data-plane.ts";
+import type { DataPlane } from "./data-plane.ts";
+import { newestFirstPage } from "../store/pages.ts";
+import type { PageKey } from "../store/pages.ts";
 
 export const VOLUME_STATUSES = ["creating", "ready", "deleting"] as const;
 export type VolumeStatus = (typeof VOLUME_STATUSES)[number];
@@ -38,7 +40,23 @@ export function volumeView(row: VolumeRow) {
 }
 export type VolumeView = ReturnType<typeof volumeView>;
 
-export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger }) {
+export interface VolumeService {
+  create(input: { name: string; size_mb?: number }): Promise<VolumeView>;
+  get(id: string): Promise<VolumeView>;
+  /** Newest first by (created_at, id); `after` is the key of the last row of the previous page. */
+  list(opts: { limit: number; after?: PageKey }): Promise<{ volumes: VolumeView[]; last: PageKey | undefined; more: boolean }>;
+  remove(id: string): Promise<void>;
+  /** Checks and records a machine's volume mounts before its row exists; answers where each mounts. */
+  attach(machineId: string, requests: VolumeMountRequest[]): Promise<VolumeMount[]>;
+  resolveDataPlane(id: string): Promise<DataPlane>;
+  onDeleted(listener: (id: string) => void): () => void;
+  start(): Promise<{ mounted: number; cleaned: number }>;
+  close(): Promise<void>;
+  /** Machines that hold the volume mounted now. */
+  liveMachinesOf(id: string): Promise<string[]>;
+}
+
+export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger }): VolumeService {
   const { db, dataDir, log } = deps;
   const planes = new Map<string, DataPlane>();
   const locks = createKeyedLock();
@@ -83,13 +101,8 @@ export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger
 
   /** Newest first by (created_at, id); `after` is the key of the last row of the previous page. */
   async function list(opts: { limit: number; after?: [string, string] }) {
-    let q = db.selectFrom("volumes").selectAll().where("status", "=", "ready").orderBy("created_at", "desc").orderBy("id", "desc").limit(opts.limit + 1);
-    const after = opts.after;
-    if (after) q = q.where((eb) => eb.or([eb("created_at", "<", after[0]), eb.and([eb("created_at", "=", after[0]), eb("id", "<", after[1])])]));
-    const rows = await q.execute();
-    const page = rows.slice(0, opts.limit);
-    const lastRow = page.at(-1);
-    return { volumes: page.map(volumeView), last: lastRow ? ([lastRow.created_at, lastRow.id] as [string, string]) : undefined, more: rows.length > opts.limit };
+    const page = await newestFirstPage(db.selectFrom("volumes").selectAll().where("status", "=", "ready"), opts);
+    return { volumes: page.rows.map(volumeView), last: page.last, more: page.more };
   }
 
   /** Machines that hold the volume mounted now (a mount recorded for a machine not yet inserted counts too). */
@@ -233,5 +246,3 @@ function checkGuestPath(path: string): string {
   }
   return p;
 }
-
-export type VolumeService = ReturnType<typeof createVolumeService>;

@@ -3,10 +3,9 @@
 
 import { KilnError } from "../errors.ts";
 import type { GitAuth, GitRunResult } from "../agent/protocol.ts";
-import type { MachineService } from "./machines.ts";
-import { viaAgent } from "./agent-errors.ts";
-import { userOf } from "./exec.ts";
-import { needsUserHome, resolveMachinePath } from "./paths.ts";
+import type { MachineService } from "../machines/service.ts";
+import { machineTarget } from "../machines/target.ts";
+import { viaAgent } from "../machines/agent-errors.ts";
 
 export const GIT_AUTH_KINDS = ["https", "ssh"] as const;
 /** DESIGN.md §4's reasons, plus `failed` for a git error that is none of them (a merge conflict, nothing to commit). */
@@ -158,20 +157,35 @@ function firstLine(s: string) {
   return s.trim().split("\n")[0] ?? "";
 }
 
-export function createGitService(machines: MachineService) {
+export interface GitService {
+  push(id: string, input: Common & WithAuth & { remote?: string; branch?: string; set_upstream?: boolean }, signal?: AbortSignal): Promise<{ summary: string }>;
+  clone(id: string, input: Common & WithAuth & { url: string; branch?: string; depth?: number }, signal?: AbortSignal): Promise<{
+    path: string;
+    branch: string | null;
+    commit: string | null;
+    summary: string;
+  }>;
+  pull(id: string, input: Common & WithAuth & { remote?: string; branch?: string; rebase?: boolean }, signal?: AbortSignal): Promise<{ summary: string }>;
+  fetch(id: string, input: Common & WithAuth & { remote?: string; prune?: boolean }, signal?: AbortSignal): Promise<{ summary: string }>;
+  status(id: string, input: Common): Promise<GitStatus>;
+  add(id: string, input: Common & { files?: string[] }): Promise<GitStatus>;
+  commit(id: string, input: Common & { message: string; author_name?: string; author_email?: string; allow_empty?: boolean }): Promise<{
+    sha: string;
+    branch: string | null;
+    author_name: string;
+    author_email: string;
+    message: string;
+  }>;
+  branches(id: string, input: Common): Promise<{
+    current: string | null;
+    branches: { name: string; current: boolean; commit: string; upstream: string | null }[];
+  }>;
+  checkout(id: string, input: Common & { branch: string; create?: boolean }): Promise<{ branch: string | null; commit: string | null; detached: boolean }>;
+}
+
+export function createGitService(machines: MachineService): GitService {
   /** The machine, its agent, the repository path resolved like file paths, and who runs git. */
-  async function target(id: string, path: string, user: string | undefined) {
-    const { row, agent } = await machines.agentOf(id);
-    if (user !== undefined) await userOf(agent, user);
-    const home = needsUserHome(path, row.cwd, user) ? (await userOf(agent, user!)).home : undefined;
-    let resolved: string;
-    try {
-      resolved = resolveMachinePath(path, { machineCwd: row.cwd, userHome: home });
-    } catch (err) {
-      throw new KilnError("invalid_request", (err as Error).message);
-    }
-    return { agent, path: resolved, user: user ?? row.user };
-  }
+  const target = (id: string, path: string, user: string | undefined) => machineTarget(machines, id, path, user);
 
   /** Runs `git -C <repo> <args>`; a failed run becomes git_error with its reason and git's scrubbed stderr. */
   async function git(id: string, input: Common & WithAuth, args: string[], opts: { repo?: boolean; envs?: Record<string, string>; stdin?: string; signal?: AbortSignal; credentialUrls?: string[] } = {}) {
@@ -300,5 +314,3 @@ export function createGitService(machines: MachineService) {
     },
   };
 }
-
-export type GitService = ReturnType<typeof createGitService>;

@@ -4,9 +4,7 @@
 import type { Db, ArtifactRow, TemplateRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
-
-export const DEFAULT_NAMESPACE = "local";
-export const BASE_TEMPLATE_REF = "local/base";
+import { BASE_TEMPLATE_REF, DEFAULT_NAMESPACE, chooseTag, findTemplate, parseTemplateRef } from "./resolver.ts";
 
 export interface ResolvedTemplate {
   template: TemplateRow;
@@ -14,27 +12,17 @@ export interface ResolvedTemplate {
   layers: string[];
 }
 
-/** Splits `ns/name:tag`, `name:tag`, `name` into canonical ref and tag (`tag` undefined when the ref names none). */
-export function parseTemplateRef(ref: string): { canonicalRef: string; tag: string | undefined } {
-  const m = /^(?:([a-z0-9][a-z0-9._-]*)\/)?([a-z0-9][a-z0-9._-]*)(?::([A-Za-z0-9][A-Za-z0-9._-]*))?$/.exec(ref);
-  if (!m) throw new KilnError("invalid_request", `Not a template reference: ${JSON.stringify(ref)} (use name, namespace/name, name:tag or an art_ id)`);
-  return { canonicalRef: `${m[1] ?? DEFAULT_NAMESPACE}/${m[2]}`, tag: m[3] };
+export interface TemplateService {
+  /** The artifact a reference names (`local/base`, `base`, `base:tag`, an alias, `art_…`) and its layers. */
+  resolve(ref: string): Promise<ResolvedTemplate>;
+  /** Records (once) the logical template local/base and its artifact tagged `default` for a built base layer. */
+  registerBase(layerDir: string, digest: string): Promise<ResolvedTemplate>;
+  setPending(message: string | null): void;
+  /** Why the base template cannot be used yet (being made, or its making failed); null once it is recorded. */
+  pendingReason(): string | null;
 }
 
-/** Tags a ref without one tries, in order, before falling back to a template's only tag. */
-export const IMPLICIT_TAGS = ["default", "latest"] as const;
-
-/**
- * The tag a ref means: the one it names; else `default`, else `latest`, else the template's only tag. Null when
- * that tag does not exist (or the template has several and none of the implicit ones), for the caller to say so.
- */
-export function chooseTag(named: string | undefined, tags: string[]): string | null {
-  if (named !== undefined) return tags.includes(named) ? named : null;
-  for (const t of IMPLICIT_TAGS) if (tags.includes(t)) return t;
-  return tags.length === 1 ? tags[0]! : null;
-}
-
-export function createTemplateService(db: Db) {
+export function createTemplateService(db: Db): TemplateService {
   // While the base template is still being made, asking for it is "try again later", not "no such template".
   let pending: string | null = null;
 
@@ -44,14 +32,7 @@ export function createTemplateService(db: Db) {
       artifact = await db.selectFrom("artifacts").selectAll().where("id", "=", ref).executeTakeFirst();
     } else {
       const { canonicalRef, tag } = parseTemplateRef(ref);
-      const template =
-        (await db.selectFrom("templates").selectAll().where("canonical_ref", "=", canonicalRef).executeTakeFirst()) ??
-        (await db
-          .selectFrom("template_aliases")
-          .innerJoin("templates", "templates.id", "template_aliases.template_id")
-          .selectAll("templates")
-          .where("template_aliases.alias_ref", "=", canonicalRef)
-          .executeTakeFirst());
+      const template = await findTemplate(db, canonicalRef);
       if (template) {
         const tagged = await db.selectFrom("artifact_tags").select(["tag", "artifact_id"]).where("template_id", "=", template.id).orderBy("tag").execute();
         const chosen = chooseTag(tag, tagged.map((t) => t.tag));
@@ -116,5 +97,3 @@ export function createTemplateService(db: Db) {
 
   return { resolve, registerBase, setPending, pendingReason };
 }
-
-export type TemplateService = ReturnType<typeof createTemplateService>;

@@ -4,16 +4,17 @@
 import type { Db, DeliveryAttemptRow, DeliveryRow, WebhookRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
-import { LIFECYCLE_OPERATIONS } from "./machines.ts";
+import { LIFECYCLE_OPERATIONS } from "../machines/service.ts";
 import { SERVICE_EVENT_OPERATIONS } from "../deployments/lifecycle.ts";
-import type { LifecycleOperation } from "./machines.ts";
-import { generateSecret, secretProblem } from "../webhooks/signing.ts";
-import { addressProblem, ipLiteral } from "../webhooks/ssrf.ts";
-import type { Resolve } from "../webhooks/ssrf.ts";
+import type { LifecycleOperation } from "../machines/service.ts";
+import { generateSecret, secretProblem } from "./signing.ts";
+import { addressProblem, ipLiteral } from "./ssrf.ts";
+import type { Resolve } from "./ssrf.ts";
 import { lookup as dnsLookup } from "node:dns";
-import type { DeliveryStatus } from "../webhooks/dispatcher.ts";
+import type { DeliveryStatus } from "./dispatcher.ts";
+import { newestFirstPage } from "../store/pages.ts";
 
-export { DELIVERY_STATUSES } from "../webhooks/dispatcher.ts";
+export { DELIVERY_STATUSES } from "./dispatcher.ts";
 
 /** What a webhook may subscribe to: one list, shared with what emits them — the machine lifecycle and the status
  *  changes of deployment services (`service.ready`, …). */
@@ -76,7 +77,18 @@ type Page<T> = { items: T[]; last?: [string, string]; more: boolean };
 /** A create or update waits at most this long on DNS to judge a receiver's name; past it the name is taken as is. */
 const NAME_CHECK_TIMEOUT_MS = 3_000;
 
-export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rotationGraceMs: number; wake: () => void; resolve?: Resolve }) {
+export interface WebhookService {
+  create(input: CreateWebhookInput): Promise<WebhookView & { signing_secret?: string }>;
+  get(id: string): Promise<WebhookView>;
+  list(opts: { limit: number; after?: [string, string] }): Promise<Page<WebhookView>>;
+  update(id: string, input: UpdateWebhookInput): Promise<WebhookView>;
+  remove(id: string): Promise<{ id: string; deleted: true }>;
+  listDeliveries(webhookId: string, opts: { limit: number; after?: [string, string]; status?: DeliveryStatus }): Promise<Page<DeliveryView>>;
+  getDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView & { payload: unknown }>;
+  retryDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView>;
+}
+
+export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rotationGraceMs: number; wake: () => void; resolve?: Resolve }): WebhookService {
   const { db } = deps;
 
   /**
@@ -162,13 +174,8 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
   }
 
   async function list(opts: { limit: number; after?: [string, string] }): Promise<Page<WebhookView>> {
-    let q = db.selectFrom("webhooks").selectAll().orderBy("created_at", "desc").orderBy("id", "desc").limit(opts.limit + 1);
-    const after = opts.after;
-    if (after) q = q.where((eb) => eb.or([eb("created_at", "<", after[0]), eb.and([eb("created_at", "=", after[0]), eb("id", "<", after[1])])]));
-    const rows = await q.execute();
-    const page = rows.slice(0, opts.limit);
-    const lastRow = page.at(-1);
-    return { items: page.map(webhookView), last: lastRow ? [lastRow.created_at, lastRow.id] : undefined, more: rows.length > opts.limit };
+    const page = await newestFirstPage(db.selectFrom("webhooks").selectAll(), opts);
+    return { items: page.rows.map(webhookView), last: page.last, more: page.more };
   }
 
   /** A new signing_secret rotates: the old one keeps signing beside it for the grace period. */
@@ -219,15 +226,11 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
   /** Newest first; `status` narrows the list. */
   async function listDeliveries(webhookId: string, opts: { limit: number; after?: [string, string]; status?: DeliveryStatus }): Promise<Page<DeliveryView>> {
     await load(webhookId);
-    let q = db.selectFrom("webhook_deliveries").selectAll().where("webhook_id", "=", webhookId).orderBy("created_at", "desc").orderBy("id", "desc").limit(opts.limit + 1);
-    const after = opts.after;
-    if (after) q = q.where((eb) => eb.or([eb("created_at", "<", after[0]), eb.and([eb("created_at", "=", after[0]), eb("id", "<", after[1])])]));
+    let q = db.selectFrom("webhook_deliveries").selectAll().where("webhook_id", "=", webhookId);
     if (opts.status) q = q.where("status", "=", opts.status);
-    const rows = await q.execute();
-    const page = rows.slice(0, opts.limit);
-    const attempts = await attemptsOf(page.map((r) => r.id));
-    const lastRow = page.at(-1);
-    return { items: page.map((r) => deliveryView(r, attempts.get(r.id)!)), last: lastRow ? [lastRow.created_at, lastRow.id] : undefined, more: rows.length > opts.limit };
+    const page = await newestFirstPage(q, opts);
+    const attempts = await attemptsOf(page.rows.map((r) => r.id));
+    return { items: page.rows.map((r) => deliveryView(r, attempts.get(r.id)!)), last: page.last, more: page.more };
   }
 
   async function loadDelivery(webhookId: string, deliveryId: string): Promise<DeliveryRow> {
@@ -262,5 +265,3 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
 
   return { create, get, list, update, remove, listDeliveries, getDelivery, retryDelivery };
 }
-
-export type WebhookService = ReturnType<typeof createWebhookService>;

@@ -2,7 +2,7 @@
 // user reads — CPU as a share of the machine's vCPUs over a recent interval, memory against its limit, disk.
 
 import type { MachineDriver, MachineUsage } from "../runtime/driver.ts";
-import type { MachineService } from "./machines.ts";
+import type { MachineService } from "./service.ts";
 
 /** A previous CPU sample younger than this (and at least MIN_WINDOW_MS old) is the start of the interval. */
 const REUSE_SAMPLE_MS = 60_000;
@@ -32,7 +32,11 @@ interface CpuSample {
   cpuNs: number;
 }
 
-export function createMachineMetrics(deps: { machines: MachineService; driver: MachineDriver }) {
+export interface MachineMetricsService {
+  get(id: string): Promise<MachineMetrics>;
+}
+
+export function createMachineMetrics(deps: { machines: MachineService; driver: MachineDriver }): MachineMetricsService {
   /** Per machine, the CPU samples a later call measures from: the newest (`cur`) and the one before it. */
   const samples = new Map<string, { cur: CpuSample; prev?: CpuSample }>();
   deps.machines.onStatus((id, status) => {
@@ -84,5 +88,3 @@ export function createMachineMetrics(deps: { machines: MachineService; driver: M
     },
   };
 }
-
-export type MachineMetricsService = ReturnType<typeof createMachineMetrics>;

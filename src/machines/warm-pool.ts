@@ -14,7 +14,16 @@ export interface PoolShape {
   memoryMb: number;
 }
 
-export function createWarmPool(deps: { driver: MachineDriver; size: number; log: Logger }) {
+export interface WarmPool {
+  /** Sets what pooled machines look like (the base template's current artifact); replaces stale ones. */
+  configure(next: PoolShape): void;
+  /** A booted machine of exactly this shape, or undefined (then the caller boots one itself). */
+  take(want: { artifactId: string; vcpus: number; memoryMb: number; diskMb: number; internet: boolean; network: boolean }): LiveMachine | undefined;
+  stats(): { size: number; ready: number; booting: number; ids: string[] };
+  close(): Promise<void>;
+}
+
+export function createWarmPool(deps: { driver: MachineDriver; size: number; log: Logger }): WarmPool {
   const { driver, size, log } = deps;
   let shape: PoolShape | undefined;
   const ready: { live: LiveMachine; artifactId: string }[] = [];
@@ -82,5 +91,3 @@ export function createWarmPool(deps: { driver: MachineDriver; size: number; log:
     },
   };
 }
-
-export type WarmPool = ReturnType<typeof createWarmPool>;

@@ -28,7 +28,28 @@ async function memAvailableMb(): Promise<number> {
   return Number.isFinite(kb) ? Math.floor(kb / 1024) : Math.floor(totalmem() / MIB);
 }
 
-export function createAdmission(deps: { db: Db; limits: AdmissionLimits }) {
+export interface Admission {
+  /** Snapshots take disk (their blocks once the machine rewrites them): refused (503, retryable) under the floor. */
+  admitDisk(): Promise<void>;
+  /** Throws 400 for a machine the host can never hold, 503 (retryable) while the host is under pressure. */
+  admit(want: { vcpus: number; memoryMb: number; diskMb: number }): Promise<void>;
+  /** What GET /v1/ready reports: the host's size, what is in use, and the floors creates are held to. */
+  capacity(): Promise<{
+    host_cores: number;
+    host_memory_mb: number;
+    live_machines: number;
+    declared_memory_mb: number;
+    mem_available_mb: number;
+    min_free_memory_mb: number;
+    free_disk_mb: number | null;
+    min_free_disk_mb: number;
+    max_disk_mb: number;
+    memory_overcommit: number | null;
+    accepting: boolean;
+  }>;
+}
+
+export function createAdmission(deps: { db: Db; limits: AdmissionLimits }): Admission {
   const { db, limits } = deps;
   const hostMemoryMb = Math.floor(totalmem() / MIB);
   const hostCores = cpus().length;
@@ -102,5 +123,3 @@ export function createAdmission(deps: { db: Db; limits: AdmissionLimits }) {
     },
   };
 }
-
-export type Admission = ReturnType<typeof createAdmission>;

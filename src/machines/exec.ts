@@ -2,7 +2,7 @@
 // and returns the output as text, with base64 beside it when the bytes are not valid UTF-8.
 
 import { KilnError } from "../errors.ts";
-import type { MachineService } from "./machines.ts";
+import type { MachineService } from "./service.ts";
 import { viaAgent } from "./agent-errors.ts";
 import { resolveMachinePath, needsUserHome, DEFAULT_WORKDIR } from "./paths.ts";
 import { checkEnvs } from "./input-limits.ts";
@@ -24,7 +24,19 @@ export interface ExecInput {
 
 export const EXEC_DEFAULT_TIMEOUT_S = 60;
 
-export function createExecService(machines: MachineService) {
+export interface ExecService {
+  exec(id: string, input: ExecInput): Promise<{
+    oom_killed?: boolean | undefined;
+    encoding?: "base64" | undefined;
+    exit_code: number | null;
+    signal: string | null;
+    stdout: string;
+    stderr: string;
+    duration_ms: number;
+  }>;
+}
+
+export function createExecService(machines: MachineService): ExecService {
   async function exec(id: string, input: ExecInput) {
     checkEnvs(input.envs);
     const { row, agent } = await machines.agentOf(id);
@@ -93,5 +105,3 @@ export async function userOf(agent: { user(name: string): Promise<{ home: string
     throw err;
   });
 }
-
-export type ExecService = ReturnType<typeof createExecService>;

@@ -4,8 +4,8 @@
 import { readdir, rm, stat } from "node:fs/promises";
 import { dirname, join } from "node:path";
 import type { Db } from "../store/schema.ts";
-import { artifactConfig } from "../builder/artifact-config.ts";
-import type { OciCacheRetention } from "../builder/oci/cache-retention.ts";
+import { artifactConfig } from "./artifact-config.ts";
+import type { OciCacheRetention } from "./oci/cache-retention.ts";
 
 export function createBuildRetention(deps: { db: Db; layersDir: string; retentionS: number; buildsRunning: () => boolean; ociCache?: OciCacheRetention }) {
   const { db, layersDir } = deps;

@@ -4,9 +4,41 @@
 import type { Db, TemplateRow } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
-import { BASE_TEMPLATE_REF } from "./templates.ts";
+import { BASE_TEMPLATE_REF, templateIdOf } from "./resolver.ts";
 
-export function createTemplateCatalog(deps: { db: Db; templateIdOf: (id: string) => Promise<string> }) {
+/** A logical template as the API shows it: its tags, aliases and latest artifacts. */
+export type TemplateView = {
+  template_id: string;
+  namespace: string;
+  name: string;
+  canonical_ref: string;
+  aliases: string[];
+  tags: Record<string, string>;
+  artifacts: {
+    artifact_id: string;
+    build_id: string | null;
+    digest: string;
+    tags: string[];
+    layers: number;
+    env: string[];
+    cwd: string | null;
+    user: string | null;
+    start_cmd: string | null;
+    created_at: string;
+    retention_expires_at: string | null;
+  }[];
+  created_at: string;
+  updated_at: string;
+};
+
+export interface TemplateCatalog {
+  list(): Promise<{ templates: TemplateView[] }>;
+  get(id: string): Promise<TemplateView>;
+  /** Refuses while machines use the template or a build of it runs; its layers are left to retention. */
+  remove(id: string): Promise<TemplateView>;
+}
+
+export function createTemplateCatalog(deps: { db: Db }): TemplateCatalog {
   const { db } = deps;
 
   async function view(t: TemplateRow) {
@@ -47,7 +79,7 @@ export function createTemplateCatalog(deps: { db: Db; templateIdOf: (id: string)
   }
 
   async function load(id: string): Promise<TemplateRow> {
-    const templateId = await deps.templateIdOf(id);
+    const templateId = await templateIdOf(db, id);
     return db.selectFrom("templates").selectAll().where("id", "=", templateId).executeTakeFirstOrThrow();
   }
 
@@ -80,5 +112,3 @@ export function createTemplateCatalog(deps: { db: Db; templateIdOf: (id: string)
 
   return { list, get, remove };
 }
-
-export type TemplateCatalog = ReturnType<typeof createTemplateCatalog>;
