@@ -100,6 +100,7 @@ test("kiln serve finishes an in-flight request on SIGTERM, then exits 0", async 
     // its mount, cgroups and slirp4netns go too.
     const driver = createOciDriver({ dataDir, runtime: "runc", hostAccess: false, log: createLogger({ level: "silent", pretty: false }), guestRuntimeDir: "" });
     await driver.destroy(machine.id);
+    await driver.close(); // the disk pool it mounted goes with its last machine
   } finally {
     server.kill("SIGKILL");
     await rm(dataDir, { recursive: true, force: true });

@@ -41,9 +41,9 @@ function allFiles(dir: string): string[] {
       continue;
     }
     if (st.isDirectory()) {
-      if (name === "machines" || name === "cache") continue; // machine root filesystems, the base template
+      if (name === "machines" || name === "cache" || name === "disks") continue; // machine root filesystems, the base template, machines' disk images (the pool)
       out.push(...allFiles(p));
-    } else if (st.isFile() && !["disk.img", "image.ext4"].includes(name)) out.push(p); // sockets and FIFOs hold no data; sparse disk images are searched where mounted
+    } else if (st.isFile() && !["disk.img", "image.ext4", "disks.xfs"].includes(name)) out.push(p); // sockets and FIFOs hold no data; sparse disk images are searched where mounted
   }
   return out;
 }

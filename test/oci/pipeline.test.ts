@@ -108,7 +108,7 @@ test("an unsupported manifest ends the stream with build_error naming it; creden
   await buildOk(k, { name: "private-mini", base_image: `${priv.host}/mini/private:v1`, base_image_auth: { type: "basic", username: "u", password } });
   const denied = await build(k, { name: "private-denied", base_image: `${priv.host}/mini/private:v1` });
   assert.equal(denied.events.at(-1)!.data.error_detail.code, "build_error");
-  assert.equal(spawnSync("grep", ["-rlaF", "--exclude=disk.img", "--exclude=image.ext4", password, k.dataDir]).stdout.toString(), "", "the password is nowhere in the data dir");
+  assert.equal(spawnSync("grep", ["-rlaF", "--exclude=disk.img", "--exclude=image.ext4", "--exclude=disks.xfs", "--exclude-dir=disks", password, k.dataDir]).stdout.toString(), "", "the password is nowhere in the data dir");
   assert.ok(!k.logs.join("").includes(password), "nor in the server's logs");
 });
 
@@ -129,7 +129,7 @@ test("a Dockerfile build through the endpoint: secret mount, build args, target,
   assert.equal((await sh(k, id, "cat /hello /app.txt /final /etc/motd")).stdout, "hello kiln\nfrom the context\nfinal\nimported\n");
   assert.equal((await sh(k, id, "cat /len")).stdout.trim(), String(secret.length));
   assert.equal((await sh(k, id, "test -e /unused && echo present || echo absent")).stdout, "absent\n");
-  assert.equal(spawnSync("grep", ["-rlaF", "--exclude=disk.img", "--exclude=image.ext4", secret, k.dataDir]).stdout.toString(), "", "the secret is nowhere in the data dir (records, logs, builder storage)");
+  assert.equal(spawnSync("grep", ["-rlaF", "--exclude=disk.img", "--exclude=image.ext4", "--exclude=disks.xfs", "--exclude-dir=disks", secret, k.dataDir]).stdout.toString(), "", "the secret is nowhere in the data dir (records, logs, builder storage)");
   assert.ok(!k.logs.join("").includes(secret), "nor in the server's logs");
   const bad = await build(k, { name: "df-bad", dockerfile: "FROM alpine\n", registry_credentials: [{ registry: "ghcr.io", username: "u", password: "p" }] });
   assert.equal(bad.status, 400, "credentials for a registry the Dockerfile does not use are refused before the stream");

@@ -144,7 +144,7 @@ async function diskImages(): Promise<string[]> {
     for (const e of await readdir(d, { withFileTypes: true }).catch(() => [])) {
       const p = join(d, e.name);
       if (e.isDirectory() && !(e.name === "rootfs" && d.includes("/machines/"))) await walk(p);
-      else if (e.isFile() && e.name === "disk.img" && p.includes(m.id)) out.push(p);
+      else if (e.isFile() && (e.name === "disk.img" || e.name === `${m.id}.img`) && p.includes(m.id)) out.push(p); // in its dir, or in the reflink pool
     }
   };
   await walk(k.dataDir);
