@@ -30,6 +30,7 @@ import type { ProxyLimits } from "../deployments/proxy.ts";
 import { createServer } from "node:http";
 import { e2bCompat } from "../compat/e2b/index.ts";
 import { createAuth } from "./auth.ts";
+import { mcpRoutes } from "../mcp/route.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -158,6 +159,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
   await app.register(volumeRoutes, { services: opts.services });
   await app.register(volumeWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs, queueSize: opts.volumeWatchQueue ?? 4096 });
+  await app.register(mcpRoutes);
   if (opts.e2b) await app.register(e2bCompat, { services: opts.services, auth, ...opts.e2b, limits: opts.edgeLimits });
 
   // Public: client generators and browsers fetch it without a key.
