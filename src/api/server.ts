@@ -31,6 +31,8 @@ import { createServer } from "node:http";
 import { e2bCompat } from "../compat/e2b/index.ts";
 import { createAuth } from "./auth.ts";
 import { mcpRoutes } from "../mcp/route.ts";
+import { createMetrics } from "../metrics/registry.ts";
+import { metricsRoutes } from "../metrics/route.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -52,12 +54,14 @@ export interface ServerOptions {
 export async function buildServer(opts: ServerOptions): Promise<App> {
   // The public edge's HTTP requests are proxied before Fastify routes them: they are a data path, not API calls.
   const edge = createEdge({ services: opts.services, log: opts.log, secureCookies: opts.publicUrl?.startsWith("https:") ?? false, limits: opts.edgeLimits });
+  const metrics = createMetrics({ db: opts.services.store.db, warmPool: () => opts.services.pool.stats() });
   const app = Fastify({
     serverFactory: (handler) => {
       // Kiln honours one upgrade, WebSocket: any other Upgrade header is served as the plain request it also is,
       // never handed to an upgrade listener (where the edge would make the connection a pipe).
       const server = createServer({ shouldUpgradeCallback: isWebSocketUpgrade }, (req, res) => {
-        if (!edge.handleRequest(req, res)) handler(req, res);
+        if (edge.handleRequest(req, res)) metrics.observeEdge(res);
+        else handler(req, res);
       });
       // What Fastify sets on a server it makes itself (its defaults).
       server.keepAliveTimeout = 72_000;
@@ -118,6 +122,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   // One line per answered request; a refused WebSocket upgrade then ends its connection (it can never become a socket).
   app.addHook("onResponse", (req, reply, done) => {
     req.log.info({ method: req.method, url: scrubUrl(req.url), status: reply.statusCode, ms: Math.round(reply.elapsedTime * 100) / 100 }, "request");
+    metrics.observeRequest(req.method, req.is404 ? "unmatched" : (req.routeOptions.url ?? "unmatched"), reply.statusCode, reply.elapsedTime / 1000);
     if (req.headers.upgrade && reply.statusCode >= 400) req.raw.socket?.destroy();
     done();
   });
@@ -143,6 +148,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     return sendEnvelope(reply, status, body);
   });
 
+  await app.register(metricsRoutes, { metrics });
   await app.register(healthRoutes, { services: opts.services });
   await app.register(keyRoutes, { services: opts.services });
   await app.register(machineRoutes, { services: opts.services });

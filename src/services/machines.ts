@@ -5,6 +5,7 @@ import { EventEmitter } from "node:events";
 import { createKeyedLock } from "./keyed-lock.ts";
 import type { Db, MachineRow, MachineUpdate } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
+import { metricEvents } from "../metrics/events.ts";
 import { KilnError } from "../errors.ts";
 import { DEFAULT_DISK_MB } from "../runtime/driver.ts";
 import type { EgressRules, LiveMachine, MachineDriver } from "../runtime/driver.ts";
@@ -186,6 +187,7 @@ export function createMachineService(deps: { db: Db; driver: MachineDriver; temp
     const saved = image.checkpoint;
     const restore = saved && saved.internet === (input.internet !== false) && driver.canRestore?.(saved) ? saved : undefined;
     const warm = restore || input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules });
+    if (!restore && !input.volumes?.length) metricEvents.warmPoolTake({ hit: warm !== undefined });
     const row = {
       id: warm?.id ?? newId("mch"),
       template_id: resolved.template.id,
