@@ -2,7 +2,7 @@
 // envelope on every failure, x-request-id on every response and the OpenAPI document built from the same schemas.
 
 import Fastify, { LogController } from "fastify";
-import type { FastifyReply, FastifyRequest } from "fastify";
+import type { FastifyReply, FastifyRequest, FastifySchema, RouteOptions } from "fastify";
 import type { App } from "./app-type.ts";
 import swagger from "@fastify/swagger";
 import websocket from "@fastify/websocket";
@@ -102,6 +102,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
       components: { securitySchemes: { bearer: { type: "http", scheme: "bearer" } } },
       security: [{ bearer: [] }],
     },
+    transform: documentUpgrades,
   });
 
   const routePatterns: { method: string; pattern: RegExp }[] = [];
@@ -171,6 +172,20 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   // Public: client generators and browsers fetch it without a key.
   app.get("/v1/openapi.json", { config: { auth: "none" }, schema: { hide: true } }, async () => app.swagger());
   return app;
+}
+
+/**
+ * @fastify/websocket hides its routes from the document; Kiln lists them (GET /v1/machines/{id}/ws, /v1/volumes/{id}/ws)
+ * with their 101 answer, so every documented path is in it and client generators see them.
+ */
+function documentUpgrades({ schema, url, route }: { schema: FastifySchema; url: string; route: RouteOptions }) {
+  if (!(route as { websocket?: boolean }).websocket || !schema) return { schema, url };
+  const response = (schema.response ?? {}) as Record<string, unknown>;
+  const upgrade = {
+    description: "Switching Protocols: the connection is now a WebSocket carrying JSON text frames (docs: DESIGN.md §5). Send `Connection: Upgrade`, `Upgrade: websocket`.",
+    type: "null",
+  };
+  return { schema: { ...schema, hide: false, response: { 101: upgrade, ...response } } as FastifySchema, url };
 }
 
 /**
