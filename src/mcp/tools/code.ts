@@ -23,6 +23,15 @@ type Frame =
 
 const IMAGE_TYPES = ["image/png", "image/jpeg", "image/gif", "image/webp"];
 
+// Made once: a zod schema is compiled on first use, and every request builds a server of these tools.
+const runCodeInput = z.object({
+  machine_id: MachineId,
+  code: z.string().max(4 * 1024 * 1024).describe("The code to run"),
+  language: z.enum(["python", "javascript"]).optional().describe("Kernel language (default python); ignored with context_id"),
+  context_id: z.string().regex(/^[A-Za-z0-9_-]{1,64}$/).optional().describe("A kernel context id (ctx_…) to run in instead of the language's default one"),
+  timeout_s: z.number().int().min(1).max(3600).optional().describe("Interrupt the execution after this many seconds (default 300)"),
+});
+
 export function codeTools(server: McpServer, ctx: ToolContext) {
   server.registerTool(
     "run_code",
@@ -31,13 +40,7 @@ export function codeTools(server: McpServer, ctx: ToolContext) {
       description:
         "Run Python or JavaScript in a stateful kernel inside a machine (like a notebook cell: variables, imports and functions persist between calls of the same language). " +
         "Returns printed output, the value of the last expression, and images (e.g. matplotlib figures) as images. An exception comes back as its traceback.",
-      inputSchema: {
-        machine_id: MachineId,
-        code: z.string().max(4 * 1024 * 1024).describe("The code to run"),
-        language: z.enum(["python", "javascript"]).optional().describe("Kernel language (default python); ignored with context_id"),
-        context_id: z.string().regex(/^[A-Za-z0-9_-]{1,64}$/).optional().describe("A kernel context id (ctx_…) to run in instead of the language's default one"),
-        timeout_s: z.number().int().min(1).max(3600).optional().describe("Interrupt the execution after this many seconds (default 300)"),
-      },
+      inputSchema: runCodeInput,
       annotations: { openWorldHint: true },
     },
     guarded(ctx, async ({ call }, args) => {

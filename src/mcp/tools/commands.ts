@@ -20,6 +20,17 @@ interface ExecResult {
   oom_killed?: boolean;
 }
 
+// Made once: a zod schema is compiled on first use, and every request builds a server of these tools.
+const runCommandInput = z.object({
+  machine_id: MachineId,
+  command: z.string().min(1).max(131_072).describe("Shell command line, e.g. `ls -la /workspace && python3 main.py`"),
+  cwd: z.string().min(1).max(4096).optional().describe("Working directory (default: the machine's, /workspace)"),
+  user: z.string().min(1).max(64).optional().describe("Run as this user (default `user`; `root` for package installs)"),
+  envs: z.record(z.string(), z.string()).optional().describe("Extra environment variables"),
+  stdin: z.string().max(16 * 1024 * 1024).optional().describe("Text given to the command on stdin"),
+  timeout_s: z.number().int().min(1).max(3600).optional().describe("Kill the command (and its children) after this many seconds (default 60)"),
+});
+
 export function commandTools(server: McpServer, ctx: ToolContext) {
   server.registerTool(
     "run_command",
@@ -28,15 +39,7 @@ export function commandTools(server: McpServer, ctx: ToolContext) {
       description:
         "Run a shell command line (/bin/sh -c) in a machine and wait for it to end. Returns its exit code, stdout and stderr " +
         `(each cut to ${COMMAND_OUTPUT_MAX_CHARS} characters, keeping the start and the end). A non-zero exit code is a normal answer, not a failure.`,
-      inputSchema: {
-        machine_id: MachineId,
-        command: z.string().min(1).max(131_072).describe("Shell command line, e.g. `ls -la /workspace && python3 main.py`"),
-        cwd: z.string().min(1).max(4096).optional().describe("Working directory (default: the machine's, /workspace)"),
-        user: z.string().min(1).max(64).optional().describe("Run as this user (default `user`; `root` for package installs)"),
-        envs: z.record(z.string(), z.string()).optional().describe("Extra environment variables"),
-        stdin: z.string().max(16 * 1024 * 1024).optional().describe("Text given to the command on stdin"),
-        timeout_s: z.number().int().min(1).max(3600).optional().describe("Kill the command (and its children) after this many seconds (default 60)"),
-      },
+      inputSchema: runCommandInput,
       annotations: { openWorldHint: true },
     },
     guarded(ctx, async ({ call }, args) => {

@@ -48,13 +48,33 @@ interface FileMeta {
   symlink_target?: string;
 }
 
+// Made once: a zod schema is compiled on first use, and every request builds a server of these tools.
+const readFileInput = z.object({ machine_id: MachineId, path: Path, user: User });
+
+const writeFileInput = z.object({
+  machine_id: MachineId,
+  path: Path,
+  content: z.string().max(32 * 1024 * 1024).describe("The file's content"),
+  encoding: z.enum(["utf8", "base64"]).optional().describe("How `content` is encoded (default utf8)"),
+  mode: z.string().regex(/^[0-7]{3,4}$/).optional().describe("Permissions in octal, e.g. `0755` for a script"),
+  user: User,
+});
+
+const listFilesInput = z.object({
+  machine_id: MachineId,
+  path: Path.optional().describe("Directory (default /workspace)"),
+  depth: z.number().int().min(1).max(10).optional().describe("How many levels down (default 1)"),
+  cursor: z.string().max(1024).optional().describe("next_cursor of the previous answer"),
+  user: User,
+});
+
 export function fileTools(server: McpServer, ctx: ToolContext) {
   server.registerTool(
     "read_file",
     {
       title: "Read a file",
       description: `Read a file from a machine. Text comes back as text (at most ${READ_MAX_BYTES / 1024} KiB; longer files are cut with a note), PNG/JPEG/GIF/WebP images as images, other binary files as base64.`,
-      inputSchema: { machine_id: MachineId, path: Path, user: User },
+      inputSchema: readFileInput,
       annotations: { readOnlyHint: true, openWorldHint: false },
     },
     guarded(ctx, async ({ call }, args) => {
@@ -76,14 +96,7 @@ export function fileTools(server: McpServer, ctx: ToolContext) {
     {
       title: "Write a file",
       description: "Write a file in a machine (replacing it if it exists; parent directories are created). `content` is text, or base64 with encoding `base64` for binary files.",
-      inputSchema: {
-        machine_id: MachineId,
-        path: Path,
-        content: z.string().max(32 * 1024 * 1024).describe("The file's content"),
-        encoding: z.enum(["utf8", "base64"]).optional().describe("How `content` is encoded (default utf8)"),
-        mode: z.string().regex(/^[0-7]{3,4}$/).optional().describe("Permissions in octal, e.g. `0755` for a script"),
-        user: User,
-      },
+      inputSchema: writeFileInput,
       annotations: { destructiveHint: true, idempotentHint: true, openWorldHint: false },
     },
     guarded(ctx, async ({ call }, args) => {
@@ -98,13 +111,7 @@ export function fileTools(server: McpServer, ctx: ToolContext) {
     {
       title: "List files",
       description: `List a directory in a machine: type, permissions, owner, size and path of each entry (depth 1 by default; at most ${LIST_LIMIT} entries per answer).`,
-      inputSchema: {
-        machine_id: MachineId,
-        path: Path.optional().describe("Directory (default /workspace)"),
-        depth: z.number().int().min(1).max(10).optional().describe("How many levels down (default 1)"),
-        cursor: z.string().max(1024).optional().describe("next_cursor of the previous answer"),
-        user: User,
-      },
+      inputSchema: listFilesInput,
       annotations: { readOnlyHint: true, openWorldHint: false },
     },
     guarded(ctx, async ({ call }, args) => {

@@ -23,6 +23,26 @@ function describe(m: Machine): string {
   return `${m.id}  ${m.status}  template ${m.template_id}${m.name ? `  name ${m.name}` : ""}  created ${m.created_at}${m.expires_at ? `  expires ${m.expires_at}` : ""}`;
 }
 
+// Made once: a zod schema is compiled on first use, and every request builds a server of these tools.
+const createMachineInput = z.object({
+  template: z.string().min(1).max(256).optional().describe("Template ref, e.g. `local/python` or an artifact id (default: the base Debian template, `local/base`)"),
+  timeout_s: z.number().int().min(1).optional().describe("Seconds until the machine is destroyed (default 300)"),
+  vcpus: z.number().int().min(1).optional().describe("vCPUs (default 1)"),
+  memory_mb: z.number().int().min(1).optional().describe("Memory limit in MiB (default 1024)"),
+  disk_mb: z.number().int().min(1).optional().describe("Size of the machine's writable disk in MiB (the server's default when omitted)"),
+  internet: z.boolean().optional().describe("Outbound internet access (default true)"),
+  envs: z.record(z.string(), z.string()).optional().describe("Environment variables for every command in the machine"),
+  name: z.string().min(1).max(128).optional(),
+  metadata: z.record(z.string(), z.string()).optional().describe("Free-form labels kept with the machine"),
+});
+
+const listMachinesInput = z.object({
+  limit: z.number().int().min(1).max(100).optional().describe("At most this many (default 50)"),
+  cursor: z.string().max(512).optional().describe("next_cursor of the previous page"),
+});
+
+const destroyMachineInput = z.object({ machine_id: MachineId });
+
 export function machineTools(server: McpServer, ctx: ToolContext) {
   server.registerTool(
     "create_machine",
@@ -31,17 +51,7 @@ export function machineTools(server: McpServer, ctx: ToolContext) {
       description:
         "Create an isolated Linux machine (a container with its own network) from a template and start it. Returns its id, which every other tool takes. " +
         "The machine is destroyed when its timeout runs out (default 300 s; destroy_machine ends it sooner). Files live under /workspace; commands run as `user` unless told otherwise.",
-      inputSchema: {
-        template: z.string().min(1).max(256).optional().describe("Template ref, e.g. `local/python` or an artifact id (default: the base Debian template, `local/base`)"),
-        timeout_s: z.number().int().min(1).optional().describe("Seconds until the machine is destroyed (default 300)"),
-        vcpus: z.number().int().min(1).optional().describe("vCPUs (default 1)"),
-        memory_mb: z.number().int().min(1).optional().describe("Memory limit in MiB (default 1024)"),
-        disk_mb: z.number().int().min(1).optional().describe("Size of the machine's writable disk in MiB (the server's default when omitted)"),
-        internet: z.boolean().optional().describe("Outbound internet access (default true)"),
-        envs: z.record(z.string(), z.string()).optional().describe("Environment variables for every command in the machine"),
-        name: z.string().min(1).max(128).optional(),
-        metadata: z.record(z.string(), z.string()).optional().describe("Free-form labels kept with the machine"),
-      },
+      inputSchema: createMachineInput,
       annotations: { openWorldHint: false },
     },
     guarded(ctx, async ({ call }, args) => {
@@ -55,10 +65,7 @@ export function machineTools(server: McpServer, ctx: ToolContext) {
     {
       title: "List machines",
       description: "List the machines this API key can use (newest first), with status, template and age. Pass `cursor` from a previous answer for the next page.",
-      inputSchema: {
-        limit: z.number().int().min(1).max(100).optional().describe("At most this many (default 50)"),
-        cursor: z.string().max(512).optional().describe("next_cursor of the previous page"),
-      },
+      inputSchema: listMachinesInput,
       annotations: { readOnlyHint: true, openWorldHint: false },
     },
     guarded(ctx, async ({ call }, args) => {
@@ -74,7 +81,7 @@ export function machineTools(server: McpServer, ctx: ToolContext) {
     {
       title: "Destroy a machine",
       description: "Stop a machine and delete it with everything in it (its files are gone for good).",
-      inputSchema: { machine_id: MachineId },
+      inputSchema: destroyMachineInput,
       annotations: { destructiveHint: true, idempotentHint: true, openWorldHint: false },
     },
     guarded(ctx, async ({ call }, args) => {

@@ -12,6 +12,9 @@ import { MachineId } from "./machines.ts";
 /** The header the port proxy takes the machine's access token in. */
 const TOKEN_HEADER = "e2b-traffic-access-token";
 
+// Made once: a zod schema is compiled on first use, and every request builds a server of these tools.
+const getPortUrlInput = z.object({ machine_id: MachineId, port: z.number().int().min(1).max(65535).describe("The port the server listens on inside the machine") });
+
 export function portTools(server: McpServer, ctx: ToolContext) {
   server.registerTool(
     "get_port_url",
@@ -20,7 +23,7 @@ export function portTools(server: McpServer, ctx: ToolContext) {
       description:
         "Get the URL that reaches a server listening on a port inside a machine (HTTP and WebSocket), and the header every request to it must carry. " +
         "Start the server first (e.g. run_command with `nohup python3 -m http.server 8000 >/tmp/http.log 2>&1 &`); it must listen on 0.0.0.0 or the machine's address.",
-      inputSchema: { machine_id: MachineId, port: z.number().int().min(1).max(65535).describe("The port the server listens on inside the machine") },
+      inputSchema: getPortUrlInput,
       annotations: { readOnlyHint: true, openWorldHint: false },
     },
     guarded(ctx, async ({ call, baseUrl }, args) => {
