@@ -5,6 +5,7 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { join } from "node:path";
+import { spawnSync } from "node:child_process";
 import { request } from "undici";
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StreamableHTTPClientTransport } from "@modelcontextprotocol/sdk/client/streamableHttp.js";
@@ -192,6 +193,21 @@ test("get_port_url gives a URL and header that reach a server listening in the m
     const without = await request(`${kiln_url}/index.html`, { headers: { host } });
     assert.equal(without.statusCode, 401);
     await without.body.dump();
+  } finally {
+    await call(http, "destroy_machine", { machine_id: id });
+  }
+});
+
+test("envs given through the MCP tools reach the machine but neither the logs nor the data dir", async () => {
+  const marker = `mcp_marker_${Date.now().toString(36)}_${Math.random().toString(36).slice(2)}`;
+  const created = await call(http, "create_machine", { envs: { MACHINE_SECRET: `${marker}_machine` } });
+  const id = (created.structuredContent as { machine: { id: string } }).machine.id;
+  try {
+    const ran = await call(http, "run_command", { machine_id: id, command: "echo $MACHINE_SECRET $RUN_SECRET | wc -c", envs: { RUN_SECRET: `${marker}_run` } });
+    assert.equal((ran.structuredContent as { stdout: string }).stdout.trim(), String(`${marker}_machine ${marker}_run\n`.length), "both reached the command");
+    assert.ok(!k.logs.some((l) => l.includes(marker)), "no log line carries the marker");
+    const found = spawnSync("grep", ["-rlaF", "-D", "skip", "--exclude-dir=rootfs", "--exclude=disk.img", "--exclude=image.ext4", "-e", marker, k.dataDir]);
+    assert.equal(found.stdout.toString(), "", "the marker is nowhere in the data dir");
   } finally {
     await call(http, "destroy_machine", { machine_id: id });
   }
