@@ -2,6 +2,7 @@
 // Every tool calls Kiln's own HTTP API with the client's key (caller.ts); snapshot and fork tools wait for issue 20.
 
 import { McpServer } from "@modelcontextprotocol/sdk/server/mcp.js";
+import { AjvJsonSchemaValidator } from "@modelcontextprotocol/sdk/validation/ajv";
 import type { ToolContext } from "./result.ts";
 import { machineTools } from "./tools/machines.ts";
 import { commandTools } from "./tools/commands.ts";
@@ -16,8 +17,11 @@ const INSTRUCTIONS =
   "write_file, list_files and run_code (Python or JavaScript kernels whose state persists between calls). " +
   "Machines are destroyed when their timeout runs out; call destroy_machine when you are done.";
 
+/** One for the process: each McpServer would otherwise make its own Ajv (≈ a millisecond of schema compiling per POST). */
+const jsonSchemaValidator = new AjvJsonSchemaValidator();
+
 export function createMcpServer(ctx: ToolContext): McpServer {
-  const server = new McpServer(MCP_SERVER_INFO, { instructions: INSTRUCTIONS, capabilities: { tools: { listChanged: false } } });
+  const server = new McpServer(MCP_SERVER_INFO, { instructions: INSTRUCTIONS, capabilities: { tools: { listChanged: false } }, jsonSchemaValidator });
   machineTools(server, ctx);
   commandTools(server, ctx);
   fileTools(server, ctx);
