@@ -7,6 +7,7 @@ import { cpus, totalmem } from "node:os";
 import { sql } from "kysely";
 import type { Db } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
+import { metricEvents } from "../metrics/events.ts";
 
 const MIB = 1024 * 1024;
 
@@ -74,6 +75,7 @@ export function createAdmission(deps: { db: Db; limits: AdmissionLimits }): Admi
   async function checkDisk(): Promise<number> {
     const freeDisk = await freeDiskMb();
     if (freeDisk < limits.minFreeDiskMb) {
+      metricEvents.admissionRefused({ reason: "disk" });
       throw busy(`The host is short of disk (${freeDisk} MiB free in the data dir, the floor is ${limits.minFreeDiskMb} MiB); try again later`, { free_disk_mb: freeDisk, min_free_disk_mb: limits.minFreeDiskMb });
     }
     return freeDisk;
@@ -92,6 +94,7 @@ export function createAdmission(deps: { db: Db; limits: AdmissionLimits }): Admi
       if (want.diskMb > limits.maxDiskMb) throw new KilnError("invalid_request", `disk_mb ${want.diskMb} is more than this server allows (KILN_MAX_DISK_MB=${limits.maxDiskMb})`);
       const available = await memAvailableMb();
       if (available < minFreeMemoryMb) {
+        metricEvents.admissionRefused({ reason: "memory" });
         throw busy(`The host is short of memory (${available} MiB available, the floor is ${minFreeMemoryMb} MiB); try again later`, { mem_available_mb: available, min_free_memory_mb: minFreeMemoryMb });
       }
       await checkDisk();
@@ -99,6 +102,7 @@ export function createAdmission(deps: { db: Db; limits: AdmissionLimits }): Admi
         const cap = Math.floor(hostMemoryMb * limits.memoryOvercommit);
         const { declaredMemoryMb } = await liveMachines();
         if (declaredMemoryMb + want.memoryMb > cap) {
+          metricEvents.admissionRefused({ reason: "overcommit" });
           throw busy(`Live machines already declare ${declaredMemoryMb} MiB of memory; the cap is ${cap} MiB (KILN_MEMORY_OVERCOMMIT=${limits.memoryOvercommit})`, { declared_memory_mb: declaredMemoryMb, cap_mb: cap });
         }
       }

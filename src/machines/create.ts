@@ -1,6 +1,7 @@
 // Machine create: input checks, admission, a warm machine of the same shape or a fresh boot (or a gVisor restore of
 // the template's start checkpoint), volumes, the user, envs and start command, and cleanup when any of it fails.
 
+import { metricEvents } from "../metrics/events.ts";
 import type { MachineRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
@@ -103,6 +104,7 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     const saved = from ? undefined : image.checkpoint;
     const restore = saved && saved.internet === (input.internet !== false) && driver.canRestore?.(saved) ? saved : undefined;
     const warm = restore || from || input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules });
+    if (!restore && !from && !input.volumes?.length) metricEvents.warmPoolTake({ hit: warm !== undefined });
     const row = {
       id: warm?.id ?? newId("mch"),
       template_id: resolved.template.id,

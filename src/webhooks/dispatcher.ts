@@ -10,6 +10,7 @@ import { deliveryHeaders } from "./signing.ts";
 import { addressProblem, guardedLookup, ipLiteral, ReceiverRefusedError } from "./ssrf.ts";
 import type { Resolve } from "./ssrf.ts";
 import { onDeliveriesQueued } from "./outbox.ts";
+import { metricEvents } from "../metrics/events.ts";
 
 export const DELIVERY_STATUSES = ["queued", "in_progress", "succeeded", "dead_letter"] as const;
 export type DeliveryStatus = (typeof DELIVERY_STATUSES)[number];
@@ -227,6 +228,7 @@ export function createDispatcher(opts: DispatcherOptions) {
     }
     if (gone) error = "the receiver answered 410 Gone: the webhook is disabled";
     log.debug({ delivery_id: row.id, webhook_id: hook.webhook_id, attempt: row.attempts, status_code: statusCode, error, status }, "webhook delivery attempt");
+    metricEvents.webhookAttempt({ durationMs, ok });
     return { row, startedAt: started.toISOString(), durationMs, statusCode, error, excerpt, status, nextAttemptAt, disableWebhook: gone };
   }
 
