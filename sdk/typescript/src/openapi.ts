@@ -504,6 +504,17 @@ export interface paths {
                                 metadata: {
                                     [key: string]: string;
                                 };
+                                /**
+                                 * @description What its timeout does: destroy it, or hibernate it (until KILN_MAX_HIBERNATION_S)
+                                 * @enum {unknown}
+                                 */
+                                on_timeout: "destroy" | "hibernate";
+                                /** @description A hibernated machine wakes on the next exec, files, WebSocket, port or edge request */
+                                auto_resume: boolean;
+                                /** @description How a hibernated machine sleeps; null unless hibernated */
+                                hibernate_mode: ("freeze" | "disk" | "memory") | null;
+                                /** @description The snapshot it was made from */
+                                snapshot_id: string | null;
                             }[];
                             next_cursor: string | null;
                         };
@@ -546,7 +557,7 @@ export interface paths {
             };
         };
         put?: never;
-        /** Create a machine from a template */
+        /** Create a machine from a template or a snapshot */
         post: {
             parameters: {
                 query?: never;
@@ -559,6 +570,15 @@ export interface paths {
                     "application/json": {
                         /** @description Template ref (`local/base`, `base`, `base:tag`) or artifact id; default `local/base` */
                         template?: string;
+                        /** @description Make the machine from this snapshot (snp_…) instead of a template: its disk, and with memory its processes */
+                        snapshot?: string;
+                        /**
+                         * @description destroy (default), or hibernate: its memory saved where the runtime can, else its disk kept
+                         * @enum {unknown}
+                         */
+                        on_timeout?: "destroy" | "hibernate";
+                        /** @description Wake a hibernated machine on the next exec, files, WebSocket, port or edge request */
+                        auto_resume?: boolean;
                         name?: string;
                         cwd?: string;
                         user?: string;
@@ -574,7 +594,7 @@ export interface paths {
                         memory_mb?: number;
                         /** @description Size of the machine's writable layer (default 10240; at most KILN_MAX_DISK_MB) */
                         disk_mb?: number;
-                        /** @default true */
+                        /** @description Outbound network (default true; from a snapshot, the snapshot's) */
                         internet?: boolean;
                         volumes?: {
                             volume_id: string;
@@ -628,6 +648,17 @@ export interface paths {
                             metadata: {
                                 [key: string]: string;
                             };
+                            /**
+                             * @description What its timeout does: destroy it, or hibernate it (until KILN_MAX_HIBERNATION_S)
+                             * @enum {unknown}
+                             */
+                            on_timeout: "destroy" | "hibernate";
+                            /** @description A hibernated machine wakes on the next exec, files, WebSocket, port or edge request */
+                            auto_resume: boolean;
+                            /** @description How a hibernated machine sleeps; null unless hibernated */
+                            hibernate_mode: ("freeze" | "disk" | "memory") | null;
+                            /** @description The snapshot it was made from */
+                            snapshot_id: string | null;
                         };
                     };
                 };
@@ -667,6 +698,23 @@ export interface paths {
                 };
                 /** @description Default Response */
                 404: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                409: {
                     headers: {
                         [name: string]: unknown;
                     };
@@ -761,6 +809,17 @@ export interface paths {
                             metadata: {
                                 [key: string]: string;
                             };
+                            /**
+                             * @description What its timeout does: destroy it, or hibernate it (until KILN_MAX_HIBERNATION_S)
+                             * @enum {unknown}
+                             */
+                            on_timeout: "destroy" | "hibernate";
+                            /** @description A hibernated machine wakes on the next exec, files, WebSocket, port or edge request */
+                            auto_resume: boolean;
+                            /** @description How a hibernated machine sleeps; null unless hibernated */
+                            hibernate_mode: ("freeze" | "disk" | "memory") | null;
+                            /** @description The snapshot it was made from */
+                            snapshot_id: string | null;
                         };
                     };
                 };
@@ -849,6 +908,17 @@ export interface paths {
                             metadata: {
                                 [key: string]: string;
                             };
+                            /**
+                             * @description What its timeout does: destroy it, or hibernate it (until KILN_MAX_HIBERNATION_S)
+                             * @enum {unknown}
+                             */
+                            on_timeout: "destroy" | "hibernate";
+                            /** @description A hibernated machine wakes on the next exec, files, WebSocket, port or edge request */
+                            auto_resume: boolean;
+                            /** @description How a hibernated machine sleeps; null unless hibernated */
+                            hibernate_mode: ("freeze" | "disk" | "memory") | null;
+                            /** @description The snapshot it was made from */
+                            snapshot_id: string | null;
                         };
                     };
                 };
@@ -908,6 +978,13 @@ export interface paths {
                         metadata?: {
                             [key: string]: string;
                         };
+                        /**
+                         * @description destroy (default), or hibernate: its memory saved where the runtime can, else its disk kept
+                         * @enum {unknown}
+                         */
+                        on_timeout?: "destroy" | "hibernate";
+                        /** @description Wake a hibernated machine on the next exec, files, WebSocket, port or edge request */
+                        auto_resume?: boolean;
                     };
                 };
             };
@@ -947,6 +1024,17 @@ export interface paths {
                             metadata: {
                                 [key: string]: string;
                             };
+                            /**
+                             * @description What its timeout does: destroy it, or hibernate it (until KILN_MAX_HIBERNATION_S)
+                             * @enum {unknown}
+                             */
+                            on_timeout: "destroy" | "hibernate";
+                            /** @description A hibernated machine wakes on the next exec, files, WebSocket, port or edge request */
+                            auto_resume: boolean;
+                            /** @description How a hibernated machine sleeps; null unless hibernated */
+                            hibernate_mode: ("freeze" | "disk" | "memory") | null;
+                            /** @description The snapshot it was made from */
+                            snapshot_id: string | null;
                         };
                     };
                 };
@@ -1139,7 +1227,7 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Freeze every process of a running machine */
+        /** Hibernate a running machine: freeze its processes (default), stop them keeping its disk, or save them with its memory */
         post: {
             parameters: {
                 query?: never;
@@ -1149,7 +1237,20 @@ export interface paths {
                 };
                 cookie?: never;
             };
-            requestBody?: never;
+            /** @description Optional: no body is `{}` */
+            requestBody: {
+                content: {
+                    "application/json": {
+                        /** @description true: save its processes to disk and release their memory (gVisor; 400 with the reason elsewhere); false: stop them, keep the disk */
+                        memory?: boolean;
+                        /**
+                         * @description freeze (default): processes frozen in memory; disk; memory. Agrees with memory when both are given
+                         * @enum {unknown}
+                         */
+                        mode?: "freeze" | "disk" | "memory";
+                    };
+                };
+            };
             responses: {
                 /** @description Default Response */
                 200: {
@@ -1186,6 +1287,34 @@ export interface paths {
                             metadata: {
                                 [key: string]: string;
                             };
+                            /**
+                             * @description What its timeout does: destroy it, or hibernate it (until KILN_MAX_HIBERNATION_S)
+                             * @enum {unknown}
+                             */
+                            on_timeout: "destroy" | "hibernate";
+                            /** @description A hibernated machine wakes on the next exec, files, WebSocket, port or edge request */
+                            auto_resume: boolean;
+                            /** @description How a hibernated machine sleeps; null unless hibernated */
+                            hibernate_mode: ("freeze" | "disk" | "memory") | null;
+                            /** @description The snapshot it was made from */
+                            snapshot_id: string | null;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                400: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
                         };
                     };
                 };
@@ -1304,6 +1433,17 @@ export interface paths {
                             metadata: {
                                 [key: string]: string;
                             };
+                            /**
+                             * @description What its timeout does: destroy it, or hibernate it (until KILN_MAX_HIBERNATION_S)
+                             * @enum {unknown}
+                             */
+                            on_timeout: "destroy" | "hibernate";
+                            /** @description A hibernated machine wakes on the next exec, files, WebSocket, port or edge request */
+                            auto_resume: boolean;
+                            /** @description How a hibernated machine sleeps; null unless hibernated */
+                            hibernate_mode: ("freeze" | "disk" | "memory") | null;
+                            /** @description The snapshot it was made from */
+                            snapshot_id: string | null;
                         };
                     };
                 };
@@ -1514,6 +1654,634 @@ export interface paths {
             };
         };
         delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/machines/{id}/snapshots": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Snapshot a machine (its disk, and with memory its processes); the machine goes on */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody: {
+                content: {
+                    "application/json": {
+                        name?: string;
+                        /**
+                         * @description Save the machine's running processes too (gVisor); 400 with the reason where the runtime cannot
+                         * @default false
+                         */
+                        memory?: boolean;
+                        metadata?: {
+                            [key: string]: string;
+                        };
+                    };
+                };
+            };
+            responses: {
+                /** @description Default Response */
+                201: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            /** @description snp_… */
+                            id: string;
+                            /** @description The machine it was taken of */
+                            machine_id: string;
+                            template_id: string;
+                            name: string | null;
+                            /** @description Whether the machine's processes were saved too (gVisor) */
+                            memory: boolean;
+                            /** @description Bytes it holds on its host: the disk image's blocks (shared with the machine until either writes) and the saved memory */
+                            size_bytes: number;
+                            /** @description The disk size machines made from it have */
+                            disk_mb: number;
+                            /** @enum {unknown} */
+                            status: "creating" | "ready" | "failed" | "deleted";
+                            /** Format: date-time */
+                            created_at: string;
+                            deleted_at: string | null;
+                            failure_reason: string | null;
+                            metadata: {
+                                [key: string]: string;
+                            };
+                        };
+                    };
+                };
+                /** @description Default Response */
+                400: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                404: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                409: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                503: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/machines/{id}/fork": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Snapshot a machine and make count machines from it in one call; the parent goes on */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody: {
+                content: {
+                    "application/json": {
+                        /** @default 1 */
+                        count?: number;
+                        timeout_s?: number;
+                        metadata?: {
+                            [key: string]: string;
+                        };
+                        /**
+                         * @description Children continue the parent's running processes (gVisor); 400 with the reason where the runtime cannot
+                         * @default false
+                         */
+                        memory?: boolean;
+                    };
+                };
+            };
+            responses: {
+                /** @description Default Response */
+                201: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            machines: {
+                                id: string;
+                                template_id: string;
+                                artifact_id: string;
+                                name: string | null;
+                                /** @enum {unknown} */
+                                status: "creating" | "running" | "hibernated" | "destroyed" | "failed";
+                                cwd: string | null;
+                                user: string;
+                                vcpus: number;
+                                memory_mb: number;
+                                disk_mb: number;
+                                internet: boolean;
+                                network: {
+                                    allow_out: string[];
+                                    deny_out: string[];
+                                };
+                                timeout_s: number;
+                                /** Format: date-time */
+                                created_at: string;
+                                /** Format: date-time */
+                                updated_at: string;
+                                /** Format: date-time */
+                                expires_at: string;
+                                destroyed_at: string | null;
+                                failure_reason: string | null;
+                                metadata: {
+                                    [key: string]: string;
+                                };
+                                /**
+                                 * @description What its timeout does: destroy it, or hibernate it (until KILN_MAX_HIBERNATION_S)
+                                 * @enum {unknown}
+                                 */
+                                on_timeout: "destroy" | "hibernate";
+                                /** @description A hibernated machine wakes on the next exec, files, WebSocket, port or edge request */
+                                auto_resume: boolean;
+                                /** @description How a hibernated machine sleeps; null unless hibernated */
+                                hibernate_mode: ("freeze" | "disk" | "memory") | null;
+                                /** @description The snapshot it was made from */
+                                snapshot_id: string | null;
+                            }[];
+                        };
+                    };
+                };
+                /** @description Default Response */
+                400: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                404: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                409: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                503: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/snapshots": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** List snapshots, newest first */
+        get: {
+            parameters: {
+                query?: {
+                    machine_id?: string;
+                    limit?: number;
+                    cursor?: string;
+                };
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            snapshots: {
+                                /** @description snp_… */
+                                id: string;
+                                /** @description The machine it was taken of */
+                                machine_id: string;
+                                template_id: string;
+                                name: string | null;
+                                /** @description Whether the machine's processes were saved too (gVisor) */
+                                memory: boolean;
+                                /** @description Bytes it holds on its host: the disk image's blocks (shared with the machine until either writes) and the saved memory */
+                                size_bytes: number;
+                                /** @description The disk size machines made from it have */
+                                disk_mb: number;
+                                /** @enum {unknown} */
+                                status: "creating" | "ready" | "failed" | "deleted";
+                                /** Format: date-time */
+                                created_at: string;
+                                deleted_at: string | null;
+                                failure_reason: string | null;
+                                metadata: {
+                                    [key: string]: string;
+                                };
+                            }[];
+                            next_cursor: string | null;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                400: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/snapshots/{id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Get a snapshot */
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            /** @description snp_… */
+                            id: string;
+                            /** @description The machine it was taken of */
+                            machine_id: string;
+                            template_id: string;
+                            name: string | null;
+                            /** @description Whether the machine's processes were saved too (gVisor) */
+                            memory: boolean;
+                            /** @description Bytes it holds on its host: the disk image's blocks (shared with the machine until either writes) and the saved memory */
+                            size_bytes: number;
+                            /** @description The disk size machines made from it have */
+                            disk_mb: number;
+                            /** @enum {unknown} */
+                            status: "creating" | "ready" | "failed" | "deleted";
+                            /** Format: date-time */
+                            created_at: string;
+                            deleted_at: string | null;
+                            failure_reason: string | null;
+                            metadata: {
+                                [key: string]: string;
+                            };
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                404: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
+        put?: never;
+        post?: never;
+        /** Delete a snapshot; machines made from it keep their own copies */
+        delete: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            /** @description snp_… */
+                            id: string;
+                            /** @description The machine it was taken of */
+                            machine_id: string;
+                            template_id: string;
+                            name: string | null;
+                            /** @description Whether the machine's processes were saved too (gVisor) */
+                            memory: boolean;
+                            /** @description Bytes it holds on its host: the disk image's blocks (shared with the machine until either writes) and the saved memory */
+                            size_bytes: number;
+                            /** @description The disk size machines made from it have */
+                            disk_mb: number;
+                            /** @enum {unknown} */
+                            status: "creating" | "ready" | "failed" | "deleted";
+                            /** Format: date-time */
+                            created_at: string;
+                            deleted_at: string | null;
+                            failure_reason: string | null;
+                            metadata: {
+                                [key: string]: string;
+                            };
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                404: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                409: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
         options?: never;
         head?: never;
         patch?: never;
@@ -3655,7 +4423,7 @@ export interface paths {
                             webhooks: {
                                 id: string;
                                 url: string;
-                                operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
+                                operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                                 enabled: boolean;
                                 /** Format: date-time */
                                 created_at: string;
@@ -3716,7 +4484,7 @@ export interface paths {
                     "application/json": {
                         /** @description Receiver URL, http or https, without credentials */
                         url: string;
-                        operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
+                        operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                         /** @description `whsec_` + base64 (16–128 bytes), or any string of 16+ characters used as its UTF-8 bytes. Write-only. */
                         signing_secret?: string;
                     };
@@ -3732,7 +4500,7 @@ export interface paths {
                         "application/json": {
                             id: string;
                             url: string;
-                            operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
+                            operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                             enabled: boolean;
                             /** Format: date-time */
                             created_at: string;
@@ -3813,7 +4581,7 @@ export interface paths {
                         "application/json": {
                             id: string;
                             url: string;
-                            operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
+                            operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                             enabled: boolean;
                             /** Format: date-time */
                             created_at: string;
@@ -3937,7 +4705,7 @@ export interface paths {
                     "application/json": {
                         /** @description Receiver URL, http or https, without credentials */
                         url?: string;
-                        operations?: ("create" | "update" | "hibernate" | "resume" | "destroy" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
+                        operations?: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                         /** @description `whsec_` + base64 (16–128 bytes), or any string of 16+ characters used as its UTF-8 bytes. Write-only. */
                         signing_secret?: string;
                         enabled?: boolean;
@@ -3954,7 +4722,7 @@ export interface paths {
                         "application/json": {
                             id: string;
                             url: string;
-                            operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
+                            operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                             enabled: boolean;
                             /** Format: date-time */
                             created_at: string;
