@@ -206,7 +206,7 @@ test("envs given through the MCP tools reach the machine but neither the logs no
     const ran = await call(http, "run_command", { machine_id: id, command: "echo $MACHINE_SECRET $RUN_SECRET | wc -c", envs: { RUN_SECRET: `${marker}_run` } });
     assert.equal((ran.structuredContent as { stdout: string }).stdout.trim(), String(`${marker}_machine ${marker}_run\n`.length), "both reached the command");
     assert.ok(!k.logs.some((l) => l.includes(marker)), "no log line carries the marker");
-    const found = spawnSync("grep", ["-rlaF", "-D", "skip", "--exclude-dir=rootfs", "--exclude=disk.img", "--exclude=image.ext4", "-e", marker, k.dataDir]);
+    const found = spawnSync("grep", ["-rlaF", "-D", "skip", "--exclude-dir=rootfs", "--exclude=disk.img", "--exclude=image.ext4", "--exclude=disks.xfs", "--exclude-dir=disks", "-e", marker, k.dataDir]);
     assert.equal(found.stdout.toString(), "", "the marker is nowhere in the data dir");
   } finally {
     await call(http, "destroy_machine", { machine_id: id });
