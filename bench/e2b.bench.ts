@@ -7,7 +7,7 @@ import { api } from "./api.ts";
 import { median, percentile } from "./report.ts";
 import type { BenchResult } from "./report.ts";
 import type { BenchContext } from "./run.ts";
-import { generateKeyIn } from "../src/services/keys.ts";
+import { generateKeyIn } from "../src/keys/service.ts";
 
 const CREATES = Number(process.env.KILN_BENCH_E2B_CREATES ?? 20);
 const RUNS = 200;

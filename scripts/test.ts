@@ -59,9 +59,14 @@ for (const project of [".", "console"]) {
 await buildConsole();
 
 const files = process.argv.slice(2);
+// The whole suite also checks that the TypeScript SDK's generated types match the served OpenAPI document.
+if (files.length === 0) {
+  const check = spawnSync(process.execPath, ["scripts/sdk-types.ts", "--check"], { stdio: "inherit", env: { ...process.env, KILN_TEST_CACHE_DIR: TEST_CACHE_DIR } });
+  if (check.status !== 0) process.exit(check.status ?? 1);
+}
 const run = spawnSync(
   process.execPath,
-  ["--test", "--test-reporter=spec", "--test-concurrency=2", "--test-timeout=300000", ...(files.length ? files : ["test/**/*.test.ts"])],
+  ["--test", "--test-reporter=spec", "--test-concurrency=2", "--test-timeout=300000", ...(files.length ? files : ["test/**/*.test.ts", "sdk/typescript/test/*.test.ts"])],
   { stdio: "inherit", env: { ...process.env, KILN_TEST_CACHE_DIR: TEST_CACHE_DIR } },
 );
 if (run.status !== 0 || files.length > 0) process.exit(run.status ?? 1);

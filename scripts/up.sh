@@ -19,6 +19,8 @@ PACKAGES+=(attr buildah skopeo docker-registry apache2-utils)
 PACKAGES+=(gcc libc6-dev)
 # The Dockerfile isolation tests build FROM an image made of Debian's static busybox (ps, kill, nc, … in one file).
 PACKAGES+=(busybox-static)
+# The metrics test scrapes GET /metrics with a real Prometheus (its own config, port and data dir on 127.0.0.1).
+PACKAGES+=(prometheus)
 # Any Node with npm will do to bootstrap: npm ci then brings Node 24 itself.
 command -v npm >/dev/null 2>&1 || PACKAGES+=(nodejs npm)
 

@@ -20,7 +20,7 @@ import { createOciDriver } from "./runtime/oci/driver.ts";
 import { prepareGuestRuntime } from "./runtime/guest-runtime.ts";
 import { bundleAgent, AGENT_SOURCES } from "./agent/bundle.ts";
 import { ensureBaseTemplate } from "./builder/base-template.ts";
-import { MACHINE_DEFAULTS } from "./services/machines.ts";
+import { MACHINE_DEFAULTS } from "./machines/service.ts";
 import { ensureHostId } from "./runtime/host-id.ts";
 import { GUEST_RUNTIME_DIR, preparePrivateDataDir, usePrivateUmask } from "./data-dir.ts";
 

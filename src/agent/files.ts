@@ -6,12 +6,14 @@ import { lstat, readlink, readdir, mkdir, rm, rename, rmdir, unlink, chown, chmo
 import type { Stats } from "node:fs";
 import { pipeline } from "node:stream/promises";
 import type { Readable } from "node:stream";
-import { basename, dirname, join } from "node:path";
+import { dirname, join } from "node:path";
 import { randomBytes } from "node:crypto";
 import type { FileInfo, UserInfo } from "./protocol.ts";
 import { groupName, userName } from "./users.ts";
 import { AgentFailure, fsFailure } from "./errors.ts";
 import { dirNames, listPage } from "./list-pages.ts";
+import { statToFileInfo } from "./file-info.ts";
+import type { OwnerNames } from "./file-info.ts";
 import type { TreeSource } from "./list-pages.ts";
 
 /** Uploads are written beside their target under this prefix, then renamed into place (a watch hides them). */
@@ -56,17 +58,8 @@ async function setMetadata(st: Stats, metadata: Record<string, string>): Promise
   map.set(key, rec);
 }
 
-function typeOf(st: Stats): FileInfo["type"] {
-  if (st.isSymbolicLink()) return "symlink";
-  if (st.isDirectory()) return "directory";
-  return "file";
-}
 
 /** Owner and group names by id; a listing passes memoised ones (one look at passwd/group per page, not per entry). */
-interface OwnerNames {
-  user(uid: number): string;
-  group(gid: number): string;
-}
 const currentOwnerNames: OwnerNames = { user: userName, group: groupName };
 
 function memoisedOwnerNames(): OwnerNames {
@@ -81,19 +74,7 @@ function memoisedOwnerNames(): OwnerNames {
 export async function fileInfo(path: string, st?: Stats, names: OwnerNames = currentOwnerNames): Promise<FileInfo> {
   try {
     st ??= await lstat(path);
-    const info: FileInfo = {
-      name: basename(path) || "/",
-      path,
-      is_dir: st.isDirectory(),
-      size: st.size,
-      type: typeOf(st),
-      mode: st.mode.toString(8),
-      permissions: (st.mode & 0o7777).toString(8).padStart(4, "0"),
-      owner: names.user(st.uid),
-      group: names.group(st.gid),
-      modified_time: st.mtime.toISOString(),
-    };
-    if (st.isSymbolicLink()) info.symlink_target = await readlink(path);
+    const info = statToFileInfo(path, st, names, st.isSymbolicLink() ? await readlink(path) : undefined);
     const metadata = await metadataOf(st);
     if (metadata) info.metadata = metadata;
     return info;

@@ -47,9 +47,12 @@ function statOf(path: string): [number, number, boolean] | undefined {
   }
 }
 
-/** Directories (not symlinks) below `dir`, breadth first, at most `limit`. */
-function subdirs(dir: string, limit: number): string[] {
-  const out: string[] = [];
+/**
+ * The one walk of the watch code: entries below `dir`, breadth first, at most `limit` of those `pick` keeps (it
+ * answers undefined to skip one). Only directories (not symlinks) are descended into, and only kept ones.
+ */
+function walkBelow<T>(dir: string, limit: number, pick: (path: string, e: Dirent) => T | undefined): T[] {
+  const out: T[] = [];
   const queue = [dir];
   while (queue.length && out.length < limit) {
     const d = queue.shift()!;
@@ -60,37 +63,25 @@ function subdirs(dir: string, limit: number): string[] {
       continue;
     }
     for (const e of entries) {
-      if (!e.isDirectory()) continue;
       const p = join(d, e.name);
-      out.push(p);
-      queue.push(p);
+      const kept = pick(p, e);
+      if (kept === undefined) continue;
+      out.push(kept);
+      if (e.isDirectory()) queue.push(p);
       if (out.length >= limit) break;
     }
   }
   return out;
 }
 
+/** Directories (not symlinks) below `dir`, breadth first, at most `limit`. */
+function subdirs(dir: string, limit: number): string[] {
+  return walkBelow(dir, limit, (p, e) => (e.isDirectory() ? p : undefined));
+}
+
 /** Everything below `dir` (a directory that just appeared), breadth first, at most `limit` entries. */
 function entriesBelow(dir: string, limit: number): { path: string; isDir: boolean }[] {
-  const out: { path: string; isDir: boolean }[] = [];
-  const queue = [dir];
-  while (queue.length && out.length < limit) {
-    const d = queue.shift()!;
-    let entries: Dirent[];
-    try {
-      entries = readdirSync(d, { withFileTypes: true });
-    } catch {
-      continue;
-    }
-    for (const e of entries) {
-      if (e.name.startsWith(UPLOAD_PREFIX)) continue;
-      const p = join(d, e.name);
-      out.push({ path: p, isDir: e.isDirectory() });
-      if (e.isDirectory()) queue.push(p);
-      if (out.length >= limit) break;
-    }
-  }
-  return out;
+  return walkBelow(dir, limit, (p, e) => (e.name.startsWith(UPLOAD_PREFIX) ? undefined : { path: p, isDir: e.isDirectory() }));
 }
 
 export function createWatches(sink: WatchSink) {

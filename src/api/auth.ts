@@ -8,7 +8,7 @@ import type { FastifyRequest, RouteOptions } from "fastify";
 import type { WebSocket } from "ws";
 import type { App } from "./app-type.ts";
 import { KilnError } from "../errors.ts";
-import type { KeyService } from "../services/keys.ts";
+import type { KeyService } from "../keys/service.ts";
 
 /**
  * DESIGN.md §6. `key`: an API key (Authorization: Bearer, or E2B's X-API-Key); `none`: public; `envd-token`: an E2B

@@ -3,8 +3,8 @@
 
 import { Type } from "typebox";
 import type { Static, TSchema } from "typebox";
-import { HIBERNATE_MODES, MACHINE_STATUSES, ON_TIMEOUT } from "../services/machines.ts";
-import { ENV_NAME, INPUT_LIMITS, NO_NUL } from "../services/input-limits.ts";
+import { HIBERNATE_MODES, MACHINE_STATUSES, ON_TIMEOUT } from "../machines/service.ts";
+import { ENV_NAME, INPUT_LIMITS, NO_NUL } from "../machines/input-limits.ts";
 import { LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT } from "../agent/list-pages.ts";
 
 export const ErrorEnvelope = Type.Object(

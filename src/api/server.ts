@@ -2,7 +2,7 @@
 // envelope on every failure, x-request-id on every response and the OpenAPI document built from the same schemas.
 
 import Fastify, { LogController } from "fastify";
-import type { FastifyReply, FastifyRequest } from "fastify";
+import type { FastifyReply, FastifyRequest, FastifySchema, RouteOptions } from "fastify";
 import type { App } from "./app-type.ts";
 import swagger from "@fastify/swagger";
 import websocket from "@fastify/websocket";
@@ -32,6 +32,9 @@ import { createServer } from "node:http";
 import { e2bCompat } from "../compat/e2b/index.ts";
 import { consoleRoutes } from "../console/routes.ts";
 import { createAuth, WS_BEARER_PREFIX, WS_PROTOCOL } from "./auth.ts";
+import { mcpRoutes } from "../mcp/route.ts";
+import { createMetrics } from "../metrics/registry.ts";
+import { metricsRoutes } from "../metrics/route.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -53,12 +56,14 @@ export interface ServerOptions {
 export async function buildServer(opts: ServerOptions): Promise<App> {
   // The public edge's HTTP requests are proxied before Fastify routes them: they are a data path, not API calls.
   const edge = createEdge({ services: opts.services, log: opts.log, secureCookies: opts.publicUrl?.startsWith("https:") ?? false, limits: opts.edgeLimits });
+  const metrics = createMetrics({ db: opts.services.store.db, warmPool: () => opts.services.pool.stats() });
   const app = Fastify({
     serverFactory: (handler) => {
       // Kiln honours one upgrade, WebSocket: any other Upgrade header is served as the plain request it also is,
       // never handed to an upgrade listener (where the edge would make the connection a pipe).
       const server = createServer({ shouldUpgradeCallback: isWebSocketUpgrade }, (req, res) => {
-        if (!edge.handleRequest(req, res)) handler(req, res);
+        if (edge.handleRequest(req, res)) metrics.observeEdge(res);
+        else handler(req, res);
       });
       // What Fastify sets on a server it makes itself (its defaults).
       server.keepAliveTimeout = 72_000;
@@ -99,6 +104,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
       components: { securitySchemes: { bearer: { type: "http", scheme: "bearer" } } },
       security: [{ bearer: [] }],
     },
+    transform: documentUpgrades,
   });
 
   const routePatterns: { method: string; pattern: RegExp }[] = [];
@@ -119,6 +125,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   // One line per answered request; a refused WebSocket upgrade then ends its connection (it can never become a socket).
   app.addHook("onResponse", (req, reply, done) => {
     req.log.info({ method: req.method, url: scrubUrl(req.url), status: reply.statusCode, ms: Math.round(reply.elapsedTime * 100) / 100 }, "request");
+    metrics.observeRequest(req.method, req.is404 ? "unmatched" : (req.routeOptions.url ?? "unmatched"), reply.statusCode, reply.elapsedTime / 1000);
     if (req.headers.upgrade && reply.statusCode >= 400) req.raw.socket?.destroy();
     done();
   });
@@ -144,6 +151,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     return sendEnvelope(reply, status, body);
   });
 
+  await app.register(metricsRoutes, { metrics });
   await app.register(healthRoutes, { services: opts.services });
   await app.register(keyRoutes, { services: opts.services });
   await app.register(machineRoutes, { services: opts.services });
@@ -161,6 +169,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
   await app.register(volumeRoutes, { services: opts.services });
   await app.register(volumeWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs, queueSize: opts.volumeWatchQueue ?? 4096 });
+  await app.register(mcpRoutes);
   if (opts.e2b) await app.register(e2bCompat, { services: opts.services, auth, ...opts.e2b, limits: opts.edgeLimits });
 
   // Public: client generators and browsers fetch it without a key.
@@ -168,6 +177,20 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   // The web console's static files (public: the page asks for a key and sends it only in headers).
   await app.register(consoleRoutes);
   return app;
+}
+
+/**
+ * @fastify/websocket hides its routes from the document; Kiln lists them (GET /v1/machines/{id}/ws, /v1/volumes/{id}/ws)
+ * with their 101 answer, so every documented path is in it and client generators see them.
+ */
+function documentUpgrades({ schema, url, route }: { schema: FastifySchema; url: string; route: RouteOptions }) {
+  if (!(route as { websocket?: boolean }).websocket || !schema) return { schema, url };
+  const response = (schema.response ?? {}) as Record<string, unknown>;
+  const upgrade = {
+    description: "Switching Protocols: the connection is now a WebSocket carrying JSON text frames (docs: DESIGN.md §5). Send `Connection: Upgrade`, `Upgrade: websocket`.",
+    type: "null",
+  };
+  return { schema: { ...schema, hide: false, response: { 101: upgrade, ...response } } as FastifySchema, url };
 }
 
 /**

@@ -5,8 +5,9 @@ import { Type } from "typebox";
 import type { TSchema } from "typebox";
 import { Compile } from "typebox/compile";
 import { Envs, NoNul, UserName } from "./schemas.ts";
-import { checkEnvs, INPUT_LIMITS } from "../services/input-limits.ts";
+import { checkEnvs, INPUT_LIMITS } from "../machines/input-limits.ts";
 import { KilnError } from "../errors.ts";
+import { parseFrame, schemaRefusal } from "./frame-prologue.ts";
 
 const RequestId = Type.Optional(Type.String({ maxLength: 128 }));
 const Pid = Type.Integer({ minimum: 1 });
@@ -52,20 +53,10 @@ const EXACTLY_ONE: Partial<Record<ClientFrameType, [string, string][]>> = {
 export type FrameCheck = { ok: true; frame: Record<string, unknown> & { type: ClientFrameType } } | { ok: false; error: string; request_id?: string };
 
 export function checkClientFrame(text: string): FrameCheck {
-  let parsed: unknown;
-  try {
-    parsed = JSON.parse(text);
-  } catch {
-    return { ok: false, error: "A frame must be a JSON object" };
-  }
-  if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed)) return { ok: false, error: "A frame must be a JSON object" };
-  const obj = parsed as Record<string, unknown>;
-  const requestId = typeof obj.request_id === "string" ? obj.request_id : undefined;
-  const type = obj.type;
-  if (typeof type !== "string" || !(type in CLIENT_FRAMES)) {
-    return { ok: false, error: `Unknown frame type ${JSON.stringify(type)}; expected one of ${Object.keys(CLIENT_FRAMES).join(", ")}`, request_id: requestId };
-  }
-  const t = type as ClientFrameType;
+  const parsed = parseFrame(text, Object.keys(CLIENT_FRAMES) as ClientFrameType[], `one of ${Object.keys(CLIENT_FRAMES).join(", ")}`);
+  if (!parsed.ok) return parsed;
+  const { obj, request_id: requestId } = parsed;
+  const t = parsed.type;
   for (const [a, b] of EXACTLY_ONE[t] ?? []) {
     const has = [obj[a] !== undefined, obj[b] !== undefined];
     if (has[0] === has[1]) return { ok: false, error: `${t} takes exactly one of ${a} or ${b}`, request_id: requestId };
@@ -73,12 +64,8 @@ export function checkClientFrame(text: string): FrameCheck {
   if (t === "exec.stdin" && obj.data !== undefined && obj.data_base64 !== undefined) {
     return { ok: false, error: "exec.stdin takes at most one of data_base64 or data", request_id: requestId };
   }
-  const validator = validators[t];
-  if (!validator.Check(obj)) {
-    const first = [...validator.Errors(obj)][0] as { instancePath?: string; message?: string } | undefined;
-    const where = first?.instancePath ? first.instancePath.replace(/^\//, "").replaceAll("/", ".") : "frame";
-    return { ok: false, error: `Invalid ${t}: ${where} ${first?.message ?? "is not valid"}`, request_id: requestId };
-  }
+  const refused = schemaRefusal(t, validators[t], obj, requestId);
+  if (refused) return refused;
   try {
     checkEnvs(obj.envs as Record<string, string> | undefined, `${t} envs`);
   } catch (err) {

@@ -10,6 +10,7 @@ import { lstat, lchown, chmod, mkdir, readdir, readFile, rename, rm, writeFile }
 import { join } from "node:path";
 import type { Logger } from "../log.ts";
 import { HOST_ID_BASE } from "../runtime/oci/idmap.ts";
+import { pidAlive } from "../runtime/pid-alive.ts";
 
 /** Bump when the recipe below changes: a new version is a new cache entry (and a new artifact). */
 export const BASE_TEMPLATE_VERSION = "bookworm-2";
@@ -97,15 +98,6 @@ function inUseBy(dir: string): number | undefined {
   return undefined;
 }
 
-function processAlive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (err) {
-    return (err as NodeJS.ErrnoException).code === "EPERM";
-  }
-}
-
 /**
  * Removes `.build-<pid>-<ms>` dirs a killed server left under <cache>/base (a kill -9 mid-debootstrap leaves 100+ MB
  * and a mounted /proc): only when their maker is dead and no process runs inside them; their mounts go first, so
@@ -118,7 +110,7 @@ export async function sweepStaleBaseBuilds(cacheDir: string, log: Logger): Promi
     const m = /^\.build-(\d+)-\d+$/.exec(name);
     if (!m) continue;
     const dir = join(base, name);
-    if (processAlive(Number(m[1]))) continue;
+    if (pidAlive(Number(m[1]))) continue;
     const user = inUseBy(dir);
     if (user !== undefined) {
       log.warn({ dir, pid: user }, "a stale base-template build dir is still in use by a process: left for the next start");

@@ -2,8 +2,8 @@
 
 import { Option } from "commander";
 import type { Command } from "commander";
-import { createKeyService, generateKeyIn, KEY_FORMATS } from "../services/keys.ts";
-import type { KeyFormat } from "../services/keys.ts";
+import { createKeyService, generateKeyIn, KEY_FORMATS } from "../keys/service.ts";
+import type { KeyFormat } from "../keys/service.ts";
 import { openStoreFor } from "../app.ts";
 import { loadConfigOrExit } from "./client.ts";
 

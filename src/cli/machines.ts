@@ -5,7 +5,7 @@ import { apiClient, fail, listAll } from "./client.ts";
 import { openShell } from "./shell.ts";
 import { streamExec } from "./exec-stream.ts";
 import { copy } from "./copy.ts";
-import type { MachineView } from "../services/machines.ts";
+import type { MachineView } from "../machines/service.ts";
 
 function parseKv(list: string[] | undefined): Record<string, string> | undefined {
   if (!list || list.length === 0) return undefined;

@@ -13,6 +13,7 @@ import { codeCommands } from "./code.ts";
 import { gitCommands } from "./git.ts";
 import { volumeCommands } from "./volumes.ts";
 import { deploymentCommands } from "./deployments.ts";
+import { mcpCommand } from "./mcp.ts";
 import { usePrivateUmask } from "../data-dir.ts";
 
 // Whatever a command writes (the store and its WAL from `kiln keys`, a base template's cache) is private, as the
@@ -75,5 +76,6 @@ codeCommands(program);
 gitCommands(program);
 volumeCommands(program);
 deploymentCommands(program);
+mcpCommand(program);
 
 await program.parseAsync(process.argv);

@@ -7,7 +7,7 @@ import { readFileSync, readdirSync, statSync } from "node:fs";
 import { join, relative } from "node:path";
 import { request } from "undici";
 import { ensureBaseTemplate } from "../builder/base-template.ts";
-import { createTemplateService } from "../services/templates.ts";
+import { createTemplateService } from "../templates/service.ts";
 import { createLogger } from "../log.ts";
 import { openStoreFor } from "../app.ts";
 import { apiClient, fail, loadConfigOrExit } from "./client.ts";

@@ -4,7 +4,7 @@
 import type { Command } from "commander";
 import { WebSocket } from "ws";
 import { apiClient, fail, listAll } from "./client.ts";
-import type { VolumeView } from "../services/volumes.ts";
+import type { VolumeView } from "../volumes/service.ts";
 
 export function volumeCommands(program: Command) {
   const volumes = program.command("volumes").alias("v").description("Create, list, delete and watch volumes shared between machines");

@@ -2,7 +2,7 @@
 
 import type { Command } from "commander";
 import { apiClient, listAll } from "./client.ts";
-import type { DeliveryView, WebhookView } from "../services/webhooks.ts";
+import type { DeliveryView, WebhookView } from "../webhooks/service.ts";
 
 const collect = (v: string, prev: string[] = []) => [...prev, ...v.split(",").filter(Boolean)];
 

@@ -2,6 +2,7 @@
 // through the guest agent's port tunnel. Bodies stream both ways (nothing is buffered whole); tunnels are kept alive
 // per upstream and reused. Every wait has a bound and each upstream a bounded share, so a service that never answers
 // stalls neither itself forever nor any other; a connection becomes a pipe only when the service switched protocols.
+// Long on purpose: the bounds (per-upstream shares, waits, kept-alive tunnels) only read right beside the data path.
 
 import { Pool } from "undici";
 import type { Dispatcher } from "undici";

@@ -1,33 +1,75 @@
-// The services the API stands on, made once at start and handed to the routes.
+// The composition root: every domain's service made once at start, wired to the others it needs, and handed to the
+// routes as one Services object. Nothing else lives here; each domain owns its story in its own folder.
 
 import type { Store } from "../store/db.ts";
 import type { MachineDriver } from "../runtime/driver.ts";
 import type { Logger } from "../log.ts";
-import { createKeyService } from "./keys.ts";
-import { createTemplateService, BASE_TEMPLATE_REF } from "./templates.ts";
-import { createMachineService } from "./machines.ts";
-import { createExecService } from "./exec.ts";
-import { createFileService } from "./files.ts";
-import { createWarmPool } from "./warm-pool.ts";
-import { createBuildService } from "./builds.ts";
-import type { BuildExtensions } from "./builds.ts";
-import { createTemplateCatalog } from "./template-catalog.ts";
-import { createWebhookService } from "./webhooks.ts";
+import { createKeyService } from "../keys/service.ts";
+import { createTemplateService } from "../templates/service.ts";
+import { BASE_TEMPLATE_REF } from "../templates/resolver.ts";
+import { createMachineService } from "../machines/service.ts";
+import { createExecService } from "../machines/exec.ts";
+import { createFileService } from "../machines/files.ts";
+import { createWarmPool } from "../machines/warm-pool.ts";
+import { createBuildService } from "../builder/service.ts";
+import type { BuildExtensions } from "../builder/service.ts";
+import { createTemplateCatalog } from "../templates/catalog.ts";
+import { createWebhookService } from "../webhooks/service.ts";
 import { createDispatcher } from "../webhooks/dispatcher.ts";
-import { createGitService } from "./git.ts";
-import { createCodeService } from "./code.ts";
-import { createVolumeService } from "./volumes.ts";
-import { createDeploymentService } from "./deployments.ts";
-import type { DeploymentOptions } from "./deployments.ts";
-import { createAdmission } from "./admission.ts";
-import { createMachineMetrics } from "./machine-metrics.ts";
-import type { AdmissionLimits } from "./admission.ts";
+import { createGitService } from "../git/service.ts";
+import { createCodeService } from "../code/service.ts";
+import { createVolumeService } from "../volumes/service.ts";
+import { createDeploymentService } from "../deployments/service.ts";
+import type { DeploymentOptions } from "../deployments/service.ts";
+import { createAdmission } from "../machines/admission.ts";
+import { createMachineMetrics } from "../machines/metrics.ts";
+import type { AdmissionLimits } from "../machines/admission.ts";
+import type { KeyService } from "../keys/service.ts";
+import type { TemplateService } from "../templates/service.ts";
+import type { TemplateCatalog } from "../templates/catalog.ts";
+import type { MachineService } from "../machines/service.ts";
+import type { ExecService } from "../machines/exec.ts";
+import type { FileService } from "../machines/files.ts";
+import type { WarmPool } from "../machines/warm-pool.ts";
+import type { Admission } from "../machines/admission.ts";
+import type { MachineMetricsService } from "../machines/metrics.ts";
+import type { BuildService } from "../builder/service.ts";
+import type { WebhookService } from "../webhooks/service.ts";
+import type { Dispatcher } from "../webhooks/dispatcher.ts";
+import type { GitService } from "../git/service.ts";
+import type { CodeService } from "../code/service.ts";
+import type { VolumeService } from "../volumes/service.ts";
+import type { DeploymentService } from "../deployments/service.ts";
 import { createSnapshotService } from "../snapshots/service.ts";
+import type { SnapshotService } from "../snapshots/service.ts";
 
 export interface WebhookSettings {
   retryScheduleMs: number[];
   allowPrivate: boolean;
   rotationGraceMs: number;
+}
+
+/** What the routes, the E2B layer and the server's start and stop see: one service per domain. */
+export interface Services {
+  store: Store;
+  driver: MachineDriver;
+  keys: KeyService;
+  templates: TemplateService;
+  pool: WarmPool;
+  admission: Admission;
+  machines: MachineService;
+  snapshots: SnapshotService;
+  machineMetrics: MachineMetricsService;
+  exec: ExecService;
+  files: FileService;
+  builds: BuildService;
+  templateCatalog: TemplateCatalog;
+  webhooks: WebhookService;
+  dispatcher: Dispatcher;
+  git: GitService;
+  code: CodeService;
+  volumes: VolumeService;
+  deployments: DeploymentService;
 }
 
 export function createServices(deps: {
@@ -45,7 +87,7 @@ export function createServices(deps: {
   deployments: DeploymentOptions;
   limits: AdmissionLimits;
   snapshots?: { maxSnapshots: number; maxHibernationS: number };
-}) {
+}): Services {
   const { store, driver, log, hostId } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
@@ -55,7 +97,7 @@ export function createServices(deps: {
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, maxHibernationS: deps.snapshots?.maxHibernationS });
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
   const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions });
-  const templateCatalog = createTemplateCatalog({ db: store.db, templateIdOf: builds.templateIdOf });
+  const templateCatalog = createTemplateCatalog({ db: store.db });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
   const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });
   const deployments = createDeploymentService({ db: store.db, machines, templates, log, options: deps.deployments, hostId });
@@ -82,4 +124,3 @@ export function createServices(deps: {
   };
 }
 
-export type Services = ReturnType<typeof createServices>;

@@ -7,9 +7,11 @@ import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
 import type { MachineDriver } from "../runtime/driver.ts";
 import type { Logger } from "../log.ts";
-import type { Admission } from "../services/admission.ts";
-import type { CreateMachineInput, MachineService, MachineView, SnapshotOrigin } from "../services/machines.ts";
-import { checkMetadata } from "../services/input-limits.ts";
+import type { Admission } from "../machines/admission.ts";
+import type { CreateMachineInput, MachineService, MachineView, SnapshotOrigin } from "../machines/service.ts";
+import { checkMetadata } from "../machines/input-limits.ts";
+import { newestFirstPage } from "../store/pages.ts";
+import type { PageKey } from "../store/pages.ts";
 import { snapshotView } from "./views.ts";
 import type { SnapshotView } from "./views.ts";
 
@@ -34,7 +36,33 @@ export interface ForkRequest {
   memory?: boolean;
 }
 
-export function createSnapshotService(deps: { db: Db; driver: MachineDriver; machines: MachineService; admission?: Admission; log: Logger; hostId: string; maxSnapshots?: number }) {
+export interface SnapshotService {
+  /** The machine goes on as it was (running, or frozen); its snapshot is `ready` once its files are complete. */
+  create(machineId: string, req: SnapshotRequest): Promise<SnapshotView>;
+  /** A machine made from a snapshot: its shape defaults to the snapshot's, the request may change it. */
+  createMachine(snapshotId: string, input: CreateMachineInput): Promise<MachineView>;
+  /** A snapshot of the machine and `count` machines made from it, at once; all of them or none. */
+  fork(machineId: string, req: ForkRequest): Promise<{ machines: MachineView[] }>;
+  get(id: string): Promise<SnapshotView>;
+  /** Newest first by (created_at, id); deleted and failed ones are not listed. */
+  list(opts: { limit: number; after?: PageKey; machineId?: string }): Promise<{ snapshots: SnapshotView[]; last?: PageKey; more: boolean }>;
+  /** Removes the snapshot's files at once; 409 only while a create or fork reads it. */
+  remove(id: string): Promise<SnapshotView>;
+  /** At start: snapshots a crash left half-made are failed, and files no ready snapshot names removed. */
+  reconcile(): Promise<{ failed: number; removed: number }>;
+  /** Bytes the ready snapshots of this host hold (GET /v1/ready). */
+  heldBytes(): Promise<number>;
+}
+
+export function createSnapshotService(deps: {
+  db: Db;
+  driver: MachineDriver;
+  machines: MachineService;
+  admission?: Admission;
+  log: Logger;
+  hostId: string;
+  maxSnapshots?: number;
+}): SnapshotService {
   const { db, driver, machines, log, hostId } = deps;
   /** Creates and forks reading a snapshot's files right now: a delete waits for none of them, it is refused. */
   const inUse = new Map<string, number>();
@@ -195,15 +223,11 @@ export function createSnapshotService(deps: { db: Db; driver: MachineDriver; mac
   }
 
   /** Newest first by (created_at, id); deleted and failed ones are not listed. */
-  async function list(opts: { limit: number; after?: [string, string]; machineId?: string }) {
-    let q = db.selectFrom("snapshots").selectAll().where("internal", "=", 0).where("status", "in", ["creating", "ready"]).orderBy("created_at", "desc").orderBy("id", "desc").limit(opts.limit + 1);
-    const after = opts.after;
-    if (after) q = q.where((eb) => eb.or([eb("created_at", "<", after[0]), eb.and([eb("created_at", "=", after[0]), eb("id", "<", after[1])])]));
+  async function list(opts: { limit: number; after?: PageKey; machineId?: string }) {
+    let q = db.selectFrom("snapshots").selectAll().where("internal", "=", 0).where("status", "in", ["creating", "ready"]);
     if (opts.machineId) q = q.where("machine_id", "=", opts.machineId);
-    const rows = await q.execute();
-    const page = rows.slice(0, opts.limit);
-    const last = page.at(-1);
-    return { snapshots: page.map(snapshotView), last: last ? ([last.created_at, last.id] as [string, string]) : undefined, more: rows.length > opts.limit };
+    const page = await newestFirstPage(q, opts);
+    return { snapshots: page.rows.map(snapshotView), last: page.last, more: page.more };
   }
 
   /**
@@ -254,4 +278,3 @@ export function createSnapshotService(deps: { db: Db; driver: MachineDriver; mac
   return { create, createMachine, fork, get, list, remove, reconcile, heldBytes };
 }
 
-export type SnapshotService = ReturnType<typeof createSnapshotService>;

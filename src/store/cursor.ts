@@ -56,3 +56,8 @@ export function decodeListCursor(cursor: string, listing: { path: string; depth:
   if (parsed.path !== listing.path || parsed.depth !== listing.depth) throw new KilnError("invalid_request", "cursor belongs to another listing (path and depth must stay the same across pages)");
   return after as string[];
 }
+
+/** The next_cursor of a keyset page: null on the last page. */
+export function nextCursor(page: { last?: [string, string]; more: boolean }): string | null {
+  return page.more && page.last ? encodeCursor(page.last) : null;
+}

@@ -13,6 +13,8 @@ import { KilnError } from "../errors.ts";
 import { HOST_ID_BASE, ID_RANGE } from "../runtime/oci/idmap.ts";
 import { VOLUME_OWNER } from "./storage.ts";
 import type { FileInfo } from "../agent/protocol.ts";
+import { statToFileInfo } from "../agent/file-info.ts";
+import type { OwnerNames } from "../agent/file-info.ts";
 import { LIST_DEFAULT_LIMIT, dirNames, listPage } from "../agent/list-pages.ts";
 import type { TreeSource } from "../agent/list-pages.ts";
 
@@ -89,27 +91,10 @@ function failure(err: unknown, path: string): KilnError {
   }
 }
 
-function typeOf(st: Stats): FileInfo["type"] {
-  if (st.isSymbolicLink()) return "symlink";
-  if (st.isDirectory()) return "directory";
-  return "file";
-}
+const volumeOwners: OwnerNames = { user: ownerName, group: ownerName };
 
 function describe(path: string, st: Stats, target?: string): FileInfo {
-  const info: FileInfo = {
-    name: posix.basename(path) || "/",
-    path,
-    is_dir: st.isDirectory(),
-    size: st.size,
-    type: typeOf(st),
-    mode: st.mode.toString(8),
-    permissions: (st.mode & 0o7777).toString(8).padStart(4, "0"),
-    owner: ownerName(st.uid),
-    group: ownerName(st.gid),
-    modified_time: st.mtime.toISOString(),
-  };
-  if (target !== undefined) info.symlink_target = target;
-  return info;
+  return statToFileInfo(path, st, volumeOwners, target);
 }
 
 /** The file operations of one mounted volume. `mountPath` is Kiln's own mount point, trusted. */

@@ -4,6 +4,7 @@
 import { Type } from "typebox";
 import { Compile } from "typebox/compile";
 import { posix } from "node:path";
+import { parseFrame, schemaRefusal } from "../api/frame-prologue.ts";
 
 const RequestId = Type.Optional(Type.String({ maxLength: 128 }));
 const WatchId = Type.String({ minLength: 1, maxLength: 64 });
@@ -23,18 +24,9 @@ const validators = { file_watch: Compile(VOLUME_CLIENT_FRAMES.file_watch), file_
 export type WatchFrameCheck = { ok: true; frame: WatchFrame } | { ok: false; error: string; request_id?: string };
 
 export function checkWatchFrame(text: string): WatchFrameCheck {
-  let parsed: unknown;
-  try {
-    parsed = JSON.parse(text);
-  } catch {
-    return { ok: false, error: "A frame must be a JSON object" };
-  }
-  if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed)) return { ok: false, error: "A frame must be a JSON object" };
-  const obj = parsed as Record<string, unknown>;
-  const request_id = typeof obj.request_id === "string" ? obj.request_id : undefined;
-  if (obj.type !== "file_watch" && obj.type !== "file_unwatch") {
-    return { ok: false, error: `Unknown frame type ${JSON.stringify(obj.type)}; expected file_watch or file_unwatch`, request_id };
-  }
+  const parsed = parseFrame(text, ["file_watch", "file_unwatch"] as const, "file_watch or file_unwatch");
+  if (!parsed.ok) return parsed;
+  const { obj, request_id } = parsed;
   if (obj.type === "file_watch") {
     // SPEC.md: user-scoped file watches are not supported on volume sockets.
     if ("user" in obj) return { ok: false, error: "User-scoped file watches are not supported on volume sockets; watch a volume path rooted at /", request_id };
@@ -43,12 +35,8 @@ export function checkWatchFrame(text: string): WatchFrameCheck {
     }
     if (typeof obj.path === "string" && obj.path.includes("\0")) return { ok: false, error: "path contains a NUL byte", request_id };
   }
-  const v = validators[obj.type];
-  if (!v.Check(obj)) {
-    const first = [...v.Errors(obj)][0] as { instancePath?: string; message?: string } | undefined;
-    const where = first?.instancePath ? first.instancePath.replace(/^\//, "").replaceAll("/", ".") : "frame";
-    return { ok: false, error: `Invalid ${obj.type}: ${where} ${first?.message ?? "is not valid"}`, request_id };
-  }
+  const refused = schemaRefusal(parsed.type, validators[parsed.type], obj, request_id);
+  if (refused) return refused;
   return { ok: true, frame: obj as WatchFrame };
 }
 

@@ -1,5 +1,6 @@
 // The delivery worker: claims due deliveries from the outbox (FOR UPDATE SKIP LOCKED on PostgreSQL, so several
 // servers share one store), sends them signed, records every attempt, retries on schedule and dead-letters.
+// Long on purpose: claim, send, record and reschedule are one delivery's transaction story, read top to bottom.
 
 import { Agent, request } from "undici";
 import { sql } from "kysely";
@@ -9,6 +10,7 @@ import { deliveryHeaders } from "./signing.ts";
 import { addressProblem, guardedLookup, ipLiteral, ReceiverRefusedError } from "./ssrf.ts";
 import type { Resolve } from "./ssrf.ts";
 import { onDeliveriesQueued } from "./outbox.ts";
+import { metricEvents } from "../metrics/events.ts";
 
 export const DELIVERY_STATUSES = ["queued", "in_progress", "succeeded", "dead_letter"] as const;
 export type DeliveryStatus = (typeof DELIVERY_STATUSES)[number];
@@ -226,6 +228,7 @@ export function createDispatcher(opts: DispatcherOptions) {
     }
     if (gone) error = "the receiver answered 410 Gone: the webhook is disabled";
     log.debug({ delivery_id: row.id, webhook_id: hook.webhook_id, attempt: row.attempts, status_code: statusCode, error, status }, "webhook delivery attempt");
+    metricEvents.webhookAttempt({ durationMs, ok });
     return { row, startedAt: started.toISOString(), durationMs, statusCode, error, excerpt, status, nextAttemptAt, disableWebhook: gone };
   }
 

@@ -6,7 +6,7 @@ import assert from "node:assert/strict";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { buildOk, sh } from "./support.ts";
-import { chooseTag } from "../../src/services/templates.ts";
+import { chooseTag } from "../../src/templates/resolver.ts";
 import { cliPipes } from "../support/cli.ts";
 
 let k: TestKiln;

@@ -8,7 +8,7 @@ import { Sandbox, FilesystemEventType } from "e2b";
 import type { FilesystemEvent, SandboxOpts } from "e2b";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
-import { generateKeyIn } from "../../src/services/keys.ts";
+import { generateKeyIn } from "../../src/keys/service.ts";
 
 let k: TestKiln;
 let opts: SandboxOpts;

@@ -8,7 +8,7 @@ import { Sandbox, SandboxNotFoundError } from "e2b";
 import type { SandboxOpts } from "e2b";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
-import { generateKeyIn } from "../../src/services/keys.ts";
+import { generateKeyIn } from "../../src/keys/service.ts";
 
 let k: TestKiln;
 let key: string;

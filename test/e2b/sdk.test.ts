@@ -10,7 +10,7 @@ import { Sandbox, CommandExitError, SandboxNotFoundError, AuthenticationError, N
 import type { SandboxOpts } from "e2b";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
-import { generateKeyIn } from "../../src/services/keys.ts";
+import { generateKeyIn } from "../../src/keys/service.ts";
 
 let k: TestKiln;
 let key: string;

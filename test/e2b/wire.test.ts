@@ -11,7 +11,7 @@ import { envelope, parseEnvelopedRequest, ConnectFailure, connectError } from ".
 import { sandboxIdOf } from "../../src/compat/e2b/index.ts";
 import { portTargetOf } from "../../src/compat/e2b/ports.ts";
 import { createTokens } from "../../src/compat/e2b/token.ts";
-import { generateKeyIn } from "../../src/services/keys.ts";
+import { generateKeyIn } from "../../src/keys/service.ts";
 import { KilnError } from "../../src/errors.ts";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";

@@ -4,7 +4,7 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { runInNewContext } from "node:vm";
-import { checkAuth, checkCloneUrl, classifyGitFailure, parseStatus } from "../../src/services/git.ts";
+import { checkAuth, checkCloneUrl, classifyGitFailure, parseStatus } from "../../src/git/service.ts";
 import { scrub, secretsOf } from "../../src/agent/git.ts";
 import { compileCell } from "../../src/agent/kernels/js-cell.ts";
 import { KilnError } from "../../src/errors.ts";

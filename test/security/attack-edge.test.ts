@@ -11,7 +11,7 @@ import { Sandbox } from "e2b";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { createDeployment, services, waitService } from "../deployments/support.ts";
-import { generateKeyIn } from "../../src/services/keys.ts";
+import { generateKeyIn } from "../../src/keys/service.ts";
 import { PROBE_PY, probeCommand, rawConnection } from "./edge-support.ts";
 
 const IDLE_TIMEOUT_S = 3;

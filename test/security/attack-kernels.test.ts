@@ -45,7 +45,7 @@ function startUnread(id: string, body: Record<string, unknown>): Promise<Incomin
 
 for (const language of ["python", "javascript"] as const) {
   test(`a ${language} kernel flooding output to a caller that does not read is paced: the agent stays small and the machine keeps running`, async () => {
-    const res = await k.call("POST", "/v1/machines", { body: { template: "local/base", memory_mb: 512, timeout_s: 600 } });
+    const res = await k.call("POST", "/v1/machines", { body: { template: "local/base", memory_mb: 1024, timeout_s: 600 } });
     assert.equal(res.status, 201, res.text);
     const m = res.body as { id: string };
     const before = await agentRssKiB(m.id);

@@ -9,7 +9,7 @@ import { WebSocket } from "ws";
 import { Sandbox } from "e2b";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
-import { generateKeyIn } from "../../src/services/keys.ts";
+import { generateKeyIn } from "../../src/keys/service.ts";
 import { PROBE_PY, rawConnection } from "./edge-support.ts";
 
 let k: TestKiln;

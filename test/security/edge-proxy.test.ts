@@ -10,7 +10,7 @@ import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { createDeployment, services, waitService } from "../deployments/support.ts";
 import { loadEdgeSecret, signEdgeToken } from "../../src/deployments/edge-tokens.ts";
-import { generateKeyIn } from "../../src/services/keys.ts";
+import { generateKeyIn } from "../../src/keys/service.ts";
 import { probeCommand, rawConnection } from "./edge-support.ts";
 
 // Long enough that the 64 hanging requests are all still held while the test fills the queue behind them (gVisor is slower).

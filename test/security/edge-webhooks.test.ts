@@ -17,7 +17,7 @@ import { newId } from "../../src/store/ids.ts";
 import { createDispatcher } from "../../src/webhooks/dispatcher.ts";
 import type { DispatcherOptions } from "../../src/webhooks/dispatcher.ts";
 import { announceDeliveries, enqueueDeliveries } from "../../src/webhooks/outbox.ts";
-import { createWebhookService } from "../../src/services/webhooks.ts";
+import { createWebhookService } from "../../src/webhooks/service.ts";
 import { BlockList } from "node:net";
 import { addressProblem, classifyAddress, refusedCidrs } from "../../src/net/addresses.ts";
 import { startTestKiln } from "../support/kiln.ts";

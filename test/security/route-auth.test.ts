@@ -15,7 +15,7 @@ import { rawRequest, inParallel, UPGRADE_HEADERS } from "./raw-http.ts";
 import type { RouteAuth } from "../../src/api/auth.ts";
 import { createAuth } from "../../src/api/auth.ts";
 import { openStore } from "../../src/store/db.ts";
-import { createKeyService } from "../../src/services/keys.ts";
+import { createKeyService } from "../../src/keys/service.ts";
 import { createTokens, loadTokenSecret } from "../../src/compat/e2b/token.ts";
 import type { App } from "../../src/api/app-type.ts";
 

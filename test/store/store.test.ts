@@ -11,8 +11,8 @@ import type { Store } from "../../src/store/db.ts";
 import { appliedMigrations } from "../../src/store/migrations.ts";
 import { newId } from "../../src/store/ids.ts";
 import { decodeCursor, encodeCursor, InvalidCursorError } from "../../src/store/cursor.ts";
-import { createKeyService } from "../../src/services/keys.ts";
-import { createTemplateService } from "../../src/services/templates.ts";
+import { createKeyService } from "../../src/keys/service.ts";
+import { createTemplateService } from "../../src/templates/service.ts";
 import { startPostgres } from "../support/postgres.ts";
 
 const now = () => new Date().toISOString();

@@ -18,7 +18,7 @@ import { parseRetryAfter } from "../../src/webhooks/dispatcher.ts";
 import { announceDeliveries, enqueueDeliveries, recordEvent } from "../../src/webhooks/outbox.ts";
 import { deliveryHeaders, generateSecret, sign } from "../../src/webhooks/signing.ts";
 import { addressProblem } from "../../src/webhooks/ssrf.ts";
-import { createWebhookService } from "../../src/services/webhooks.ts";
+import { createWebhookService } from "../../src/webhooks/service.ts";
 import { startReceiver } from "./receiver.ts";
 import type { Receiver } from "./receiver.ts";
 

@@ -4,7 +4,7 @@
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { CODE_DEFAULT_LANGUAGE, CODE_DEFAULT_TIMEOUT_S, CODE_FRAME_TYPES, CODE_LANGUAGES } from "../../services/code.ts";
+import { CODE_DEFAULT_LANGUAGE, CODE_DEFAULT_TIMEOUT_S, CODE_FRAME_TYPES, CODE_LANGUAGES } from "../../code/service.ts";
 import { errors, Id, MachinePath } from "../schemas.ts";
 import { abortOnClientGone } from "./client-gone.ts";
 

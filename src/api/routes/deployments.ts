@@ -5,57 +5,14 @@ import { Type } from "typebox";
 import type { FastifyReply, FastifyRequest } from "fastify";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { SERVICE_STATUSES, DEPLOYMENT_STATUSES, ROLLOUT_STATUSES } from "../../services/deployments.ts";
+import { SERVICE_STATUSES } from "../../deployments/lifecycle.ts";
+import { DEPLOYMENT_STATUSES, ROLLOUT_STATUSES } from "../../deployments/views.ts";
+import { CreateDeployment, RestartRequest, UpdateDeployment } from "../../deployments/schemas.ts";
 import { errors, Cursor, Id, Limit } from "../schemas.ts";
-import { encodeCursor, pageAfter } from "../../store/cursor.ts";
+import { nextCursor, pageAfter } from "../../store/cursor.ts";
 import { KilnError } from "../../errors.ts";
 
-const Port = Type.Integer({ minimum: 1, maximum: 65535 });
 const Nullable = <T extends Parameters<typeof Type.Union>[0][number]>(t: T) => Type.Union([t, Type.Null()]);
-const EnvName = "^[A-Za-z_][A-Za-z0-9_]*$";
-const Envs = Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 131072 }), { maxProperties: 256 });
-
-const Readiness = Type.Object(
-  {
-    path: Type.Optional(Type.String({ minLength: 1, maxLength: 2048, pattern: "^/[^\\s]*$", description: "HTTP path to GET; without it the probe is TCP" })),
-    interval_s: Type.Optional(Type.Number({ minimum: 0.1, maximum: 3600 })),
-    timeout_s: Type.Optional(Type.Number({ minimum: 0.1, maximum: 600 })),
-  },
-  { additionalProperties: false },
-);
-
-const Name = Type.String({ minLength: 1, maxLength: 128 });
-const Template = Type.String({ minLength: 1, maxLength: 256 });
-const Command = Type.String({ minLength: 1, maxLength: 131072, description: "Shell line run by /bin/sh -c as the machine's user, in /workspace" });
-const Replicas = Type.Integer({ minimum: 1, maximum: 32 });
-
-const CreateDeployment = Type.Object(
-  {
-    name: Name,
-    template: Template,
-    command: Command,
-    port: Port,
-    envs: Type.Optional(Envs),
-    replicas: Type.Optional(Replicas),
-    public_url: Type.Optional(Type.Boolean({ description: "Whether ready services get a public edge URL (default true)" })),
-    readiness: Type.Optional(Readiness),
-  },
-  { additionalProperties: false },
-);
-
-const UpdateDeployment = Type.Object(
-  {
-    name: Type.Optional(Name),
-    template: Type.Optional(Template),
-    command: Type.Optional(Command),
-    port: Type.Optional(Port),
-    envs: Type.Optional(Envs),
-    replicas: Type.Optional(Replicas),
-    public_url: Type.Optional(Type.Boolean()),
-    readiness: Type.Optional(Readiness),
-  },
-  { additionalProperties: false, minProperties: 1 },
-);
 
 const ReadinessOut = Type.Object({ path: Type.Optional(Type.String()), interval_s: Type.Number(), timeout_s: Type.Number() });
 
@@ -110,14 +67,6 @@ const ServiceInstance = Type.Object({
   idempotency_key: Nullable(Type.String()),
 });
 
-const RestartRequest = Type.Object(
-  {
-    reason: Type.Optional(Type.String({ maxLength: 1024 })),
-    envs: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 131072 }), { maxProperties: 256, description: "Request-only runtime envs (string values only); never stored" })),
-  },
-  { additionalProperties: false },
-);
-
 const ServiceLogs = Type.Object({ service_id: Type.String(), process_id: Nullable(Type.Integer()), output: Type.String(), total_bytes: Type.Integer(), truncated: Type.Boolean() });
 
 /**
@@ -160,7 +109,7 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
     async (req) => {
       const after = pageAfter(req.query.cursor);
       const page = await deployments.list({ limit: req.query.limit ?? 50, after });
-      return { deployments: page.deployments, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
+      return { deployments: page.deployments, next_cursor: nextCursor(page) };
     },
   );
 

@@ -5,7 +5,7 @@ import { Type } from "typebox";
 import type { TSchema } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { GIT_AUTH_KINDS, GIT_DEFAULT_REMOTE } from "../../services/git.ts";
+import { GIT_AUTH_KINDS, GIT_DEFAULT_REMOTE } from "../../git/service.ts";
 import { errors, Id, MachinePath, UserName } from "../schemas.ts";
 import { abortOnClientGone } from "./client-gone.ts";
 

@@ -3,7 +3,7 @@
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { KEY_FORMATS, generateKeyIn } from "../../services/keys.ts";
+import { KEY_FORMATS, generateKeyIn } from "../../keys/service.ts";
 import { errors, Id } from "../schemas.ts";
 
 const KeySummary = Type.Object({

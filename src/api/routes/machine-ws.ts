@@ -9,7 +9,7 @@ import type { Services } from "../../services/index.ts";
 import { errors, Id } from "../schemas.ts";
 import { checkClientFrame } from "../ws-frames.ts";
 import { keepAlive } from "../ws-keepalive.ts";
-import { DEFAULT_WORKDIR, resolveMachinePath } from "../../services/paths.ts";
+import { DEFAULT_WORKDIR, resolveMachinePath } from "../../machines/paths.ts";
 import { KilnError } from "../../errors.ts";
 
 /** Stop reading the machine's output while the client has this much unsent; read again below the low mark. */

@@ -3,12 +3,12 @@
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { HIBERNATE_MODES, MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES, ON_TIMEOUT } from "../../services/machines.ts";
+import { HIBERNATE_MODES, MACHINE_DEFAULTS, MACHINE_LIMITS, MACHINE_STATUSES, ON_TIMEOUT } from "../../machines/service.ts";
 import { errors, Cursor, Envs, Id, Limit, Machine, MachinePath, Metadata, NoNul, UserName } from "../schemas.ts";
-import { INPUT_LIMITS } from "../../services/input-limits.ts";
-import { encodeCursor, pageAfter } from "../../store/cursor.ts";
-import { EXEC_ENCODINGS } from "../../services/exec.ts";
-import { VOLUME_LIMITS } from "../../services/volumes.ts";
+import { INPUT_LIMITS } from "../../machines/input-limits.ts";
+import { nextCursor, pageAfter } from "../../store/cursor.ts";
+import { EXEC_ENCODINGS } from "../../machines/exec.ts";
+import { VOLUME_LIMITS } from "../../volumes/service.ts";
 import { KilnError } from "../../errors.ts";
 
 const VolumeMountRequest = Type.Object(
@@ -139,7 +139,7 @@ export async function machineRoutes(app: App, opts: { services: Services }) {
     async (req) => {
       const after = pageAfter(req.query.cursor);
       const page = await machines.list({ limit: req.query.limit ?? 50, after, status: req.query.status });
-      return { machines: page.machines, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
+      return { machines: page.machines, next_cursor: nextCursor(page) };
     },
   );
 

@@ -4,11 +4,11 @@
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { MACHINE_LIMITS } from "../../services/machines.ts";
-import { INPUT_LIMITS } from "../../services/input-limits.ts";
+import { MACHINE_LIMITS } from "../../machines/service.ts";
+import { INPUT_LIMITS } from "../../machines/input-limits.ts";
 import { SNAPSHOT_LIMITS } from "../../snapshots/service.ts";
 import { Snapshot } from "../../snapshots/views.ts";
-import { encodeCursor, pageAfter } from "../../store/cursor.ts";
+import { nextCursor, pageAfter } from "../../store/cursor.ts";
 import { errors, Cursor, Id, Limit, Machine, Metadata, NoNul } from "../schemas.ts";
 import { emptyBodyIsEmptyObject } from "./machines.ts";
 
@@ -76,7 +76,7 @@ export async function snapshotRoutes(app: App, opts: { services: Services }) {
     },
     async (req) => {
       const page = await snapshots.list({ limit: req.query.limit ?? 50, after: pageAfter(req.query.cursor), machineId: req.query.machine_id });
-      return { snapshots: page.snapshots, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
+      return { snapshots: page.snapshots, next_cursor: nextCursor(page) };
     },
   );
 

@@ -12,6 +12,7 @@ import { BUILD_BACKENDS, BUILD_STATUSES, SOURCE_TYPES } from "../../builder/enum
 import { sseFrame, SSE_KEEPALIVE } from "../../builder/log.ts";
 import { SHA256_HEX } from "../../builder/context.ts";
 import { KilnError } from "../../errors.ts";
+import { nextCursor, pageAfter } from "../../store/cursor.ts";
 
 /** SSE comment sent while nothing else is, so proxies and clients keep the stream open. */
 const KEEPALIVE_MS = 15_000;
@@ -187,7 +188,11 @@ export async function templateRoutes(app: App, opts: { services: Services }) {
         response: { 200: Type.Object({ builds: Type.Array(BuildRecord), next_cursor: Type.Union([Type.String(), Type.Null()]) }), ...errors(400, 404) },
       },
     },
-    async (req) => builds.list(req.params.id, { ...req.query, limit: req.query.limit ?? 50 }),
+    async (req) => {
+      const { cursor, ...filters } = req.query;
+      const page = await builds.list(req.params.id, { ...filters, limit: req.query.limit ?? 50, after: pageAfter(cursor) });
+      return { builds: page.builds, next_cursor: nextCursor(page) };
+    },
   );
 
   app.get(

@@ -5,9 +5,9 @@ import { Type } from "typebox";
 import type { Readable } from "node:stream";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { VOLUME_LIMITS, VOLUME_STATUSES } from "../../services/volumes.ts";
+import { VOLUME_LIMITS, VOLUME_STATUSES } from "../../volumes/service.ts";
 import { errors, Cursor, FileListPage, FileMetadata, Id, Limit, ListCursor, ListDepth, ListLimit, OctalMode } from "../schemas.ts";
-import { decodeListCursor, encodeCursor, encodeListCursor, pageAfter } from "../../store/cursor.ts";
+import { decodeListCursor, nextCursor, encodeListCursor, pageAfter } from "../../store/cursor.ts";
 import { LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT } from "../../agent/list-pages.ts";
 import { KilnError } from "../../errors.ts";
 import { limitBytes } from "./files.ts";
@@ -58,7 +58,7 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
     async (req) => {
       const after = pageAfter(req.query.cursor);
       const page = await volumes.list({ limit: req.query.limit ?? 50, after });
-      return { volumes: page.volumes, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
+      return { volumes: page.volumes, next_cursor: nextCursor(page) };
     },
   );
 

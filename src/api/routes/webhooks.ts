@@ -4,9 +4,9 @@
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
-import { DELIVERY_STATUSES, WEBHOOK_OPERATIONS } from "../../services/webhooks.ts";
+import { DELIVERY_STATUSES, WEBHOOK_OPERATIONS } from "../../webhooks/service.ts";
 import { errors, Cursor, Id, Limit } from "../schemas.ts";
-import { encodeCursor, pageAfter } from "../../store/cursor.ts";
+import { nextCursor, pageAfter } from "../../store/cursor.ts";
 
 const tags = ["Machines"];
 const Url = Type.String({ minLength: 1, maxLength: 2048, description: "Receiver URL, http or https, without credentials" });
@@ -84,7 +84,7 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
     },
     async (req) => {
       const page = await webhooks.list({ limit: req.query.limit ?? 50, after: pageAfter(req.query.cursor) });
-      return { webhooks: page.items, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
+      return { webhooks: page.items, next_cursor: nextCursor(page) };
     },
   );
 
@@ -143,7 +143,7 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
     },
     async (req) => {
       const page = await webhooks.listDeliveries(req.params.webhook_id, { limit: req.query.limit ?? 50, after: pageAfter(req.query.cursor), status: req.query.status });
-      return { deliveries: page.items, next_cursor: page.more && page.last ? encodeCursor(page.last) : null };
+      return { deliveries: page.items, next_cursor: nextCursor(page) };
     },
   );
 

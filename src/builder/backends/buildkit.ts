@@ -8,6 +8,7 @@
 // policy), are killed at a step or build timeout, on cancel and when Kiln dies. Secrets and registry passwords
 // reach only the builder, as files in a private scratch directory removed with the builder's storage; build args
 // reach it through its environment, never its command line.
+// Long on purpose: the two real builders (buildctl, Buildah) share one request, context layout and output import.
 
 import { lookup } from "node:dns/promises";
 import { existsSync, lstatSync, readFileSync, realpathSync } from "node:fs";

@@ -7,6 +7,7 @@
 // What Node cannot do by itself (mknod for whiteouts, setxattr) runs as one `mknod` loop or one `setfattr
 // --restore` per batch, handed `/proc/<pid>/fd/<n>` paths of directories and files this module opened no-follow:
 // the helper acts on exactly the inode that was opened, whatever the layer's names point at.
+// Long on purpose: every confined operation (open, mkdir, link, rename, remove) shares the one walk, side by side.
 
 import { execFile, spawn } from "node:child_process";
 import { constants } from "node:fs";

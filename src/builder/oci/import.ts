@@ -18,6 +18,7 @@ import { ByteBudget, DEFAULT_IMPORT_LIMITS, overLimit } from "./limits.ts";
 import type { ImportLimits } from "./limits.ts";
 import { MEDIA, checkDigest, importError, layerCompression } from "./types.ts";
 import type { ImportEvents, SourceLayers } from "./types.ts";
+import { pidAlive } from "../../runtime/pid-alive.ts";
 
 export interface ImportOptions extends ImportEvents {
   /** Root of the importer's cache: `<KILN_CACHE_DIR>/oci` (blobs/, layers/). */
@@ -300,17 +301,7 @@ export async function sweepAbandoned(layersDir: string): Promise<void> {
   const names = await readdir(layersDir).catch(() => [] as string[]);
   for (const name of names) {
     const m = /\.tmp-(\d+)-/.exec(name);
-    if (m && !alive(Number(m[1]))) await rm(join(layersDir, name), { recursive: true, force: true });
-  }
-}
-
-export function alive(pid: number): boolean {
-  if (pid === process.pid) return true;
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (err) {
-    return (err as NodeJS.ErrnoException).code === "EPERM";
+    if (m && !pidAlive(Number(m[1]))) await rm(join(layersDir, name), { recursive: true, force: true });
   }
 }
 

@@ -4,7 +4,7 @@
 import { createHash } from "node:crypto";
 import { join } from "node:path";
 import { buildDockerfile, sweepDockerfileBuilds, validateDockerfileBuild } from "../backends/buildkit.ts";
-import type { ContextFileInput, RegistryCredentialInput } from "../backends/buildkit.ts";
+import type { ContextFileInput, DockerfileBuild } from "../backends/buildkit.ts";
 import { importLogEvents } from "../oci/events.ts";
 import type { ImportLogEntry } from "../oci/events.ts";
 import { dockerfileImages, finalStageBase } from "../backends/dockerfile-images.ts";
@@ -73,16 +73,9 @@ export function createBuildkitBackend(deps: DockerfileSourceDeps): BuildBackend 
 }
 
 /** The request fields a Dockerfile build uses (DESIGN.md §4 names, camelCased). */
-export interface DockerfileRequest {
-  dockerfile?: string;
-  dockerfilePath?: string;
-  buildArgs?: Record<string, string>;
-  target?: string;
-  secrets?: { id: string; value: string }[];
-  registryCredentials?: RegistryCredentialInput[];
-  baseImageAuth?: BaseImageAuth;
+export type DockerfileRequest = Pick<DockerfileBuild, "dockerfile" | "dockerfilePath" | "buildArgs" | "target" | "secrets" | "registryCredentials" | "baseImageAuth"> & {
   contextFiles: (ContextFileInput & { sha256: string })[];
-}
+};
 
 /**
  * What the build's output depends on, without a secret: the Dockerfile, its args and target, the context's file

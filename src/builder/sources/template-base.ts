@@ -1,6 +1,6 @@
 // The template_base source: a build FROM a Kiln template starts on that artifact's layers and image config.
 
-import type { ResolvedTemplate } from "../../services/templates.ts";
+import type { ResolvedTemplate } from "../../templates/service.ts";
 import type { BuildSource } from "./source.ts";
 import { artifactConfig } from "../artifact-config.ts";
 

@@ -5,7 +5,7 @@
 
 import type { IncomingMessage, Server, ServerResponse } from "node:http";
 import type { Duplex } from "node:stream";
-import type { MachineService } from "../../services/machines.ts";
+import type { MachineService } from "../../machines/service.ts";
 import { KilnError } from "../../errors.ts";
 import { acceptWebSocket, createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHeaders, isWebSocketUpgrade } from "../../deployments/proxy.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";

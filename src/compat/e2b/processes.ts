@@ -5,7 +5,7 @@
 
 import { randomUUID } from "node:crypto";
 import type { WebSocket } from "ws";
-import type { MachineService } from "../../services/machines.ts";
+import type { MachineService } from "../../machines/service.ts";
 import type { FileEventFrame, ResyncRequiredFrame, StreamClientFrame, StreamServerFrame } from "../../agent/protocol.ts";
 import { ConnectFailure } from "./connect.ts";
 import type { ConnectCode } from "./connect.ts";

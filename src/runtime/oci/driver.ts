@@ -1,5 +1,7 @@
 // The `oci` MachineDriver: each machine is an OCI bundle (overlayfs root over the template's read-only layers)
 // run by runc — or gVisor's runsc — under a Kiln-owned state root, so `list` sees only Kiln's machines.
+// Long on purpose: one machine's lifecycle against runc/runsc (create, hibernate, resume, heal, destroy) in one place;
+// disks, egress, identity, network and spec already live in their own files beside it.
 
 import { execFile, spawn } from "node:child_process";
 import { connect, createServer } from "node:net";
@@ -28,6 +30,7 @@ import type { DiskPool, DiskPoolMode } from "./disk-pool.ts";
 import { allocatedBytes, copyLiveDisk, thawInterrupted } from "./snapshot.ts";
 import { createEgress } from "./egress.ts";
 import { createRuntimeCli, RUNSC_MIN_RELEASE } from "./runtime-cli.ts";
+import { pidAlive } from "../pid-alive.ts";
 
 export { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
 export { containerName } from "./runtime-cli.ts";
@@ -171,15 +174,6 @@ function canConnect(socket: string): Promise<boolean> {
   });
 }
 
-function alive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (err) {
-    return (err as NodeJS.ErrnoException).code === "EPERM";
-  }
-}
-
 /**
  * A killed machine's first process stays a zombie until the host's init reaps it; runsc counts that as running.
  * (runc does not.) Either way it is dead.
@@ -298,7 +292,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       const first = pid();
       if (first && now > nextLivenessCheck) {
         nextLivenessCheck = now + 50;
-        if (!alive(first)) throw new Error(`the first process of ${id} exited before its agent answered: ${await tail(p.log)}`);
+        if (!pidAlive(first)) throw new Error(`the first process of ${id} exited before its agent answered: ${await tail(p.log)}`);
       }
       if (now > deadline) throw new Error(`the guest agent of ${id} did not answer within ${AGENT_WAIT_MS} ms: ${await tail(p.log)}`);
       await sleep(1);
@@ -511,7 +505,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const spec = JSON.parse(text) as MachineSpec;
     // A machine whose own processes are gone is the reaper's (it tells why: out of memory, stopped unexpectedly).
     const first = Number(await readFile(p.pidFile, "utf8").catch(() => ""));
-    if (!first || !alive(first) || isZombie(first)) return { ok: true, repaired };
+    if (!first || !pidAlive(first) || isZombie(first)) return { ok: true, repaired };
     if (spec.internet && !(await slirpAlive(p.slirpPid))) {
       try {
         await restartSlirp(spec, p, first);
@@ -756,7 +750,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       const live: LiveMachine[] = [];
       for (const c of await cli.list()) {
         if (c.status !== "running" && c.status !== "paused") continue;
-        if (!SAFE_ID.test(c.id) || !alive(c.pid) || isZombie(c.pid)) continue;
+        if (!SAFE_ID.test(c.id) || !pidAlive(c.pid) || isZombie(c.pid)) continue;
         // A snapshot cut short by a crash left it frozen: thawed, it is the running machine it was.
         const p = paths(c.id);
         if (await thawInterrupted(p.dir, p.layer.mountPoint, () => cli.resume(c.id))) c.status = (await cli.state(c.id))?.status ?? c.status;

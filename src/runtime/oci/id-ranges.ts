@@ -13,6 +13,7 @@ import { link, mkdir, readFile, readdir, rm, unlink, writeFile } from "node:fs/p
 import { join } from "node:path";
 import type { Logger } from "../../log.ts";
 import { ID_POOL_LAST, rangeOf } from "./idmap.ts";
+import { pidAlive } from "../pid-alive.ts";
 
 /** How long a sweep waits for another server's, and when a held lock counts as abandoned. */
 const LOCK_WAIT_MS = 5_000;
@@ -36,15 +37,6 @@ export interface IdRangePool {
   sweep(): Promise<number>;
   /** Indices claimed right now, by any server on the host. */
   claimed(): Promise<number[]>;
-}
-
-function alive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (err) {
-    return (err as NodeJS.ErrnoException).code === "EPERM";
-  }
 }
 
 /** Every host id some process runs with (real, effective, saved or filesystem), from /proc. */
@@ -93,7 +85,7 @@ export function createIdRangePool(opts: { dir: string; log: Logger }): IdRangePo
       } catch (err) {
         if ((err as NodeJS.ErrnoException).code !== "EEXIST") throw err;
         const held = await readFile(lock, "utf8").then((t) => JSON.parse(t) as { pid: number; at: number }).catch(() => undefined);
-        if (held && (!alive(held.pid) || Date.now() - held.at > LOCK_STALE_MS)) await rm(lock, { force: true });
+        if (held && (!pidAlive(held.pid) || Date.now() - held.at > LOCK_STALE_MS)) await rm(lock, { force: true });
         else if (Date.now() > deadline) return false;
         else await new Promise((r) => setTimeout(r, 10));
       }
@@ -127,7 +119,7 @@ export function createIdRangePool(opts: { dir: string; log: Logger }): IdRangePo
     // Temp files of claims a killed server was making.
     for (const name of await readdir(opts.dir)) {
       const pid = /^\.claim-(\d+)-/.exec(name)?.[1];
-      if (pid && !alive(Number(pid))) await rm(join(opts.dir, name), { force: true });
+      if (pid && !pidAlive(Number(pid))) await rm(join(opts.dir, name), { force: true });
     }
     if (freed) opts.log.info({ freed }, "stale uid range claims freed");
     return freed;

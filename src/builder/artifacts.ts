@@ -1,0 +1,67 @@
+// A build's artifacts and tags: finding one built from the same input (the final-artifact cache), recording a new
+// one, and moving the build's tags onto it (artifacts left with no tag start their retention clock).
+
+import { existsSync } from "node:fs";
+import type { ArtifactRow, Db } from "../store/schema.ts";
+import { newId } from "../store/ids.ts";
+import type { ArtifactConfig } from "./artifact-config.ts";
+import { artifactConfig } from "./artifact-config.ts";
+import { sha256 } from "./dockerfile.ts";
+import type { PreparedBuild } from "./prepare.ts";
+
+export interface ArtifactStore {
+  /** An artifact built from the same input whose layers are all still on disk. */
+  find(srcDigest: string): Promise<ArtifactRow | null>;
+  /** Tags the found artifact for this build (its own template), or records a copy for another template. */
+  reuse(a: ArtifactRow, p: PreparedBuild): Promise<string>;
+  record(p: PreparedBuild, layers: string[], config: ArtifactConfig, srcDigest: string | null): Promise<string>;
+}
+
+export function createArtifactStore(deps: { db: Db; retentionS: number }): ArtifactStore {
+  const { db } = deps;
+
+  /** An artifact built from the same input whose layers are all still on disk. */
+  async function findArtifact(srcDigest: string) {
+    const rows = await db.selectFrom("artifacts").selectAll().where("source_digest", "=", srcDigest).orderBy("created_at", "desc").execute();
+    return rows.find((a) => (JSON.parse(a.layers_json) as string[]).every((d) => existsSync(d))) ?? null;
+  }
+
+  async function reuseArtifact(a: ArtifactRow, p: PreparedBuild): Promise<string> {
+    if (a.template_id === p.template.id) {
+      await moveTags(p, a.id);
+      return a.id;
+    }
+    return recordArtifact(p, JSON.parse(a.layers_json) as string[], artifactConfig(a), a.source_digest ?? null);
+  }
+
+  async function recordArtifact(p: PreparedBuild, layers: string[], config: ArtifactConfig, srcDigest: string | null): Promise<string> {
+    const id = newId("art");
+    const now = new Date().toISOString();
+    const digest = sha256(JSON.stringify({ layers: config.layerDigests ?? layers, image: config.image, start: config.startCmd ?? null, ready: config.readyCmd ?? null }));
+    await db.insertInto("artifacts").values({ id, template_id: p.template.id, build_id: p.buildId, layers_json: JSON.stringify(layers), digest, created_at: now, config_json: JSON.stringify(config), source_digest: srcDigest, retention_expires_at: null }).execute();
+    await moveTags(p, id);
+    return id;
+  }
+
+  /** Points the build's tags at the artifact; artifacts left with no tag start their retention clock. */
+  async function moveTags(p: PreparedBuild, artifactId: string) {
+    const now = new Date().toISOString();
+    const expires = new Date(Date.now() + deps.retentionS * 1000).toISOString();
+    await db.transaction().execute(async (tx) => {
+      const before = await tx.selectFrom("artifact_tags").select(["tag", "artifact_id"]).where("template_id", "=", p.template.id).execute();
+      for (const tag of p.tags) {
+        if (before.some((b) => b.tag === tag)) await tx.updateTable("artifact_tags").set({ artifact_id: artifactId, updated_at: now }).where("template_id", "=", p.template.id).where("tag", "=", tag).execute();
+        else await tx.insertInto("artifact_tags").values({ template_id: p.template.id, tag, artifact_id: artifactId, updated_at: now }).execute();
+      }
+      await tx.updateTable("artifacts").set({ retention_expires_at: null }).where("id", "=", artifactId).execute();
+      for (const old of new Set(before.map((b) => b.artifact_id))) {
+        if (old === artifactId) continue;
+        const still = await tx.selectFrom("artifact_tags").select("tag").where("artifact_id", "=", old).executeTakeFirst();
+        if (!still) await tx.updateTable("artifacts").set({ retention_expires_at: expires }).where("id", "=", old).where("retention_expires_at", "is", null).execute();
+      }
+      await tx.updateTable("templates").set({ updated_at: now }).where("id", "=", p.template.id).execute();
+    });
+  }
+
+  return { find: findArtifact, reuse: reuseArtifact, record: recordArtifact };
+}

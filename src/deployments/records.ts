@@ -1,0 +1,77 @@
+// The deployment domain's rows: loading deployments, versions and services (404s in the API's words), and the one
+// path that writes a service's change together with its status event and webhook deliveries.
+
+import type { Db, DeploymentRow, DeploymentVersionRow, ServiceRow, ServiceUpdate } from "../store/schema.ts";
+import { newId } from "../store/ids.ts";
+import { KilnError } from "../errors.ts";
+import { announceDeliveries, recordEvent } from "../webhooks/outbox.ts";
+import { SERVICE_EVENT_OPERATIONS } from "./lifecycle.ts";
+import type { ServiceStatus } from "./lifecycle.ts";
+import { serviceView } from "./views.ts";
+import type { RolloutStatus } from "./views.ts";
+
+export interface DeploymentRecords {
+  loadDeployment(id: string): Promise<DeploymentRow>;
+  loadVersion(id: string): Promise<DeploymentVersionRow>;
+  /** A service, optionally checked to belong to a deployment (404 otherwise). */
+  loadService(id: string, deploymentId?: string): Promise<ServiceRow>;
+  /** The services of a deployment that run (starting, ready, unhealthy), oldest first. */
+  activeServices(deploymentId: string): Promise<ServiceRow[]>;
+  /**
+   * Writes a service's change; a status change (or an explicit operation) is written as an event — with its webhook
+   * deliveries — in the same transaction, its payload the service record without public_url (a URL with a token is
+   * never stored).
+   */
+  transition(id: string, set: ServiceUpdate, operation?: string, extra?: (tx: Db, row: ServiceRow) => Promise<void>): Promise<ServiceRow>;
+  setRollout(deploymentId: string, status: RolloutStatus, error: string | null): Promise<void>;
+}
+
+/** `written` hears every service row the transition wrote (the edge keeps its routes from it). */
+export function createDeploymentRecords(db: Db, written: (row: ServiceRow) => void): DeploymentRecords {
+  return {
+    async loadDeployment(id) {
+      const row = await db.selectFrom("deployments").selectAll().where("id", "=", id).executeTakeFirst();
+      if (!row) throw new KilnError("not_found", `No deployment ${id}`);
+      return row;
+    },
+
+    async loadVersion(id) {
+      return db.selectFrom("deployment_versions").selectAll().where("id", "=", id).executeTakeFirstOrThrow();
+    },
+
+    async loadService(id, deploymentId) {
+      const row = await db.selectFrom("services").selectAll().where("id", "=", id).executeTakeFirst();
+      if (!row || (deploymentId !== undefined && row.deployment_id !== deploymentId)) throw new KilnError("not_found", `No service ${id}${deploymentId ? ` in deployment ${deploymentId}` : ""}`);
+      return row;
+    },
+
+    async activeServices(deploymentId) {
+      return db.selectFrom("services").selectAll().where("deployment_id", "=", deploymentId).where("status", "in", ["starting", "ready", "unhealthy"]).orderBy("created_at").execute();
+    },
+
+    async transition(id, set, operation, extra) {
+      const now = new Date().toISOString();
+      let queued = 0;
+      const row = await db.transaction().execute(async (tx) => {
+        const before = await tx.selectFrom("services").select("status").where("id", "=", id).executeTakeFirstOrThrow();
+        await tx.updateTable("services").set({ ...set, updated_at: now }).where("id", "=", id).execute();
+        const after = await tx.selectFrom("services").selectAll().where("id", "=", id).executeTakeFirstOrThrow();
+        const op = operation ?? (after.status !== before.status ? SERVICE_EVENT_OPERATIONS[after.status as ServiceStatus] : undefined);
+        if (op) {
+          const eventId = newId("evt");
+          const payload = { id: eventId, operation: op, occurred_at: now, service: serviceView(after, null, JSON.parse(after.readiness_json)) };
+          queued = await recordEvent(tx, { id: eventId, operation: op, occurredAt: now, payload, machineId: after.machine_id });
+        }
+        if (extra) await extra(tx, after);
+        return after;
+      });
+      if (queued > 0) announceDeliveries(db);
+      written(row);
+      return row;
+    },
+
+    async setRollout(deploymentId, status, error) {
+      await db.updateTable("deployments").set({ rollout_status: status, rollout_error: error, updated_at: new Date().toISOString() }).where("id", "=", deploymentId).execute();
+    },
+  };
+}

@@ -1,0 +1,334 @@
+// Agent deployments, composed from their parts: the records and views (records.ts, views.ts), replicas and their
+// supervision (supervision.ts), rolling updates (rollout.ts) and the edge (edge.ts). This file holds the operations
+// the API offers (create, update, list, delete, restart, logs) and re-attachment after a restart.
+
+import type { Socket } from "node:net";
+import { createKeyedLock } from "../keyed-lock.ts";
+import type { Db, DeploymentRow } from "../store/schema.ts";
+import { newId } from "../store/ids.ts";
+import { KilnError } from "../errors.ts";
+import type { Logger } from "../log.ts";
+import type { MachineService } from "../machines/service.ts";
+import type { TemplateService } from "../templates/service.ts";
+import { SERVICE_EVENT_OPERATIONS } from "./lifecycle.ts";
+import type { ReadinessDetail, ServiceStatus } from "./lifecycle.ts";
+import { loadEnvSealer } from "./sealed-envs.ts";
+import type { EnvSealer } from "./sealed-envs.ts";
+import { createDeploymentRecords } from "./records.ts";
+import { DeploymentEdge } from "./edge.ts";
+import type { TunnelOwner } from "./edge.ts";
+import { ServiceSupervision } from "./supervision.ts";
+import { Rollouts } from "./rollout.ts";
+import { READINESS_DEFAULTS, deploymentView, readinessOfVersion, serviceView } from "./views.ts";
+import type { DeploymentView, Readiness, ServiceView } from "./views.ts";
+import type { CreateDeploymentInput, ReadinessInput, RestartInput, UpdateDeploymentInput } from "./schemas.ts";
+import { newestFirstPage } from "../store/pages.ts";
+
+export interface DeploymentOptions {
+  dataDir: string;
+  /** Base of public URLs (KILN_PUBLIC_URL); may be set later when the server learns its port. */
+  publicUrl: string;
+  maxCrashes: number;
+  backoffMs: number;
+  edgeTokenTtlS: number;
+}
+
+export interface DeploymentService {
+  create(input: CreateDeploymentInput): Promise<DeploymentView>;
+  update(id: string, input: UpdateDeploymentInput): Promise<DeploymentView>;
+  get(id: string): Promise<DeploymentView>;
+  list(o: { limit: number; after?: [string, string] }): Promise<{ deployments: DeploymentView[]; last: [string, string] | undefined; more: boolean }>;
+  remove(id: string): Promise<DeploymentView>;
+  listServices(deploymentId: string, o?: { status?: ServiceStatus }): Promise<ServiceView[]>;
+  getService(deploymentId: string, serviceId: string): Promise<ServiceView>;
+  serviceLogs(deploymentId: string, serviceId: string, tailBytes: number): Promise<{ service_id: string; process_id: number | null; output: string; total_bytes: number; truncated: boolean }>;
+  restart(deploymentId: string, serviceId: string, input: RestartInput, idempotencyKey?: string): Promise<ServiceView>;
+  /** Checks an edge token for a service; 401 for a wrong, expired or other service's token. Answers its expiry. */
+  authorizeEdge(serviceId: string, token: string | undefined): number;
+  /** A tunnel to a routable service's port inside its machine. */
+  openServicePort(serviceId: string): Promise<Socket>;
+  isRoutable(serviceId: string): boolean;
+  /** The edge proxy registers itself so a stopping service's kept-alive tunnels are dropped. */
+  setProxy(p: TunnelOwner): void;
+  start(): Promise<void>;
+  setPublicUrl(url: string): void;
+  close(): Promise<void>;
+}
+
+export function createDeploymentService(deps: { db: Db; machines: MachineService; templates: TemplateService; log: Logger; options: DeploymentOptions; hostId: string }): DeploymentService {
+  const { db, machines, log } = deps;
+  const opts = { ...deps.options };
+  const locks = createKeyedLock();
+  const withLock = locks.run;
+  let sealer: EnvSealer | undefined;
+  const edge = new DeploymentEdge(machines, opts);
+  const records = createDeploymentRecords(db, (row) => edge.routes.track(row));
+  const supervision = new ServiceSupervision({ db, machines, log, records, edge, locks, opts, openEnvs: (sealed) => sealer!.open(sealed) });
+  const rollouts = new Rollouts({ db, log, records, supervision });
+  const { loadDeployment, loadVersion, loadService } = records;
+  const view = (row: DeploymentRow, withVersions: boolean) => deploymentView(db, row, withVersions);
+  const serviceOut = (row: Parameters<typeof serviceView>[0], publicAllowed: boolean) => serviceView(row, edge.publicUrlOf(row, publicAllowed), supervision.probes.of(row));
+
+  /** Deployment envs are sealed before they reach the store; only their names are kept in the clear. */
+  function sealEnvs(envs: Record<string, string>) {
+    if (!sealer) throw new KilnError("unavailable", "Deployments are not ready yet");
+    return { envs_sealed: sealer.seal(envs), env_names_json: JSON.stringify(Object.keys(envs).sort()) };
+  }
+
+  /** The readiness settings of a version: a given `readiness` object replaces the whole of the previous one. */
+  function readinessOf(input: ReadinessInput | undefined, base?: Readiness): Readiness {
+    if (!input && base) return base;
+    const r: Readiness = { interval_s: input?.interval_s ?? READINESS_DEFAULTS.intervalS, timeout_s: input?.timeout_s ?? READINESS_DEFAULTS.timeoutS };
+    if (input?.path !== undefined) r.path = input.path;
+    return r;
+  }
+
+  async function create(input: CreateDeploymentInput) {
+    await deps.templates.resolve(input.template); // an unknown template is a 404 before anything is made
+    const now = new Date().toISOString();
+    const depId = newId("dep");
+    const version = {
+      id: newId("ver"),
+      deployment_id: depId,
+      number: 1,
+      template: input.template,
+      command: input.command,
+      port: input.port,
+      ...sealEnvs(input.envs ?? {}),
+      readiness_json: JSON.stringify(readinessOf(input.readiness)),
+      created_at: now,
+    };
+    const dep: DeploymentRow = {
+      id: depId,
+      name: input.name,
+      current_version_id: version.id,
+      replicas: input.replicas ?? 1,
+      public_url: input.public_url === false ? 0 : 1,
+      status: "active",
+      rollout_status: "rolling",
+      rollout_error: null,
+      created_at: now,
+      updated_at: now,
+      deleted_at: null,
+    };
+    await db.transaction().execute(async (tx) => {
+      await tx.insertInto("deployments").values(dep).execute();
+      await tx.insertInto("deployment_versions").values(version).execute();
+    });
+    // The first replicas are made before the answer, so the client sees them (starting) and a failing template or
+    // machine admission is an error of this request; later ones (updates) roll in the background.
+    try {
+      for (let i = 0; i < dep.replicas; i++) await supervision.createReplica(dep, version);
+      await records.setRollout(depId, "idle", null);
+    } catch (err) {
+      // The client gets the error and no id: nothing of this deployment may stay behind.
+      await remove(depId).catch((e: unknown) => log.error({ err: e, deployment_id: depId }, "removing a deployment whose replicas failed to start failed"));
+      throw err;
+    }
+    return view(await loadDeployment(depId), true);
+  }
+
+  async function update(id: string, input: UpdateDeploymentInput) {
+    const updated = await withLock(`dep:${id}`, async () => {
+      const dep = await loadDeployment(id);
+      if (dep.status !== "active") throw new KilnError("conflict", `Deployment ${id} is ${dep.status}`);
+      const cur = await loadVersion(dep.current_version_id);
+      if (input.template !== undefined) await deps.templates.resolve(input.template);
+      const now = new Date().toISOString();
+      const last = await db.selectFrom("deployment_versions").select((eb) => eb.fn.max("number").as("n")).where("deployment_id", "=", id).executeTakeFirstOrThrow();
+      const version = {
+        id: newId("ver"),
+        deployment_id: id,
+        number: Number(last.n) + 1,
+        template: input.template ?? cur.template,
+        command: input.command ?? cur.command,
+        port: input.port ?? cur.port,
+        ...(input.envs !== undefined ? sealEnvs(input.envs) : { envs_sealed: cur.envs_sealed, env_names_json: cur.env_names_json }),
+        readiness_json: JSON.stringify(readinessOf(input.readiness, readinessOfVersion(cur))),
+        created_at: now,
+      };
+      await db.transaction().execute(async (tx) => {
+        await tx.insertInto("deployment_versions").values(version).execute();
+        await tx
+          .updateTable("deployments")
+          .set({
+            name: input.name ?? dep.name,
+            current_version_id: version.id,
+            replicas: input.replicas ?? dep.replicas,
+            public_url: input.public_url === undefined ? dep.public_url : input.public_url ? 1 : 0,
+            rollout_status: "rolling",
+            rollout_error: null,
+            updated_at: now,
+          })
+          .where("id", "=", id)
+          .execute();
+      });
+      return loadDeployment(id);
+    });
+    void rollouts.run(id);
+    return view(updated, true);
+  }
+
+  async function get(id: string) {
+    return view(await loadDeployment(id), true);
+  }
+
+  async function list(o: { limit: number; after?: [string, string] }) {
+    const page = await newestFirstPage(db.selectFrom("deployments").selectAll().where("status", "!=", "deleted"), o);
+    return { deployments: await Promise.all(page.rows.map((r) => view(r, false))), last: page.last, more: page.more };
+  }
+
+  async function remove(id: string) {
+    const dep = await withLock(`dep:${id}`, async () => {
+      const row = await loadDeployment(id);
+      if (row.status === "deleted") return row;
+      await db.updateTable("deployments").set({ status: "deleting", updated_at: new Date().toISOString() }).where("id", "=", id).execute();
+      return row;
+    });
+    if (dep.status !== "deleted") {
+      await rollouts.settled(id);
+      const rows = await db.selectFrom("services").selectAll().where("deployment_id", "=", id).where("status", "not in", ["stopped"]).execute();
+      for (const s of rows) await supervision.stopReplica(s.id);
+      const now = new Date().toISOString();
+      await db.updateTable("deployments").set({ status: "deleted", rollout_status: "idle", deleted_at: now, updated_at: now }).where("id", "=", id).execute();
+    }
+    return view(await loadDeployment(id), true);
+  }
+
+  async function listServices(deploymentId: string, o: { status?: ServiceStatus } = {}) {
+    const dep = await loadDeployment(deploymentId);
+    let q = db.selectFrom("services").selectAll().where("deployment_id", "=", deploymentId).orderBy("created_at", "desc").orderBy("id", "desc");
+    if (o.status) q = q.where("status", "=", o.status);
+    const rows = await q.execute();
+    return rows.map((r) => serviceOut(r, dep.public_url === 1));
+  }
+
+  async function getService(deploymentId: string, serviceId: string) {
+    const dep = await loadDeployment(deploymentId);
+    return serviceOut(await loadService(serviceId, deploymentId), dep.public_url === 1);
+  }
+
+  async function serviceLogs(deploymentId: string, serviceId: string, tailBytes: number) {
+    const row = await loadService(serviceId, deploymentId);
+    const { agent } = await machines.agentOf(row.machine_id).catch(() => {
+      throw new KilnError("conflict", `The machine of service ${serviceId} is gone, and its output with it`);
+    });
+    const logs = await agent.serviceLogs(serviceId, tailBytes);
+    return { service_id: serviceId, process_id: row.process_id, output: Buffer.from(logs.data_base64, "base64").toString("utf8"), total_bytes: logs.total_bytes, truncated: logs.truncated };
+  }
+
+  /**
+   * Restarts a service's process. `envs` go to the agent in this call only (it keeps them in memory for that process
+   * and its crash-restarts); nothing here writes them anywhere. A repeated Idempotency-Key answers the first result.
+   */
+  async function restart(deploymentId: string, serviceId: string, input: RestartInput, idempotencyKey?: string): Promise<ServiceView> {
+    const dep = await loadDeployment(deploymentId);
+    await loadService(serviceId, deploymentId);
+    return withLock(serviceId, async () => {
+      if (idempotencyKey !== undefined) {
+        const first = await db.selectFrom("service_restarts").select("result_json").where("service_id", "=", serviceId).where("idempotency_key", "=", idempotencyKey).executeTakeFirst();
+        if (first) return { ...(JSON.parse(first.result_json) as ServiceView), public_url: null };
+      }
+      const row = await loadService(serviceId, deploymentId);
+      if (row.status === "stopping" || row.status === "stopped") throw new KilnError("conflict", `Service ${serviceId} is ${row.status}`);
+      const { agent } = await machines.agentOf(row.machine_id).catch(() => {
+        throw new KilnError("conflict", `The machine of service ${serviceId} is not running`);
+      });
+      const state = await agent.restartService(serviceId, input.envs);
+      const now = new Date().toISOString();
+      const stored = JSON.parse(row.readiness_json) as ReadinessDetail;
+      // The probe's record starts over with the new process; the process counters and restarts carry on.
+      const detail: ReadinessDetail = {
+        phase: "starting",
+        probe: stored.probe,
+        ...(stored.path ? { path: stored.path } : {}),
+        attempts: 0,
+        consecutive_failures: 0,
+        last_error: null,
+        last_exit: state.last_exit,
+        starts: state.starts,
+        crashes: state.crashes,
+        consecutive_crashes: state.consecutive_crashes,
+        restarts: { count: (stored.restarts?.count ?? 0) + 1, last_reason: input.reason ?? null, last_at: now },
+      };
+      supervision.probes.forget(serviceId);
+      const after = await records.transition(
+        serviceId,
+        { status: "starting", process_id: state.pid, started_at: state.started_at ?? now, stopped_at: null, failure_reason: null, idempotency_key: idempotencyKey ?? null, readiness_json: JSON.stringify(detail) },
+        SERVICE_EVENT_OPERATIONS.restart,
+        async (tx, r) => {
+          if (idempotencyKey === undefined) return;
+          await tx.insertInto("service_restarts").values({ service_id: serviceId, idempotency_key: idempotencyKey, result_json: JSON.stringify(serviceOut(r, false)), created_at: now }).execute();
+        },
+      );
+      const version = await loadVersion(after.version_id);
+      supervision.watch(after, readinessOfVersion(version));
+      return serviceOut(after, dep.public_url === 1);
+    });
+  }
+
+  /**
+   * After a (re)start: the edge secret is loaded, services that were running are re-attached without restarting
+   * their processes (the agents kept them), half-stopped ones are finished, and unfinished rollouts resume.
+   */
+  async function start() {
+    await edge.load(opts.dataDir);
+    sealer = await loadEnvSealer(opts.dataDir);
+    // On a store shared by several servers, each supervises the services whose machines it runs.
+    const rows = await db
+      .selectFrom("services")
+      .innerJoin("machines", "machines.id", "services.machine_id")
+      .selectAll("services")
+      .where("machines.host_id", "=", deps.hostId)
+      .where("services.status", "in", ["starting", "ready", "unhealthy", "stopping"])
+      .execute();
+    let attached = 0;
+    for (const row of rows) {
+      if (row.status === "stopping") {
+        void supervision.stopReplica(row.id);
+        continue;
+      }
+      edge.routes.track(row);
+      const version = await loadVersion(row.version_id);
+      supervision.watch(row, readinessOfVersion(version), 0);
+      attached++;
+    }
+    const ours = new Set(rows.map((r) => r.deployment_id));
+    const deps_ = (await db.selectFrom("deployments").select(["id", "status", "rollout_status"]).where("status", "!=", "deleted").execute()).filter((d) => ours.has(d.id));
+    for (const d of deps_) {
+      if (d.status === "deleting") void remove(d.id).catch((err: unknown) => log.error({ err, deployment_id: d.id }, "finishing a delete failed"));
+      else if (d.rollout_status === "rolling") void rollouts.run(d.id);
+    }
+    if (rows.length > 0) log.info({ services: attached }, "services re-attached after start");
+  }
+
+  function setPublicUrl(url: string) {
+    opts.publicUrl = url.replace(/\/+$/, "");
+  }
+
+  async function close() {
+    const rolloutsDone = rollouts.close();
+    supervision.close();
+    await rolloutsDone;
+    await locks.drain();
+  }
+
+  return {
+    create,
+    update,
+    get,
+    list,
+    remove,
+    listServices,
+    getService,
+    serviceLogs,
+    restart,
+    authorizeEdge: (serviceId, token) => edge.authorize(serviceId, token),
+    openServicePort: (serviceId) => edge.openServicePort(serviceId),
+    isRoutable: (serviceId) => edge.routes.has(serviceId),
+    setProxy: (p) => edge.setProxy(p),
+    start,
+    setPublicUrl,
+    close,
+  };
+}

@@ -1,0 +1,129 @@
+// Admission of new machines: one larger than the host is refused outright (400); while the host is short of
+// available memory or the data dir of free disk, creates are turned away for now (503, retryable). Idle machines
+// cost little, so pressure is measured (MemAvailable), not inferred from declared sizes, unless an operator caps those.
+
+import { readFile, statfs } from "node:fs/promises";
+import { cpus, totalmem } from "node:os";
+import { sql } from "kysely";
+import type { Db } from "../store/schema.ts";
+import { KilnError } from "../errors.ts";
+import { metricEvents } from "../metrics/events.ts";
+
+const MIB = 1024 * 1024;
+
+export interface AdmissionLimits {
+  dataDir: string;
+  maxDiskMb: number;
+  minFreeDiskMb: number;
+  /** Undefined: 10 % of the host's RAM. */
+  minFreeMemoryMb?: number;
+  memoryOvercommit?: number;
+}
+
+/** A record that still holds (or is about to hold) host memory. */
+const LIVE_STATUSES = ["creating", "running", "hibernated"];
+
+async function memAvailableMb(): Promise<number> {
+  const text = await readFile("/proc/meminfo", "utf8");
+  const kb = Number(/^MemAvailable:\s+(\d+) kB/m.exec(text)?.[1] ?? NaN);
+  return Number.isFinite(kb) ? Math.floor(kb / 1024) : Math.floor(totalmem() / MIB);
+}
+
+export interface Admission {
+  /** Snapshots take disk (their blocks once the machine rewrites them): refused (503, retryable) under the floor. */
+  admitDisk(): Promise<void>;
+  /** Throws 400 for a machine the host can never hold, 503 (retryable) while the host is under pressure. */
+  admit(want: { vcpus: number; memoryMb: number; diskMb: number }): Promise<void>;
+  /** What GET /v1/ready reports: the host's size, what is in use, and the floors creates are held to. */
+  capacity(): Promise<{
+    host_cores: number;
+    host_memory_mb: number;
+    live_machines: number;
+    declared_memory_mb: number;
+    mem_available_mb: number;
+    min_free_memory_mb: number;
+    free_disk_mb: number | null;
+    min_free_disk_mb: number;
+    max_disk_mb: number;
+    memory_overcommit: number | null;
+    accepting: boolean;
+  }>;
+}
+
+export function createAdmission(deps: { db: Db; limits: AdmissionLimits }): Admission {
+  const { db, limits } = deps;
+  const hostMemoryMb = Math.floor(totalmem() / MIB);
+  const hostCores = cpus().length;
+  const minFreeMemoryMb = limits.minFreeMemoryMb ?? Math.floor(hostMemoryMb / 10);
+
+  async function freeDiskMb(): Promise<number> {
+    const st = await statfs(limits.dataDir).catch(() => undefined);
+    return st ? Math.floor((Number(st.bavail) * Number(st.bsize)) / MIB) : Number.POSITIVE_INFINITY;
+  }
+
+  async function liveMachines(): Promise<{ count: number; declaredMemoryMb: number }> {
+    const row = await db
+      .selectFrom("machines")
+      .select([sql<number>`count(*)`.as("count"), sql<number>`coalesce(sum(memory_mb), 0)`.as("memory")])
+      .where("status", "in", LIVE_STATUSES)
+      .executeTakeFirst();
+    return { count: Number(row?.count ?? 0), declaredMemoryMb: Number(row?.memory ?? 0) };
+  }
+
+  const busy = (message: string, details: Record<string, unknown>) => new KilnError("unavailable", message, { detail: { code: "unavailable", message, retryable: true, details } });
+
+  async function checkDisk(): Promise<number> {
+    const freeDisk = await freeDiskMb();
+    if (freeDisk < limits.minFreeDiskMb) {
+      metricEvents.admissionRefused({ reason: "disk" });
+      throw busy(`The host is short of disk (${freeDisk} MiB free in the data dir, the floor is ${limits.minFreeDiskMb} MiB); try again later`, { free_disk_mb: freeDisk, min_free_disk_mb: limits.minFreeDiskMb });
+    }
+    return freeDisk;
+  }
+
+  return {
+    /** Snapshots take disk (their blocks once the machine rewrites them): refused (503, retryable) under the floor. */
+    async admitDisk(): Promise<void> {
+      await checkDisk();
+    },
+
+    /** Throws 400 for a machine the host can never hold, 503 (retryable) while the host is under pressure. */
+    async admit(want: { vcpus: number; memoryMb: number; diskMb: number }): Promise<void> {
+      if (want.vcpus > hostCores) throw new KilnError("invalid_request", `vcpus ${want.vcpus} is more than this host's ${hostCores} cores`);
+      if (want.memoryMb > hostMemoryMb) throw new KilnError("invalid_request", `memory_mb ${want.memoryMb} is more than this host's ${hostMemoryMb} MiB of memory`);
+      if (want.diskMb > limits.maxDiskMb) throw new KilnError("invalid_request", `disk_mb ${want.diskMb} is more than this server allows (KILN_MAX_DISK_MB=${limits.maxDiskMb})`);
+      const available = await memAvailableMb();
+      if (available < minFreeMemoryMb) {
+        metricEvents.admissionRefused({ reason: "memory" });
+        throw busy(`The host is short of memory (${available} MiB available, the floor is ${minFreeMemoryMb} MiB); try again later`, { mem_available_mb: available, min_free_memory_mb: minFreeMemoryMb });
+      }
+      await checkDisk();
+      if (limits.memoryOvercommit !== undefined) {
+        const cap = Math.floor(hostMemoryMb * limits.memoryOvercommit);
+        const { declaredMemoryMb } = await liveMachines();
+        if (declaredMemoryMb + want.memoryMb > cap) {
+          metricEvents.admissionRefused({ reason: "overcommit" });
+          throw busy(`Live machines already declare ${declaredMemoryMb} MiB of memory; the cap is ${cap} MiB (KILN_MEMORY_OVERCOMMIT=${limits.memoryOvercommit})`, { declared_memory_mb: declaredMemoryMb, cap_mb: cap });
+        }
+      }
+    },
+
+    /** What GET /v1/ready reports: the host's size, what is in use, and the floors creates are held to. */
+    async capacity() {
+      const [available, freeDisk, live] = await Promise.all([memAvailableMb(), freeDiskMb(), liveMachines()]);
+      return {
+        host_cores: hostCores,
+        host_memory_mb: hostMemoryMb,
+        live_machines: live.count,
+        declared_memory_mb: live.declaredMemoryMb,
+        mem_available_mb: available,
+        min_free_memory_mb: minFreeMemoryMb,
+        free_disk_mb: Number.isFinite(freeDisk) ? freeDisk : null,
+        min_free_disk_mb: limits.minFreeDiskMb,
+        max_disk_mb: limits.maxDiskMb,
+        memory_overcommit: limits.memoryOvercommit ?? null,
+        accepting: available >= minFreeMemoryMb && freeDisk >= limits.minFreeDiskMb,
+      };
+    },
+  };
+}

@@ -1,0 +1,186 @@
+// Machine create: input checks, admission, a warm machine of the same shape or a fresh boot (or a gVisor restore of
+// the template's start checkpoint), volumes, the user, envs and start command, and cleanup when any of it fails.
+
+import { metricEvents } from "../metrics/events.ts";
+import type { MachineRow } from "../store/schema.ts";
+import { newId } from "../store/ids.ts";
+import { KilnError } from "../errors.ts";
+import type { EgressRules } from "../runtime/driver.ts";
+import { parseCidr } from "../runtime/cidr.ts";
+import { AgentError } from "../runtime/agent-client.ts";
+import type { TemplateService } from "../templates/service.ts";
+import type { VolumeMountRequest, VolumeService } from "../volumes/service.ts";
+import { artifactConfig } from "../builder/artifact-config.ts";
+import { runStartCommand } from "../builder/start-command.ts";
+import type { Admission } from "./admission.ts";
+import type { WarmPool } from "./warm-pool.ts";
+import { checkEnvs, checkMetadata } from "./input-limits.ts";
+import { MACHINE_DEFAULTS, machineView } from "./records.ts";
+import type { MachineView, OnTimeout } from "./records.ts";
+import type { MachineContext } from "./context.ts";
+
+export interface CreateMachineInput {
+  template?: string;
+  name?: string;
+  cwd?: string;
+  user?: string;
+  envs?: Record<string, string>;
+  metadata?: Record<string, string>;
+  timeout_s?: number;
+  vcpus?: number;
+  memory_mb?: number;
+  disk_mb?: number;
+  internet?: boolean;
+  /** Volumes mounted at boot (room: volumes). */
+  volumes?: VolumeMountRequest[];
+  network?: { allow_out?: string[]; deny_out?: string[] };
+  on_timeout?: OnTimeout;
+  auto_resume?: boolean;
+}
+
+/**
+ * A snapshot a machine is made from (room: snapshots resolves and checks it): the machine's disk is a copy of the
+ * snapshot's, and with `memory` its processes continue from the snapshot instead of the template's start command.
+ */
+export interface SnapshotOrigin {
+  id: string;
+  artifactId: string;
+  disk: string;
+  memory: string | null;
+  diskMb: number;
+  /** A memory snapshot restores its saved network stack: the machine takes the snapshot's network setting. */
+  internet: boolean;
+}
+
+/** Validated CIDR lists in canonical form; 400 naming the first bad entry. */
+function egressRules(network: CreateMachineInput["network"]): EgressRules | undefined {
+  if (!network) return undefined;
+  const canonical = (field: "allow_out" | "deny_out") =>
+    (network[field] ?? []).map((text, i) => {
+      const parsed = parseCidr(text);
+      if ("error" in parsed) throw new KilnError("invalid_request", `network.${field}[${i}]: ${parsed.error}`);
+      return parsed.cidr;
+    });
+  return { allowOut: canonical("allow_out"), denyOut: canonical("deny_out") };
+}
+
+export interface CreateDeps {
+  templates: TemplateService;
+  baseTemplateRef: string;
+  pool?: WarmPool;
+  volumes?: VolumeService;
+  admission?: Admission;
+}
+
+export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (input: CreateMachineInput, from?: SnapshotOrigin) => Promise<MachineView> {
+  const { db, driver, log, hostId, records, agents, locks } = ctx;
+  const { templates } = deps;
+  async function create(input: CreateMachineInput, from?: SnapshotOrigin): Promise<MachineView> {
+    checkEnvs(input.envs);
+    checkMetadata(input.metadata);
+    if (from) {
+      if (input.disk_mb !== undefined && input.disk_mb !== from.diskMb) throw new KilnError("invalid_request", `disk_mb must be the snapshot's (${from.diskMb}): its disk is copied as it is`);
+      if (from.memory && input.internet !== undefined && input.internet !== from.internet) {
+        throw new KilnError("invalid_request", `internet must be the snapshot's (${from.internet}): a memory snapshot restores its saved network stack`);
+      }
+      input = { ...input, disk_mb: from.diskMb, internet: from.memory ? from.internet : input.internet };
+    }
+    const resolved = await templates.resolve(from ? from.artifactId : (input.template ?? deps.baseTemplateRef));
+    // A built template's image config gives the defaults: its envs, working directory and user.
+    const image = artifactConfig(resolved.artifact);
+    const now = new Date();
+    const timeoutS = input.timeout_s ?? MACHINE_DEFAULTS.timeoutS;
+    const vcpus = input.vcpus ?? MACHINE_DEFAULTS.vcpus;
+    const memoryMb = input.memory_mb ?? MACHINE_DEFAULTS.memoryMb;
+    const diskMb = input.disk_mb ?? MACHINE_DEFAULTS.diskMb;
+    const network = egressRules(input.network);
+    const hasRules = Boolean(network && (network.allowOut.length || network.denyOut.length));
+    await deps.admission?.admit({ vcpus, memoryMb, diskMb });
+    // A machine already booted with exactly this shape answers at once; its id is the one it was booted with.
+    // One with volumes boots fresh: warm machines have no mounts (room: volumes).
+    // gVisor: continue the build machine saved once start_cmd was ready, where this machine can take it (same
+    // network setting, same guest runtime, image still on disk); otherwise start_cmd starts here and create waits for
+    // its readiness.
+    const saved = from ? undefined : image.checkpoint;
+    const restore = saved && saved.internet === (input.internet !== false) && driver.canRestore?.(saved) ? saved : undefined;
+    const warm = restore || from || input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules });
+    if (!restore && !from && !input.volumes?.length) metricEvents.warmPoolTake({ hit: warm !== undefined });
+    const row = {
+      id: warm?.id ?? newId("mch"),
+      template_id: resolved.template.id,
+      artifact_id: resolved.artifact.id,
+      name: input.name ?? null,
+      status: "creating",
+      cwd: input.cwd ?? image.image.workingDir ?? null,
+      user: input.user ?? image.image.user ?? MACHINE_DEFAULTS.user,
+      metadata_json: JSON.stringify(input.metadata ?? {}),
+      vcpus,
+      memory_mb: memoryMb,
+      disk_mb: diskMb,
+      internet: input.internet === false ? 0 : 1,
+      network_json: hasRules ? JSON.stringify(network) : null,
+      timeout_s: timeoutS,
+      expires_at: new Date(now.getTime() + timeoutS * 1000).toISOString(),
+      created_at: now.toISOString(),
+      updated_at: now.toISOString(),
+      destroyed_at: null,
+      failure_reason: null,
+      host_id: hostId,
+      on_timeout: input.on_timeout ?? "destroy",
+      auto_resume: input.auto_resume ? 1 : 0,
+      snapshot_id: from?.id ?? null,
+    };
+    // Volumes (room: volumes): checked and recorded before the row, so a racing volume delete already sees this machine.
+    const mounts = input.volumes?.length && deps.volumes ? await deps.volumes.attach(row.id, input.volumes) : [];
+    await db.insertInto("machines").values(row).execute();
+    return locks.run(row.id, async () => {
+      try {
+        // A machine that waited in the pool may have lost a host-side part meanwhile (its network helper).
+        if (warm) {
+          const health = await driver.heal(warm.id);
+          if (!health.ok) throw new Error(health.reason);
+        }
+        const live =
+          warm ??
+          (await driver.create({
+          id: row.id,
+          layers: resolved.layers,
+          hostname: row.id.replaceAll("_", "-"),
+          vcpus: row.vcpus,
+          memoryMb: row.memory_mb,
+          diskMb,
+          internet: row.internet === 1,
+          network: hasRules ? network : undefined,
+          mounts,
+          restore,
+          fromSnapshot: from ? { disk: from.disk, memory: from.memory } : undefined,
+        }));
+        const agent = agents.attach(live);
+        // The user must exist in the machine's own /etc/passwd; envs live in the agent, never in a record.
+        await agent.user(row.user).catch((err: unknown) => {
+          throw err instanceof AgentError && err.code === "not_found" ? new KilnError("invalid_request", `No user ${JSON.stringify(row.user)} in template ${resolved.template.canonical_ref}`) : err;
+        });
+        // The start command sees the template's envs only; create-time envs apply to what runs after it.
+        // A memory snapshot's processes already run (and its agent still holds the envs it was given): the start command
+        // is not run again, and the envs are set anew so the parent's create-time envs never reach new processes here.
+        const continued = Boolean(restore || from?.memory);
+        if (Object.keys(image.image.env).length > 0 || from?.memory) await agent.setEnvs(image.image.env);
+        if (!continued) await runStartCommand(agent, image, row.user);
+        if (input.envs && Object.keys(input.envs).length > 0) await agent.setEnvs({ ...image.image.env, ...input.envs });
+        // The machine's cwd is where its commands start: make sure it exists, owned by the machine's user.
+        if (row.cwd) await agent.mkdir(row.cwd, { user: row.user });
+        return machineView(await records.transition(row.id, { status: "running" }, "create"));
+      } catch (err) {
+        await agents.detach(row.id);
+        await driver.destroy(row.id).catch((e: unknown) => log.error({ err: e, machine_id: row.id }, "cleanup after a failed create failed"));
+        const reason = err instanceof KilnError ? err.message : "the machine failed to start";
+        await records.transition(row.id, { status: "failed", failure_reason: reason, destroyed_at: new Date().toISOString() }, null);
+        if (err instanceof KilnError) throw err;
+        log.error({ err, machine_id: row.id }, "machine create failed");
+        throw new KilnError("internal", "The machine failed to start", { cause: err });
+      }
+    });
+  }
+
+  return create;
+}

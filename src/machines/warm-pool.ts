@@ -1,0 +1,93 @@
+// A few machines of the base template booted ahead of time with default resources, so a create that asks for
+// exactly that is answered without waiting for a boot. Pooled machines have no record until one is taken;
+// on shutdown they are destroyed, and after a crash the restart removes them as orphans.
+
+import { DEFAULT_DISK_MB } from "../runtime/driver.ts";
+import type { LiveMachine, MachineDriver, MachineSpec } from "../runtime/driver.ts";
+import { newId } from "../store/ids.ts";
+import type { Logger } from "../log.ts";
+
+export interface PoolShape {
+  artifactId: string;
+  layers: string[];
+  vcpus: number;
+  memoryMb: number;
+}
+
+export interface WarmPool {
+  /** Sets what pooled machines look like (the base template's current artifact); replaces stale ones. */
+  configure(next: PoolShape): void;
+  /** A booted machine of exactly this shape, or undefined (then the caller boots one itself). */
+  take(want: { artifactId: string; vcpus: number; memoryMb: number; diskMb: number; internet: boolean; network: boolean }): LiveMachine | undefined;
+  stats(): { size: number; ready: number; booting: number; ids: string[] };
+  close(): Promise<void>;
+}
+
+export function createWarmPool(deps: { driver: MachineDriver; size: number; log: Logger }): WarmPool {
+  const { driver, size, log } = deps;
+  let shape: PoolShape | undefined;
+  const ready: { live: LiveMachine; artifactId: string }[] = [];
+  let booting = 0;
+  const inflight = new Set<Promise<unknown>>();
+  let closed = false;
+  let failures = 0;
+
+  function specFor(id: string, s: PoolShape): MachineSpec {
+    return { id, layers: s.layers, hostname: id.replaceAll("_", "-"), vcpus: s.vcpus, memoryMb: s.memoryMb, diskMb: DEFAULT_DISK_MB, internet: true, mounts: [] };
+  }
+
+  function fill() {
+    while (!closed && shape && ready.length + booting < size && failures < 3) {
+      const s = shape;
+      const id = newId("mch");
+      booting++;
+      const boot = driver.create(specFor(id, s)).then(
+        async (live) => {
+          booting--;
+          failures = 0;
+          if (closed || shape?.artifactId !== s.artifactId) return driver.destroy(id);
+          ready.push({ live, artifactId: s.artifactId });
+        },
+        async (err: unknown) => {
+          booting--;
+          failures++;
+          log.warn({ err, machine_id: id }, "booting a warm machine failed");
+          await driver.destroy(id).catch(() => undefined);
+          if (failures < 3) setTimeout(fill, 1000 * failures).unref();
+        },
+      );
+      inflight.add(boot);
+      void boot.finally(() => inflight.delete(boot));
+    }
+  }
+
+  return {
+    /** Sets what pooled machines look like (the base template's current artifact); replaces stale ones. */
+    configure(next: PoolShape) {
+      if (size <= 0) return;
+      if (shape?.artifactId !== next.artifactId) {
+        for (const stale of ready.splice(0)) void driver.destroy(stale.live.id).catch(() => undefined);
+      }
+      shape = next;
+      failures = 0;
+      fill();
+    },
+    /** A booted machine of exactly this shape, or undefined (then the caller boots one itself). */
+    take(want: { artifactId: string; vcpus: number; memoryMb: number; diskMb: number; internet: boolean; network: boolean }): LiveMachine | undefined {
+      if (!shape || want.artifactId !== shape.artifactId || want.vcpus !== shape.vcpus || want.memoryMb !== shape.memoryMb) return undefined;
+      // Pooled machines have the default disk and the default egress policy (their slirp4netns is already running).
+      if (want.diskMb !== DEFAULT_DISK_MB || !want.internet || want.network) return undefined;
+      const i = ready.findIndex((r) => r.artifactId === want.artifactId);
+      if (i < 0) return undefined;
+      const [entry] = ready.splice(i, 1);
+      fill();
+      return entry.live;
+    },
+    stats: () => ({ size, ready: ready.length, booting, ids: ready.map((r) => r.live.id) }),
+    async close() {
+      closed = true;
+      await Promise.allSettled([...inflight]);
+      await Promise.all(ready.splice(0).map((r) => driver.destroy(r.live.id).catch(() => undefined)));
+    },
+  };
+}

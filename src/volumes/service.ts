@@ -1,0 +1,248 @@
+// Volumes: create (an ext4 image of the asked size, mounted on the host), list, get, delete (refused while a live
+// machine mounts it), the mounts a machine asks for at create, and each volume's data plane (files and watches).
+
+import { EventEmitter } from "node:events";
+import { createKeyedLock } from "../keyed-lock.ts";
+import { posix } from "node:path";
+import { mkdir } from "node:fs/promises";
+import type { Db, VolumeRow } from "../store/schema.ts";
+import { newId } from "../store/ids.ts";
+import { KilnError } from "../errors.ts";
+import type { Logger } from "../log.ts";
+import { createVolumeStorage, destroyVolumeStorage, hostFreeBytes, mountVolumeStorage, volumePaths } from "./storage.ts";
+import { localDataPlane } from "./data-plane.ts";
+import type { DataPlane } from "./data-plane.ts";
+import { newestFirstPage } from "../store/pages.ts";
+import type { PageKey } from "../store/pages.ts";
+
+export const VOLUME_STATUSES = ["creating", "ready", "deleting"] as const;
+export type VolumeStatus = (typeof VOLUME_STATUSES)[number];
+export const VOLUME_LIMITS = { minSizeMb: 16, maxSizeMb: 1_048_576, defaultSizeMb: 1024, maxPerMachine: 16 } as const;
+/** Machine states in which a machine holds its volumes mounted. */
+const LIVE_MACHINE_STATUSES = ["creating", "running", "hibernated"];
+/** Guest paths a volume may not cover: the platform's own mounts and the kernel's file systems. */
+const RESERVED_GUEST_PATHS = ["/proc", "/sys", "/dev", "/opt/kiln", "/run/kiln", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf"];
+
+export interface VolumeMountRequest {
+  volume_id: string;
+  path: string;
+  read_only?: boolean;
+}
+
+export interface VolumeMount {
+  hostPath: string;
+  guestPath: string;
+  readOnly: boolean;
+}
+
+export function volumeView(row: VolumeRow) {
+  return { id: row.id, name: row.name, size_mb: row.size_mb, status: row.status as VolumeStatus, created_at: row.created_at, updated_at: row.updated_at };
+}
+export type VolumeView = ReturnType<typeof volumeView>;
+
+export interface VolumeService {
+  create(input: { name: string; size_mb?: number }): Promise<VolumeView>;
+  get(id: string): Promise<VolumeView>;
+  /** Newest first by (created_at, id); `after` is the key of the last row of the previous page. */
+  list(opts: { limit: number; after?: PageKey }): Promise<{ volumes: VolumeView[]; last: PageKey | undefined; more: boolean }>;
+  remove(id: string): Promise<void>;
+  /** Checks and records a machine's volume mounts before its row exists; answers where each mounts. */
+  attach(machineId: string, requests: VolumeMountRequest[]): Promise<VolumeMount[]>;
+  resolveDataPlane(id: string): Promise<DataPlane>;
+  onDeleted(listener: (id: string) => void): () => void;
+  start(): Promise<{ mounted: number; cleaned: number }>;
+  close(): Promise<void>;
+  /** Machines that hold the volume mounted now. */
+  liveMachinesOf(id: string): Promise<string[]>;
+}
+
+export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger }): VolumeService {
+  const { db, dataDir, log } = deps;
+  const planes = new Map<string, DataPlane>();
+  const locks = createKeyedLock();
+  const deletions = new EventEmitter<{ deleted: [id: string] }>();
+  deletions.setMaxListeners(0);
+
+  /** Serialises create-time attachment and deletion of one volume, so a delete never races a machine mounting it. */
+  const withLock = locks.run;
+
+  async function load(id: string): Promise<VolumeRow> {
+    const row = /^vol_[a-z0-9]{26}$/.test(id) ? await db.selectFrom("volumes").selectAll().where("id", "=", id).executeTakeFirst() : undefined;
+    if (!row || row.status === "deleting") throw new KilnError("not_found", `No volume ${id}`);
+    return row;
+  }
+
+  async function create(input: { name: string; size_mb?: number }): Promise<VolumeView> {
+    const sizeMb = input.size_mb ?? VOLUME_LIMITS.defaultSizeMb;
+    const free = await hostFreeBytes(dataDir);
+    if (sizeMb * 1024 * 1024 > free) {
+      throw new KilnError("invalid_request", `size_mb ${sizeMb} is more than the host's free disk (${Math.floor(free / 1024 / 1024)} MiB)`);
+    }
+    const now = new Date().toISOString();
+    const row: VolumeRow = { id: newId("vol"), name: input.name, size_mb: sizeMb, status: "creating", created_at: now, updated_at: now };
+    // Recorded first, so a crash half-way leaves a row that the next start cleans up rather than a stray image.
+    await db.insertInto("volumes").values(row).execute();
+    try {
+      await createVolumeStorage(volumePaths(dataDir, row.id), sizeMb);
+    } catch (err) {
+      log.error({ err, volume_id: row.id }, "making a volume failed");
+      await destroyVolumeStorage(volumePaths(dataDir, row.id)).catch(() => undefined);
+      await db.deleteFrom("volumes").where("id", "=", row.id).execute();
+      throw new KilnError("internal", "The volume could not be made", { cause: err });
+    }
+    const ready = { status: "ready", updated_at: new Date().toISOString() };
+    await db.updateTable("volumes").set(ready).where("id", "=", row.id).execute();
+    return volumeView({ ...row, ...ready });
+  }
+
+  async function get(id: string): Promise<VolumeView> {
+    return volumeView(await load(id));
+  }
+
+  /** Newest first by (created_at, id); `after` is the key of the last row of the previous page. */
+  async function list(opts: { limit: number; after?: [string, string] }) {
+    const page = await newestFirstPage(db.selectFrom("volumes").selectAll().where("status", "=", "ready"), opts);
+    return { volumes: page.rows.map(volumeView), last: page.last, more: page.more };
+  }
+
+  /** Machines that hold the volume mounted now (a mount recorded for a machine not yet inserted counts too). */
+  async function liveMachinesOf(id: string): Promise<string[]> {
+    const rows = await db
+      .selectFrom("machine_volumes")
+      .leftJoin("machines", "machines.id", "machine_volumes.machine_id")
+      .select(["machine_volumes.machine_id as machine_id", "machines.status as status"])
+      .where("machine_volumes.volume_id", "=", id)
+      .execute();
+    return [...new Set(rows.filter((r) => r.status === null || LIVE_MACHINE_STATUSES.includes(r.status)).map((r) => r.machine_id))];
+  }
+
+  async function remove(id: string): Promise<void> {
+    await withLock(id, async () => {
+      await load(id);
+      const holders = await liveMachinesOf(id);
+      if (holders.length > 0) {
+        throw new KilnError("conflict", `Volume ${id} is mounted by ${holders.length} live machine(s); destroy them first`, { detail: { details: { machine_ids: holders } } });
+      }
+      await db.updateTable("volumes").set({ status: "deleting", updated_at: new Date().toISOString() }).where("id", "=", id).execute();
+      await finishDelete(id);
+    });
+  }
+
+  /** Closes the volume's watches, releases its mount and loop device, and forgets it. Safe to run again. */
+  async function finishDelete(id: string) {
+    deletions.emit("deleted", id);
+    const plane = planes.get(id);
+    planes.delete(id);
+    await plane?.close();
+    await destroyVolumeStorage(volumePaths(dataDir, id));
+    await db.transaction().execute(async (tx) => {
+      await tx.deleteFrom("machine_volumes").where("volume_id", "=", id).execute();
+      await tx.deleteFrom("volumes").where("id", "=", id).execute();
+    });
+  }
+
+  /**
+   * Checks and records the volumes a machine being created asks for, and returns the bind mounts for its driver.
+   * Recorded before the machine boots, so from here on a delete of any of them answers 409.
+   */
+  async function attach(machineId: string, requests: VolumeMountRequest[]): Promise<VolumeMount[]> {
+    if (requests.length > VOLUME_LIMITS.maxPerMachine) throw new KilnError("invalid_request", `A machine mounts at most ${VOLUME_LIMITS.maxPerMachine} volumes`);
+    const guestPaths = new Map<VolumeMountRequest, string>();
+    for (const r of requests) {
+      const p = checkGuestPath(r.path);
+      if ([...guestPaths.values()].includes(p)) throw new KilnError("invalid_request", `Two volumes are mounted at ${p}`);
+      guestPaths.set(r, p);
+    }
+    const mounts: VolumeMount[] = [];
+    try {
+      for (const r of requests) {
+        const mount = await withLock(r.volume_id, async () => {
+          const row = await load(r.volume_id).catch((err: unknown) => {
+            throw err instanceof KilnError && err.code === "not_found" ? new KilnError("invalid_request", `No volume ${r.volume_id}`) : err;
+          });
+          const paths = volumePaths(dataDir, row.id);
+          await mountVolumeStorage(paths);
+          const guestPath = guestPaths.get(r)!;
+          await db.insertInto("machine_volumes").values({ machine_id: machineId, volume_id: row.id, path: guestPath, read_only: r.read_only ? 1 : 0, created_at: new Date().toISOString() }).execute();
+          return { hostPath: paths.mount, guestPath, readOnly: r.read_only === true };
+        });
+        mounts.push(mount);
+      }
+    } catch (err) {
+      // The machine will not be made: its half-recorded mounts must not hold the volumes.
+      await db.deleteFrom("machine_volumes").where("machine_id", "=", machineId).execute();
+      throw err;
+    }
+    return mounts;
+  }
+
+  /**
+   * The host that serves a volume's files and watches. One host here: this one. A deployment with several hosts
+   * looks up where the volume lives and returns a plane that routes there; every subscription asks afresh.
+   */
+  async function resolveDataPlane(id: string): Promise<DataPlane> {
+    const known = planes.get(id);
+    if (known) return known;
+    // Under the volume's lock: a plane is never made for a volume whose delete is under way.
+    return withLock(id, async () => {
+      await load(id);
+      let plane = planes.get(id);
+      if (!plane) {
+        const paths = volumePaths(dataDir, id);
+        await mountVolumeStorage(paths);
+        await mkdir(paths.watchRoot, { recursive: true, mode: 0o700 });
+        plane = localDataPlane({ mountPath: paths.mount, stagingDir: paths.watchRoot, log: log.child({ volume_id: id }) });
+        planes.set(id, plane);
+      }
+      return plane;
+    });
+  }
+
+  function onDeleted(listener: (id: string) => void): () => void {
+    deletions.on("deleted", listener);
+    return () => deletions.off("deleted", listener);
+  }
+
+  /** After a restart: ready volumes are mounted again where needed; half-made or half-deleted ones are finished off. */
+  async function start(): Promise<{ mounted: number; cleaned: number }> {
+    // Mounts recorded for a machine whose row never got written (a crash in between) hold nothing.
+    const orphans = await db.selectFrom("machine_volumes").leftJoin("machines", "machines.id", "machine_volumes.machine_id").select("machine_volumes.machine_id as machine_id").where("machines.id", "is", null).execute();
+    for (const o of orphans) await db.deleteFrom("machine_volumes").where("machine_id", "=", o.machine_id).execute();
+    const rows = await db.selectFrom("volumes").selectAll().execute();
+    let mounted = 0;
+    let cleaned = 0;
+    for (const row of rows) {
+      try {
+        if (row.status === "ready") {
+          await mountVolumeStorage(volumePaths(dataDir, row.id));
+          mounted++;
+        } else {
+          await finishDelete(row.id);
+          cleaned++;
+        }
+      } catch (err) {
+        log.error({ err, volume_id: row.id }, "restoring a volume after start failed");
+      }
+    }
+    return { mounted, cleaned };
+  }
+
+  async function close() {
+    await locks.drain();
+    for (const plane of planes.values()) await plane.close();
+    planes.clear();
+  }
+
+  return { create, get, list, remove, attach, resolveDataPlane, onDeleted, start, close, liveMachinesOf };
+}
+
+/** A guest mount point: absolute, normalised, not `/` and not over the platform's own mounts. */
+function checkGuestPath(path: string): string {
+  if (!path.startsWith("/") || path.includes("\0")) throw new KilnError("invalid_request", `A volume's path in the machine must be absolute: ${JSON.stringify(path)}`);
+  const p = posix.normalize(path).replace(/\/+$/, "");
+  if (p === "" || p === "/") throw new KilnError("invalid_request", "A volume cannot be mounted at /");
+  for (const r of RESERVED_GUEST_PATHS) {
+    if (p === r || p.startsWith(r + "/")) throw new KilnError("invalid_request", `A volume cannot be mounted at ${p}: ${r} belongs to the platform`);
+  }
+  return p;
+}

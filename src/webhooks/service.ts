@@ -1,0 +1,267 @@
+// Lifecycle webhooks for the API: registrations (write-only signing secrets, rotation with a grace period) and
+// the inspection and manual retry of their deliveries. Sending is the dispatcher's (src/webhooks/dispatcher.ts).
+
+import type { Db, DeliveryAttemptRow, DeliveryRow, WebhookRow } from "../store/schema.ts";
+import { newId } from "../store/ids.ts";
+import { KilnError } from "../errors.ts";
+import { LIFECYCLE_OPERATIONS } from "../machines/service.ts";
+import { SERVICE_EVENT_OPERATIONS } from "../deployments/lifecycle.ts";
+import type { LifecycleOperation } from "../machines/service.ts";
+import { generateSecret, secretProblem } from "./signing.ts";
+import { addressProblem, ipLiteral } from "./ssrf.ts";
+import type { Resolve } from "./ssrf.ts";
+import { lookup as dnsLookup } from "node:dns";
+import type { DeliveryStatus } from "./dispatcher.ts";
+import { newestFirstPage } from "../store/pages.ts";
+
+export { DELIVERY_STATUSES } from "./dispatcher.ts";
+
+/** What a webhook may subscribe to: one list, shared with what emits them — the machine lifecycle and the status
+ *  changes of deployment services (`service.ready`, …). */
+export const WEBHOOK_OPERATIONS = [...LIFECYCLE_OPERATIONS, ...Object.values(SERVICE_EVENT_OPERATIONS)] as const;
+export type WebhookOperation = (typeof WEBHOOK_OPERATIONS)[number];
+
+export interface CreateWebhookInput {
+  url: string;
+  operations: WebhookOperation[];
+  signing_secret?: string;
+}
+
+export interface UpdateWebhookInput {
+  url?: string;
+  operations?: WebhookOperation[];
+  signing_secret?: string;
+  enabled?: boolean;
+}
+
+/** The webhook record as the API shows it: never any secret. */
+export function webhookView(row: WebhookRow) {
+  return {
+    id: row.id,
+    url: row.url,
+    operations: JSON.parse(row.operations_json) as LifecycleOperation[],
+    enabled: row.enabled === 1,
+    created_at: row.created_at,
+    updated_at: row.updated_at,
+  };
+}
+export type WebhookView = ReturnType<typeof webhookView>;
+
+export function deliveryView(row: DeliveryRow, attempts: DeliveryAttemptRow[]) {
+  return {
+    id: row.id,
+    webhook_id: row.webhook_id,
+    event_id: row.event_id,
+    operation: row.operation,
+    status: row.status as DeliveryStatus,
+    attempts: attempts.map((a) => ({
+      attempt: a.attempt,
+      started_at: a.started_at,
+      duration_ms: a.duration_ms,
+      status_code: a.status_code,
+      error: a.error,
+      response_excerpt: a.response_excerpt,
+    })),
+    next_attempt_at: row.status === "queued" ? row.next_attempt_at : null,
+    last_status_code: row.last_status_code,
+    last_error: row.last_error,
+    created_at: row.created_at,
+    updated_at: row.updated_at,
+    completed_at: row.completed_at,
+  };
+}
+export type DeliveryView = ReturnType<typeof deliveryView>;
+
+type Page<T> = { items: T[]; last?: [string, string]; more: boolean };
+
+/** A create or update waits at most this long on DNS to judge a receiver's name; past it the name is taken as is. */
+const NAME_CHECK_TIMEOUT_MS = 3_000;
+
+export interface WebhookService {
+  create(input: CreateWebhookInput): Promise<WebhookView & { signing_secret?: string }>;
+  get(id: string): Promise<WebhookView>;
+  list(opts: { limit: number; after?: [string, string] }): Promise<Page<WebhookView>>;
+  update(id: string, input: UpdateWebhookInput): Promise<WebhookView>;
+  remove(id: string): Promise<{ id: string; deleted: true }>;
+  listDeliveries(webhookId: string, opts: { limit: number; after?: [string, string]; status?: DeliveryStatus }): Promise<Page<DeliveryView>>;
+  getDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView & { payload: unknown }>;
+  retryDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView>;
+}
+
+export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rotationGraceMs: number; wake: () => void; resolve?: Resolve }): WebhookService {
+  const { db } = deps;
+
+  /**
+   * http(s) only, no credentials in it, and judged as a delivery judges it: an IP literal, and every address a name
+   * resolves to now (`localhost` is 127.0.0.1), must be one a delivery may reach. A name that does not resolve yet
+   * is accepted: its deliveries fail and retry until it does, as they would for a receiver that goes away later.
+   */
+  async function checkUrl(raw: string): Promise<string> {
+    let url: URL;
+    try {
+      url = new URL(raw);
+    } catch {
+      throw new KilnError("invalid_request", `url is not a URL: ${JSON.stringify(raw.slice(0, 200))}`);
+    }
+    if (url.protocol !== "http:" && url.protocol !== "https:") throw new KilnError("invalid_request", `url must be http or https, not ${url.protocol.replace(/:$/, "")}`);
+    if (url.username || url.password) throw new KilnError("invalid_request", "url must not carry credentials (user:password@); put a token in the path or query, or verify signatures");
+    const literal = ipLiteral(url.hostname);
+    const problem = literal ? addressProblem(literal, deps.allowPrivate) : await nameProblem(url.hostname);
+    if (problem) throw new KilnError("invalid_request", `url is not allowed: ${problem}`);
+    return url.toString();
+  }
+
+  /** What a delivery's guarded lookup would refuse about this name's addresses now, or null. */
+  function nameProblem(hostname: string): Promise<string | null> {
+    const resolve = deps.resolve ?? (dnsLookup as unknown as Resolve);
+    return new Promise((done) => {
+      const timer = setTimeout(() => done(null), NAME_CHECK_TIMEOUT_MS);
+      resolve(hostname, { all: true }, (err, addresses) => {
+        clearTimeout(timer);
+        if (err) return done(null);
+        for (const a of addresses) {
+          const problem = addressProblem(a.address, deps.allowPrivate);
+          if (problem) return done(`${hostname}: ${problem}`);
+        }
+        done(null);
+      });
+    });
+  }
+
+  function checkOperations(ops: string[]): string {
+    const unknown = ops.filter((o) => !(WEBHOOK_OPERATIONS as readonly string[]).includes(o));
+    if (unknown.length > 0) throw new KilnError("invalid_request", `Unknown operation ${JSON.stringify(unknown[0])}: one of ${WEBHOOK_OPERATIONS.join(", ")}`);
+    if (ops.length === 0) throw new KilnError("invalid_request", "operations must name at least one operation");
+    return JSON.stringify([...new Set(ops)]);
+  }
+
+  function checkSecret(secret: string): string {
+    const problem = secretProblem(secret);
+    if (problem) throw new KilnError("invalid_request", `signing_secret is not usable: ${problem}`);
+    return secret;
+  }
+
+  async function load(id: string): Promise<WebhookRow> {
+    const row = await db.selectFrom("webhooks").selectAll().where("id", "=", id).executeTakeFirst();
+    if (!row) throw new KilnError("not_found", `No webhook ${id}`);
+    return row;
+  }
+
+  /** The new record, and the signing secret when Kiln made it (shown in this one response only). */
+  async function create(input: CreateWebhookInput): Promise<WebhookView & { signing_secret?: string }> {
+    const url = await checkUrl(input.url);
+    const operations = checkOperations(input.operations);
+    const generated = input.signing_secret === undefined ? generateSecret() : undefined;
+    const secret = generated ?? checkSecret(input.signing_secret!);
+    const now = new Date().toISOString();
+    const row: WebhookRow = {
+      id: newId("whk"),
+      url,
+      operations_json: operations,
+      enabled: 1,
+      signing_secret: secret,
+      previous_signing_secret: null,
+      previous_secret_expires_at: null,
+      created_at: now,
+      updated_at: now,
+    };
+    await db.insertInto("webhooks").values(row).execute();
+    return generated ? { ...webhookView(row), signing_secret: generated } : webhookView(row);
+  }
+
+  async function get(id: string): Promise<WebhookView> {
+    return webhookView(await load(id));
+  }
+
+  async function list(opts: { limit: number; after?: [string, string] }): Promise<Page<WebhookView>> {
+    const page = await newestFirstPage(db.selectFrom("webhooks").selectAll(), opts);
+    return { items: page.rows.map(webhookView), last: page.last, more: page.more };
+  }
+
+  /** A new signing_secret rotates: the old one keeps signing beside it for the grace period. */
+  async function update(id: string, input: UpdateWebhookInput): Promise<WebhookView> {
+    const set: Partial<WebhookRow> = {};
+    if (input.url !== undefined) set.url = await checkUrl(input.url);
+    if (input.operations !== undefined) set.operations_json = checkOperations(input.operations);
+    if (input.enabled !== undefined) set.enabled = input.enabled ? 1 : 0;
+    const secret = input.signing_secret === undefined ? undefined : checkSecret(input.signing_secret);
+    const now = new Date();
+    const row = await db.transaction().execute(async (tx) => {
+      const current = await tx.selectFrom("webhooks").selectAll().where("id", "=", id).executeTakeFirst();
+      if (!current) throw new KilnError("not_found", `No webhook ${id}`);
+      if (secret !== undefined && secret !== current.signing_secret) {
+        set.signing_secret = secret;
+        set.previous_signing_secret = current.signing_secret;
+        set.previous_secret_expires_at = new Date(now.getTime() + deps.rotationGraceMs).toISOString();
+      }
+      set.updated_at = now.toISOString();
+      await tx.updateTable("webhooks").set(set).where("id", "=", id).execute();
+      return { ...current, ...set };
+    });
+    // Deliveries held back while it was disabled are due now.
+    if (input.enabled) deps.wake();
+    return webhookView(row);
+  }
+
+  /** Deletes the webhook with its deliveries and their attempts: pending ones are never sent. */
+  async function remove(id: string): Promise<{ id: string; deleted: true }> {
+    await db.transaction().execute(async (tx) => {
+      const gone = await tx.deleteFrom("webhooks").where("id", "=", id).executeTakeFirst();
+      if (Number(gone.numDeletedRows) === 0) throw new KilnError("not_found", `No webhook ${id}`);
+      const ids = tx.selectFrom("webhook_deliveries").select("id").where("webhook_id", "=", id);
+      await tx.deleteFrom("webhook_delivery_attempts").where("delivery_id", "in", ids).execute();
+      await tx.deleteFrom("webhook_deliveries").where("webhook_id", "=", id).execute();
+    });
+    return { id, deleted: true };
+  }
+
+  async function attemptsOf(ids: string[]): Promise<Map<string, DeliveryAttemptRow[]>> {
+    const out = new Map<string, DeliveryAttemptRow[]>(ids.map((id) => [id, []]));
+    if (ids.length === 0) return out;
+    const rows = await db.selectFrom("webhook_delivery_attempts").selectAll().where("delivery_id", "in", ids).orderBy("delivery_id").orderBy("attempt").execute();
+    for (const r of rows) out.get(r.delivery_id)!.push(r);
+    return out;
+  }
+
+  /** Newest first; `status` narrows the list. */
+  async function listDeliveries(webhookId: string, opts: { limit: number; after?: [string, string]; status?: DeliveryStatus }): Promise<Page<DeliveryView>> {
+    await load(webhookId);
+    let q = db.selectFrom("webhook_deliveries").selectAll().where("webhook_id", "=", webhookId);
+    if (opts.status) q = q.where("status", "=", opts.status);
+    const page = await newestFirstPage(q, opts);
+    const attempts = await attemptsOf(page.rows.map((r) => r.id));
+    return { items: page.rows.map((r) => deliveryView(r, attempts.get(r.id)!)), last: page.last, more: page.more };
+  }
+
+  async function loadDelivery(webhookId: string, deliveryId: string): Promise<DeliveryRow> {
+    const row = await db.selectFrom("webhook_deliveries").selectAll().where("id", "=", deliveryId).where("webhook_id", "=", webhookId).executeTakeFirst();
+    if (!row) throw new KilnError("not_found", `No delivery ${deliveryId} of webhook ${webhookId}`);
+    return row;
+  }
+
+  /** Delivery detail: status, every attempt, and the payload exactly as sent. */
+  async function getDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView & { payload: unknown }> {
+    const row = await loadDelivery(webhookId, deliveryId);
+    const attempts = await attemptsOf([row.id]);
+    return { ...deliveryView(row, attempts.get(row.id)!), payload: JSON.parse(row.body) as unknown };
+  }
+
+  /** Queues a dead letter again for one more run of the retry schedule. */
+  async function retryDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView> {
+    const row = await loadDelivery(webhookId, deliveryId);
+    if (row.status !== "dead_letter") throw new KilnError("conflict", `Delivery ${deliveryId} is ${row.status}; only a dead_letter delivery can be retried`);
+    const now = new Date().toISOString();
+    const updated = await db
+      .updateTable("webhook_deliveries")
+      .set({ status: "queued", schedule_base: row.attempts, next_attempt_at: now, completed_at: null, updated_at: now })
+      .where("id", "=", deliveryId)
+      .where("status", "=", "dead_letter")
+      .executeTakeFirst();
+    if (Number(updated.numUpdatedRows) === 0) throw new KilnError("conflict", `Delivery ${deliveryId} changed meanwhile; look again`);
+    deps.wake();
+    const fresh = await loadDelivery(webhookId, deliveryId);
+    return deliveryView(fresh, (await attemptsOf([fresh.id])).get(fresh.id)!);
+  }
+
+  return { create, get, list, update, remove, listDeliveries, getDelivery, retryDelivery };
+}
