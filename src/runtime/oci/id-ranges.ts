@@ -39,12 +39,19 @@ export interface IdRangePool {
   claimed(): Promise<number[]>;
 }
 
-/** Every host id some process runs with (real, effective, saved or filesystem), from /proc. */
+/** How long a leftover's release waits for the last processes of a machine killed a moment ago to be gone. */
+const IDLE_WAIT_MS = 3_000;
+
+/**
+ * Every host id some live process runs with (real, effective, saved or filesystem), from /proc. A zombie runs
+ * nothing and holds nothing a new owner of its ids could reach: it is not counted.
+ */
 async function processIds(): Promise<Set<number>> {
   const ids = new Set<number>();
   for (const name of await readdir("/proc")) {
     if (!/^\d+$/.test(name)) continue;
     const status = await readFile(`/proc/${name}/status`, "utf8").catch(() => "");
+    if (/^State:\s+[ZX]/m.test(status)) continue;
     for (const m of status.matchAll(/^(?:Uid|Gid):\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$/gm)) for (let i = 1; i <= 4; i++) ids.add(Number(m[i]));
   }
   return ids;
@@ -146,6 +153,19 @@ export function createIdRangePool(opts: { dir: string; log: Logger }): IdRangePo
     }
   }
 
+  /**
+   * Whether no live process runs in the range, waiting a moment for one: the processes of a machine whose first
+   * process was just killed are killed by the kernel a little after it, not with it.
+   */
+  async function idle(index: number): Promise<boolean> {
+    const deadline = Date.now() + IDLE_WAIT_MS;
+    for (;;) {
+      if (![...(await processIds())].some((id) => rangeOf(id) === index)) return true;
+      if (Date.now() > deadline) return false;
+      await new Promise((r) => setTimeout(r, 50));
+    }
+  }
+
   return {
     claimed,
     sweep,
@@ -162,7 +182,7 @@ export function createIdRangePool(opts: { dir: string; log: Logger }): IdRangePo
     async release(index, machineDir, releaseOpts = {}) {
       const record = await readClaim(index);
       if (record?.machine_dir !== machineDir) return;
-      if (releaseOpts.ifIdle && [...(await processIds())].some((id) => rangeOf(id) === index)) {
+      if (releaseOpts.ifIdle && !(await idle(index))) {
         opts.log.warn({ range: index, machine_dir: machineDir }, "a leftover machine's uid range is kept: a host process still runs on it");
         return;
       }
