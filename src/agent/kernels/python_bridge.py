@@ -29,6 +29,16 @@ def emit(frame):
         _proto.flush()
 
 
+# ipykernel sends what a cell printed in one message per flush (0.2 s): megabytes from a cell that floods. Frames
+# carry at most this much text, so the agent never holds more than a few small frames of a caller that does not read.
+FRAME_TEXT = 64 * 1024
+
+
+def emit_text(kind, text):
+    for at in range(0, len(text), FRAME_TEXT) or [0]:
+        emit({"type": kind, "text": text[at : at + FRAME_TEXT]})
+
+
 def bundle(data):
     # MIME bundles as strings: image/png is already base64 text; JSON-valued types are serialised.
     return {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in data.items()}
@@ -105,7 +115,7 @@ def run(km, kc, code):
         kind = msg["msg_type"]
         content = msg["content"]
         if kind == "stream":
-            emit({"type": "stderr" if content.get("name") == "stderr" else "stdout", "text": content.get("text", "")})
+            emit_text("stderr" if content.get("name") == "stderr" else "stdout", content.get("text", ""))
         elif kind in ("execute_result", "display_data", "update_display_data"):
             emit({"type": "result", "data": bundle(content.get("data", {})), "is_main_result": kind == "execute_result", "execution_count": content.get("execution_count")})
         elif kind == "error":
