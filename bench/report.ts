@@ -1,7 +1,7 @@
 // Benchmark results and the docs/BENCHMARKS.md they are written to: each result is a median beside a baseline
 // measured in the same run, and the ratio between them.
 
-import { writeFile } from "node:fs/promises";
+import { readFile, writeFile } from "node:fs/promises";
 import { cpus, totalmem } from "node:os";
 
 export interface BenchResult {
@@ -40,21 +40,47 @@ export function ratio(r: BenchResult): number | undefined {
   return r.better === "higher" ? r.median / r.baseline.median : r.baseline.median / r.median;
 }
 
-export async function writeReport(path: string, results: BenchResult[], notes = "") {
+const HEADER = "| benchmark | kiln median | kiln p99 | baseline | baseline median | ratio | goal | note | measured |";
+
+/** The table rows of an earlier report, by benchmark name; a row from before the `measured` column gets `when`. */
+async function earlierRows(path: string): Promise<Map<string, string>> {
+  const text = await readFile(path, "utf8").catch(() => "");
+  const when = /Measured by `npm run bench` on (\S+?)[ —]/.exec(text)?.[1]?.slice(0, 16).replace("T", " ") ?? "earlier";
+  const rows = new Map<string, string>();
+  for (const line of text.split("\n")) {
+    if (!line.startsWith("| ") || line.startsWith("| benchmark |")) continue;
+    const cells = line.trim().slice(1, -1).split("|");
+    rows.set(cells[0].trim(), cells.length === 8 ? `${line.trimEnd()} ${when} |` : line);
+  }
+  return rows;
+}
+
+/**
+ * Writes the report. A run of some benchmarks (`npm run bench -- <prefix>`) replaces their rows and keeps the others
+ * from the file as it was; every row says when it was measured.
+ */
+export async function writeReport(path: string, results: BenchResult[], notes = "", opts: { merge?: boolean } = {}) {
   const when = new Date().toISOString();
+  const stamp = when.slice(0, 16).replace("T", " ");
+  const rows = opts.merge ? await earlierRows(path) : new Map<string, string>();
+  for (const r of results) {
+    const q = ratio(r);
+    rows.set(
+      r.name,
+      `| ${r.name} | ${fmt(r.median)} ${r.unit} | ${r.p99 === undefined ? "–" : fmt(r.p99) + " " + r.unit} | ${r.baseline?.name ?? "–"} | ${r.baseline ? fmt(r.baseline.median) + " " + r.unit : "–"} | ${q === undefined ? "–" : q.toFixed(2)} | ${r.goal ?? "–"} | ${r.note ?? ""} | ${stamp} |`,
+    );
+  }
   const lines = [
     "# Benchmarks",
     "",
     `Measured by \`npm run bench\` on ${when} — ${cpus().length} cores (${cpus()[0]?.model ?? "?"}), ${(totalmem() / 2 ** 30).toFixed(0)} GiB, Node ${process.version}.`,
     "Every number is a median over the run (p99 where shown). **ratio** compares Kiln with the baseline measured in the same run,",
     "oriented so that 1.0 means as good as the baseline and higher is better (throughput: kiln ÷ baseline; latency: baseline ÷ kiln).",
+    opts.merge ? "Rows of benchmarks that did not run this time are kept from earlier runs: `measured` says when each row was taken." : "",
     "",
-    "| benchmark | kiln median | kiln p99 | baseline | baseline median | ratio | goal | note |",
-    "|---|---|---|---|---|---|---|---|",
-    ...results.map((r) => {
-      const q = ratio(r);
-      return `| ${r.name} | ${fmt(r.median)} ${r.unit} | ${r.p99 === undefined ? "–" : fmt(r.p99) + " " + r.unit} | ${r.baseline?.name ?? "–"} | ${r.baseline ? fmt(r.baseline.median) + " " + r.unit : "–"} | ${q === undefined ? "–" : q.toFixed(2)} | ${r.goal ?? "–"} | ${r.note ?? ""} |`;
-    }),
+    HEADER,
+    "|---|---|---|---|---|---|---|---|---|",
+    ...rows.values(),
     "",
     notes,
   ];

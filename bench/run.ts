@@ -57,5 +57,5 @@ const NOTES = `## Reading these numbers
   drains a backlog written through the outbox — each delivery claimed, signed, sent and recorded durably — beside as
   many plain fetch loops as the dispatcher allows requests in flight to one webhook (32).
 `;
-await writeReport(join(here, "..", "docs", "BENCHMARKS.md"), results, NOTES);
+await writeReport(join(here, "..", "docs", "BENCHMARKS.md"), results, NOTES, { merge: only.length > 0 });
 process.stderr.write("wrote docs/BENCHMARKS.md\n");
