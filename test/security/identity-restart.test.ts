@@ -81,7 +81,8 @@ test("after a kill -9 the next server keeps a live machine's range, frees a dead
       assert.equal(ranges[i].base, rangeBase(ranges[i].range));
       assert.equal(claimOf(ranges[i].range), join(dataDir, "machines", id));
     }
-    assert.equal(claimOf(stale), undefined, "the stale claim was swept at the first claim after the start");
+    // The pool is host-wide: a range set free may be claimed at once by another server's machine, never by this one.
+    assert.notEqual(claimOf(stale), join(dataDir, "machines", "mch_gone"), "the stale claim was swept at the first claim after the start");
 
     for (const id of [live, ...fresh]) assert.equal((await server.call("DELETE", `/v1/machines/${id}`)).status, 200);
     for (const r of [before.live, ...ranges]) assert.ok(!claimOf(r.range)?.startsWith(dataDir), "destroy releases the range");
@@ -123,7 +124,8 @@ test("a machine no record knows that died with the server (a warm one) gives bac
 
     server = await startServerProcess(dataDir);
     assert.equal(existsSync(join(machines, id)), false, "the dead machine's dir is removed before the server serves");
-    assert.equal(claimOf(range), undefined, "its uid range is back in the pool");
+    // (Another server on this host may have claimed the freed range since: it no longer names this machine.)
+    assert.notEqual(claimOf(range), join(machines, id), "its uid range is back in the pool");
     assert.match(runtimeCallOr(dataDir, "state", containerName(TEST_RUNTIME, id)), /^$|does not exist/, "and its container is gone");
   } finally {
     if (server && server.child.exitCode === null && server.child.signalCode === null) await server.stop();
