@@ -107,17 +107,26 @@ export function firstPagePath(path: string): string {
 }
 
 /**
- * Every page of a cursor-paged list, handed over page by page, at most `maxPages`. The next page is asked for as
- * soon as `onPage` returns: a view that renders only some pages keeps the others off the main thread's path.
+ * Every page of a cursor-paged list, handed over page by page, at most `maxPages`. The next page is asked for
+ * before `onPage` runs, so a view rendering one page does not hold the request for the next one behind it.
  */
 export async function allPages<T>(path: string, field: string, onPage: (items: T[], done: boolean) => void | Promise<void>, opts: { signal?: AbortSignal; maxPages?: number } = {}) {
-  let cursor: string | null = null;
-  for (let page = 0; page < (opts.maxPages ?? 50); page++) {
+  const maxPages = opts.maxPages ?? 50;
+  const read = (cursor: string | null): Promise<Record<string, unknown>> => {
     const url = firstPagePath(path) + (cursor ? `&cursor=${enc(cursor)}` : "");
-    const body: Record<string, unknown> = await (page === 0 ? getEarly(url, opts.signal) : get(url, opts.signal));
-    cursor = (body.next_cursor as string | null) ?? null;
-    await onPage((body[field] as T[]) ?? [], cursor === null);
-    if (!cursor) return;
+    return cursor === null ? getEarly(url, opts.signal) : get(url, opts.signal);
+  };
+  let pending = read(null);
+  for (let page = 0; page < maxPages; page++) {
+    const body = await pending;
+    const cursor = (body.next_cursor as string | null) ?? null;
+    const done = cursor === null || page + 1 >= maxPages;
+    if (!done) {
+      pending = read(cursor);
+      pending.catch(() => undefined); // awaited on the next turn; a failure then is the caller's
+    }
+    await onPage((body[field] as T[]) ?? [], done);
+    if (done) return;
   }
 }
 
