@@ -137,6 +137,40 @@ test("over stdio, `kiln mcp` serves the same tools and a full session against KI
   }
 });
 
+test("a quick answer is one JSON body; a slower one streams as SSE from the first second on", async () => {
+  const created = await call(http, "create_machine", {});
+  const id = (created.structuredContent as { machine: { id: string } }).machine.id;
+  const post = async (command: string) => {
+    const res = await request(`${k.url}/v1/mcp`, {
+      method: "POST",
+      headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json", accept: "application/json, text/event-stream", "mcp-protocol-version": "2025-06-18" },
+      body: JSON.stringify({ jsonrpc: "2.0", id: 7, method: "tools/call", params: { name: "run_command", arguments: { machine_id: id, command } } }),
+    });
+    return { status: res.statusCode, type: String(res.headers["content-type"]), text: await res.body.text() };
+  };
+  try {
+    const quick = await post("echo quick");
+    assert.equal(quick.status, 200);
+    assert.match(quick.type, /^application\/json/);
+    const answer = JSON.parse(quick.text) as { id: number; result: { structuredContent: { stdout: string } } };
+    assert.equal(answer.id, 7);
+    assert.equal(answer.result.structuredContent.stdout, "quick\n");
+
+    const slow = await post("sleep 1.5; echo slow");
+    assert.equal(slow.status, 200);
+    assert.match(slow.type, /^text\/event-stream/);
+    const data = slow.text.split("\n").filter((l) => l.startsWith("data: ")).map((l) => JSON.parse(l.slice(6)));
+    assert.equal(data.length, 1, slow.text);
+    assert.equal(data[0].id, 7);
+    assert.equal(data[0].result.structuredContent.stdout, "slow\n");
+    // The SDK's client takes either.
+    const viaClient = await call(http, "run_command", { machine_id: id, command: "sleep 1.2; echo client" });
+    assert.equal((viaClient.structuredContent as { stdout: string }).stdout, "client\n");
+  } finally {
+    await call(http, "destroy_machine", { machine_id: id });
+  }
+});
+
 test("a wrong key is refused: 401 with Kiln's envelope, and the MCP client cannot connect", async () => {
   const res = await request(`${k.url}/v1/mcp`, {
     method: "POST",
