@@ -73,6 +73,25 @@ export async function hasRoute(path: string): Promise<boolean> {
 
 export const get = <T>(path: string, signal?: AbortSignal) => api<T>("GET", path, undefined, { signal });
 
+/**
+ * Reads started while the page boots (main.tsx), before the first view mounts and asks for them: the view's first
+ * request is then already on its way instead of waiting for the bundle to run and the view's effect (a frame later).
+ * Each is taken once; later reads go to the server as usual.
+ */
+const early = new Map<string, Promise<unknown>>();
+export function prefetch(path: string) {
+  if (!session.key() || early.has(path)) return;
+  const answer = get(path);
+  answer.catch(() => undefined); // whoever takes it sees the error
+  early.set(path, answer);
+}
+export function getEarly<T>(path: string, signal?: AbortSignal): Promise<T> {
+  const answer = early.get(path);
+  if (!answer) return get<T>(path, signal);
+  early.delete(path);
+  return answer as Promise<T>;
+}
+
 export function q(params: Record<string, string | number | undefined | null>): string {
   const s = new URLSearchParams();
   for (const [k, v] of Object.entries(params)) if (v !== undefined && v !== null && v !== "") s.set(k, String(v));
@@ -82,15 +101,32 @@ export function q(params: Record<string, string | number | undefined | null>): s
 
 export const enc = encodeURIComponent;
 
-/** Every page of a cursor-paged list, handed over page by page, at most `maxPages`. */
-export async function allPages<T>(path: string, field: string, onPage: (items: T[], done: boolean) => void, opts: { signal?: AbortSignal; maxPages?: number } = {}) {
-  let cursor: string | null = null;
-  for (let page = 0; page < (opts.maxPages ?? 50); page++) {
-    const sep = path.includes("?") ? "&" : "?";
-    const body: Record<string, unknown> = await get(`${path}${sep}limit=100${cursor ? `&cursor=${enc(cursor)}` : ""}`, opts.signal);
-    cursor = (body.next_cursor as string | null) ?? null;
-    onPage((body[field] as T[]) ?? [], cursor === null);
-    if (!cursor) return;
+/** The first page of a list as allPages asks for it (main.tsx prefetches it). */
+export function firstPagePath(path: string): string {
+  return `${path}${path.includes("?") ? "&" : "?"}limit=100`;
+}
+
+/**
+ * Every page of a cursor-paged list, handed over page by page, at most `maxPages`. The next page is asked for
+ * before `onPage` runs, so a view rendering one page does not hold the request for the next one behind it.
+ */
+export async function allPages<T>(path: string, field: string, onPage: (items: T[], done: boolean) => void | Promise<void>, opts: { signal?: AbortSignal; maxPages?: number } = {}) {
+  const maxPages = opts.maxPages ?? 50;
+  const read = (cursor: string | null): Promise<Record<string, unknown>> => {
+    const url = firstPagePath(path) + (cursor ? `&cursor=${enc(cursor)}` : "");
+    return cursor === null ? getEarly(url, opts.signal) : get(url, opts.signal);
+  };
+  let pending = read(null);
+  for (let page = 0; page < maxPages; page++) {
+    const body = await pending;
+    const cursor = (body.next_cursor as string | null) ?? null;
+    const done = cursor === null || page + 1 >= maxPages;
+    if (!done) {
+      pending = read(cursor);
+      pending.catch(() => undefined); // awaited on the next turn; a failure then is the caller's
+    }
+    await onPage((body[field] as T[]) ?? [], done);
+    if (done) return;
   }
 }
 

@@ -6,10 +6,10 @@ import "@xterm/xterm/css/xterm.css";
 import "./styles.css";
 import { render } from "preact";
 import { useEffect, useState } from "preact/hooks";
-import { session } from "./api.ts";
-import { go, href, useRoute } from "./router.ts";
+import { firstPagePath, prefetch, session } from "./api.ts";
+import { currentPath, go, href, useRoute } from "./router.ts";
 import { SignIn } from "./views/signin.tsx";
-import { Machines } from "./views/machines.tsx";
+import { Machines, TEMPLATES_PATH } from "./views/machines.tsx";
 import { MachinePage } from "./views/machine.tsx";
 import { Templates, TemplatePage } from "./views/templates.tsx";
 import { BuildPage } from "./views/build.tsx";
@@ -137,6 +137,13 @@ function App() {
       </main>
     </div>
   );
+}
+
+// The machine list is the view most sessions open first: its reads start now, not after the first render.
+const [section, id] = currentPath();
+if ((section ?? "machines") === "machines" && !id) {
+  prefetch(firstPagePath("/v1/machines"));
+  prefetch(TEMPLATES_PATH);
 }
 
 const root = document.getElementById("app")!;

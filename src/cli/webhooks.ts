@@ -1,4 +1,4 @@
-// `kiln webhooks create|ls|get|rm|deliveries|retry`: lifecycle webhooks for people, over HTTP.
+// `kiln webhooks create|ls|get|rm|deliveries|retry|replay`: lifecycle webhooks for people, over HTTP.
 
 import type { Command } from "commander";
 import { apiClient, listAll } from "./client.ts";
@@ -92,6 +92,14 @@ export function webhookCommands(program: Command) {
     .description("Queue a dead_letter delivery again")
     .action(async (id: string, deliveryId: string) => {
       const d = await apiClient().call<DeliveryView>("POST", `/v1/lifecycle/webhooks/${id}/deliveries/${deliveryId}/retry`);
+      process.stdout.write(`${d.id} ${d.status}\n`);
+    });
+
+  hooks
+    .command("replay <id> <delivery_id>")
+    .description("Send a delivery's event again as a new delivery (any status); prints the new delivery")
+    .action(async (id: string, deliveryId: string) => {
+      const d = await apiClient().call<DeliveryView>("POST", `/v1/lifecycle/webhooks/${id}/deliveries/${deliveryId}/replay`);
       process.stdout.write(`${d.id} ${d.status}\n`);
     });
 }

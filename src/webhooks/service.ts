@@ -1,5 +1,5 @@
 // Lifecycle webhooks for the API: registrations (write-only signing secrets, rotation with a grace period) and
-// the inspection and manual retry of their deliveries. Sending is the dispatcher's (src/webhooks/dispatcher.ts).
+// the inspection, manual retry and replay of their deliveries. Sending is the dispatcher's (src/webhooks/dispatcher.ts).
 
 import type { Db, DeliveryAttemptRow, DeliveryRow, WebhookRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
@@ -86,7 +86,14 @@ export interface WebhookService {
   listDeliveries(webhookId: string, opts: { limit: number; after?: [string, string]; status?: DeliveryStatus }): Promise<Page<DeliveryView>>;
   getDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView & { payload: unknown }>;
   retryDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView>;
+  replayDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView>;
 }
+
+/**
+ * Deliveries of one webhook that may wait to be sent at once (queued or being sent): a replay past it is refused, so
+ * a key holder replaying in a loop cannot grow the outbox without bound while the receiver is slow or away.
+ */
+export const MAX_PENDING_DELIVERIES_PER_WEBHOOK = 1000;
 
 export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rotationGraceMs: number; wake: () => void; resolve?: Resolve }): WebhookService {
   const { db } = deps;
@@ -263,5 +270,57 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
     return deliveryView(fresh, (await attemptsOf([fresh.id])).get(fresh.id)!);
   }
 
-  return { create, get, list, update, remove, listDeliveries, getDelivery, retryDelivery };
+  /**
+   * Sends a delivery's event again as a new delivery (any status: also one that succeeded) to the webhook's current
+   * URL, signed with its current secrets: same event id and body, a new delivery id, a fresh retry schedule.
+   */
+  async function replayDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView> {
+    const id = newId("dlv");
+    await db.transaction().execute(async (tx) => {
+      const hook = await tx.selectFrom("webhooks").select(["id", "enabled"]).where("id", "=", webhookId).executeTakeFirst();
+      if (!hook) throw new KilnError("not_found", `No webhook ${webhookId}`);
+      const row = await tx.selectFrom("webhook_deliveries").selectAll().where("id", "=", deliveryId).where("webhook_id", "=", webhookId).executeTakeFirst();
+      if (!row) throw new KilnError("not_found", `No delivery ${deliveryId} of webhook ${webhookId}`);
+      if (hook.enabled !== 1) throw new KilnError("conflict", `Webhook ${webhookId} is disabled; enable it to replay its deliveries`);
+      const pending = await tx
+        .selectFrom("webhook_deliveries")
+        .select((eb) => eb.fn.countAll<number>().as("n"))
+        .where("webhook_id", "=", webhookId)
+        .where("status", "in", ["queued", "in_progress"])
+        .executeTakeFirstOrThrow();
+      if (Number(pending.n) >= MAX_PENDING_DELIVERIES_PER_WEBHOOK) {
+        throw new KilnError("rate_limited", `Webhook ${webhookId} has ${MAX_PENDING_DELIVERIES_PER_WEBHOOK} deliveries waiting to be sent; replay again when they are done`, {
+          detail: { retryable: true },
+        });
+      }
+      const now = new Date().toISOString();
+      await tx
+        .insertInto("webhook_deliveries")
+        .values({
+          id,
+          webhook_id: webhookId,
+          event_id: row.event_id,
+          operation: row.operation,
+          body: row.body,
+          status: "queued",
+          attempts: 0,
+          schedule_base: 0,
+          next_attempt_at: now,
+          claimed_by: null,
+          claimed_at: null,
+          claim_expires_at: null,
+          last_status_code: null,
+          last_error: null,
+          created_at: now,
+          updated_at: now,
+          completed_at: null,
+        })
+        .execute();
+    });
+    deps.wake();
+    const fresh = await loadDelivery(webhookId, id);
+    return deliveryView(fresh, (await attemptsOf([fresh.id])).get(fresh.id)!);
+  }
+
+  return { create, get, list, update, remove, listDeliveries, getDelivery, retryDelivery, replayDelivery };
 }

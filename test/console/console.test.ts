@@ -1,6 +1,6 @@
 // The web console (/console) in real headless Chromium against a real server: signing in with a key, a machine
-// made through the API in the list, its terminal answering `echo hi`, a build's log followed live, and a dead
-// letter retried — with no page errors, and the key never in a URL, a cookie or the server's logs.
+// made through the API in the list, its terminal answering `echo hi`, its snapshots taken, used and deleted, a
+// build's log followed live, and a dead letter retried and a delivery replayed — with no page errors, and the key never in a URL, a cookie or the server's logs.
 
 import { after, before, describe, it } from "node:test";
 import assert from "node:assert/strict";
@@ -21,7 +21,7 @@ import { build } from "../builds/support.ts";
 
 const WAIT = { timeout: 60_000 };
 // Functions handed to the page run in Chromium; the project's types are Node's (no DOM lib), so these are untyped.
-declare const document: any, sessionStorage: any, localStorage: any;
+declare const document: any, sessionStorage: any, localStorage: any, location: any;
 
 describe("the web console", () => {
   let k: TestKiln;
@@ -152,6 +152,53 @@ describe("the web console", () => {
     await w.screenshot("terminal");
   });
 
+  it("shows a machine's snapshots: takes one, starts a machine from it, deletes it", async () => {
+    const m = await k.call("POST", "/v1/machines", { body: { timeout_s: 600 } });
+    assert.equal(m.status, 201, m.text);
+    const made = [m.body.id as string];
+    try {
+      const put = await k.call("PUT", `/v1/machines/${m.body.id}/files?path=/workspace/kept.txt`, { raw: "kept by the snapshot\n", headers: { "content-type": "application/octet-stream" } });
+      assert.equal(put.status, 200, put.text);
+      const { page } = w;
+      await page.goto(`${k.url}/console/#/machines/${m.body.id}/snapshots`);
+      await page.waitForSelector("form[aria-label='Take a snapshot'] input", WAIT);
+      await page.waitForFunction(() => document.querySelector("main")?.textContent?.includes("No snapshots of this machine"), WAIT);
+      await page.type("form[aria-label='Take a snapshot'] input", "from-the-console");
+      await page.click("form[aria-label='Take a snapshot'] button[type=submit]");
+      await page.waitForSelector("tr[data-snapshot]", WAIT);
+      const listed = (await k.call("GET", `/v1/snapshots?machine_id=${m.body.id}`)).body.snapshots;
+      assert.equal(listed.length, 1);
+      assert.equal(listed[0].name, "from-the-console");
+      const snapshotId = listed[0].id as string;
+      const row = await page.$eval(`tr[data-snapshot="${snapshotId}"]`, (el) => el.textContent ?? "");
+      assert.match(row, /from-the-console/);
+      assert.match(row, /ready/);
+      await w.screenshot("snapshots");
+
+      // A new machine from it: the console goes to that machine, which has the file.
+      await page.click(`tr[data-snapshot="${snapshotId}"] button:not(.danger)`);
+      await page.waitForFunction((parent: string) => /^#\/machines\/mch_/.test(location.hash) && !location.hash.includes(parent), WAIT, m.body.id);
+      const childId = (await page.evaluate(() => location.hash)).split("/")[2];
+      made.push(childId);
+      const child = await k.call("GET", `/v1/machines/${childId}`);
+      assert.equal(child.body.snapshot_id, snapshotId);
+      const read = await k.call("GET", `/v1/machines/${childId}/files?path=/workspace/kept.txt`);
+      assert.equal(read.text, "kept by the snapshot\n");
+
+      // Delete (confirmed by a second press).
+      await page.goto(`${k.url}/console/#/machines/${m.body.id}/snapshots`);
+      const del = `tr[data-snapshot="${snapshotId}"] button.danger`;
+      await page.waitForSelector(del, WAIT);
+      await page.click(del);
+      await page.waitForSelector(`${del}.armed`, WAIT);
+      await page.click(del);
+      await page.waitForFunction(() => document.querySelector("main")?.textContent?.includes("No snapshots of this machine"), WAIT);
+      assert.equal((await k.call("GET", `/v1/snapshots/${snapshotId}`)).body.status, "deleted");
+    } finally {
+      for (const id of made) await k.call("DELETE", `/v1/machines/${id}`);
+    }
+  });
+
   it("follows a build's log live, while the build is still running", async () => {
     const marker = randomBytes(4).toString("hex");
     // Eight lines a second apart: the page must show the first ones before the last is printed.
@@ -201,6 +248,19 @@ describe("the web console", () => {
     await page.waitForFunction((id: string) => document.querySelector(`tr[data-delivery="${id}"]`)?.textContent?.includes("succeeded"), WAIT, delivery.id);
     assert.equal((await k.call("GET", `/v1/lifecycle/webhooks/${hook.body.id}/deliveries/${delivery.id}`)).body.status, "succeeded");
     await w.screenshot("retried");
+
+    // Replay the delivery that succeeded: the receiver gets the same event again as a new delivery.
+    await page.click(`button[data-replay="${delivery.id}"]`);
+    const [, , third] = await receiver.waitForCount((r) => r.path === "/hook", 3);
+    const replayId = String(third.headers["x-service-delivery-id"]);
+    assert.notEqual(replayId, delivery.id);
+    assert.equal(third.headers["x-service-event-id"], delivery.event_id);
+    await page.waitForFunction((id: string) => document.querySelector(`tr[data-delivery="${id}"]`)?.textContent?.includes("succeeded"), WAIT, replayId);
+    assert.match(await page.$eval("[role=status]", (el) => el.textContent ?? ""), new RegExp(`Replayed ${delivery.id} as ${replayId}`));
+    assert.equal((await k.call("GET", `/v1/lifecycle/webhooks/${hook.body.id}/deliveries/${delivery.id}`)).body.attempts.length, 2, "the original is unchanged");
+    await w.screenshot("replayed");
+    await k.call("DELETE", `/v1/lifecycle/webhooks/${hook.body.id}`);
+    await k.call("DELETE", `/v1/machines/${m.body.id}`);
   });
 
   it("went through every view with no page error, and the key never left the Authorization header", async () => {

@@ -15,7 +15,21 @@ import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 
 const KILN = join(import.meta.dirname, "..", "..", "bin", "kiln");
-const TOOLS = ["create_machine", "list_machines", "destroy_machine", "run_command", "read_file", "write_file", "list_files", "run_code", "get_port_url"];
+const TOOLS = [
+  "create_machine",
+  "list_machines",
+  "destroy_machine",
+  "run_command",
+  "read_file",
+  "write_file",
+  "list_files",
+  "run_code",
+  "get_port_url",
+  "snapshot_machine",
+  "fork_machine",
+  "list_snapshots",
+  "delete_snapshot",
+];
 
 let k: TestKiln;
 let http: Client;
@@ -123,6 +137,40 @@ test("over stdio, `kiln mcp` serves the same tools and a full session against KI
   }
 });
 
+test("a quick answer is one JSON body; a slower one streams as SSE from the first second on", async () => {
+  const created = await call(http, "create_machine", {});
+  const id = (created.structuredContent as { machine: { id: string } }).machine.id;
+  const post = async (command: string) => {
+    const res = await request(`${k.url}/v1/mcp`, {
+      method: "POST",
+      headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json", accept: "application/json, text/event-stream", "mcp-protocol-version": "2025-06-18" },
+      body: JSON.stringify({ jsonrpc: "2.0", id: 7, method: "tools/call", params: { name: "run_command", arguments: { machine_id: id, command } } }),
+    });
+    return { status: res.statusCode, type: String(res.headers["content-type"]), text: await res.body.text() };
+  };
+  try {
+    const quick = await post("echo quick");
+    assert.equal(quick.status, 200);
+    assert.match(quick.type, /^application\/json/);
+    const answer = JSON.parse(quick.text) as { id: number; result: { structuredContent: { stdout: string } } };
+    assert.equal(answer.id, 7);
+    assert.equal(answer.result.structuredContent.stdout, "quick\n");
+
+    const slow = await post("sleep 1.5; echo slow");
+    assert.equal(slow.status, 200);
+    assert.match(slow.type, /^text\/event-stream/);
+    const data = slow.text.split("\n").filter((l) => l.startsWith("data: ")).map((l) => JSON.parse(l.slice(6)));
+    assert.equal(data.length, 1, slow.text);
+    assert.equal(data[0].id, 7);
+    assert.equal(data[0].result.structuredContent.stdout, "slow\n");
+    // The SDK's client takes either.
+    const viaClient = await call(http, "run_command", { machine_id: id, command: "sleep 1.2; echo client" });
+    assert.equal((viaClient.structuredContent as { stdout: string }).stdout, "client\n");
+  } finally {
+    await call(http, "destroy_machine", { machine_id: id });
+  }
+});
+
 test("a wrong key is refused: 401 with Kiln's envelope, and the MCP client cannot connect", async () => {
   const res = await request(`${k.url}/v1/mcp`, {
     method: "POST",
@@ -149,6 +197,78 @@ test("Kiln's errors come back as tool errors with its code and message, never as
   const walk = await call(http, "destroy_machine", { machine_id: "../keys" });
   assert.equal(walk.isError, true);
   assert.equal((await k.call("GET", "/v1/keys")).status, 200, "the keys are still there");
+});
+
+test("over Streamable HTTP: snapshot and fork (create, write, snapshot, fork, the child has the file, a machine from the snapshot too, destroy all)", async () => {
+  const created = await call(http, "create_machine", { timeout_s: 600 });
+  assert.equal(created.isError, undefined, text(created));
+  const parent = (created.structuredContent as { machine: { id: string } }).machine.id;
+  const made = [parent];
+  let snapshotId: string | undefined;
+  try {
+    await call(http, "write_file", { machine_id: parent, path: "state/plan.txt", content: "before the fork\n" });
+
+    const snap = await call(http, "snapshot_machine", { machine_id: parent, name: "mcp-before" });
+    assert.equal(snap.isError, undefined, text(snap));
+    const snapshot = (snap.structuredContent as { snapshot: { id: string; status: string; machine_id: string; name: string } }).snapshot;
+    snapshotId = snapshot.id;
+    assert.match(snapshot.id, /^snp_/);
+    assert.deepEqual({ status: snapshot.status, machine_id: snapshot.machine_id, name: snapshot.name }, { status: "ready", machine_id: parent, name: "mcp-before" });
+    assert.match(text(snap), new RegExp(`Took snapshot ${snapshot.id} of ${parent}`));
+
+    const listed = await call(http, "list_snapshots", { machine_id: parent });
+    assert.equal(listed.isError, undefined, text(listed));
+    assert.deepEqual(
+      (listed.structuredContent as { snapshots: { id: string }[] }).snapshots.map((s) => s.id),
+      [snapshot.id],
+    );
+
+    // The parent changes after the snapshot; the fork sees the later state, the snapshot's machine the earlier one.
+    await call(http, "write_file", { machine_id: parent, path: "state/plan.txt", content: "after the snapshot\n" });
+    const forked = await call(http, "fork_machine", { machine_id: parent, count: 2, timeout_s: 600 });
+    assert.equal(forked.isError, undefined, text(forked));
+    const children = (forked.structuredContent as { machines: { id: string; status: string }[] }).machines;
+    made.push(...children.map((c) => c.id));
+    assert.equal(children.length, 2);
+    assert.ok(children.every((c) => c.id !== parent && c.status === "running"), JSON.stringify(children));
+    assert.match(text(forked), /^Forked mch_\w+ into 2 machines: mch_/);
+    for (const child of children) {
+      const ran = await call(http, "run_command", { machine_id: child.id, command: "cat state/plan.txt" });
+      assert.equal((ran.structuredContent as { stdout: string }).stdout, "after the snapshot\n");
+    }
+    // A child is its own machine: what it writes, the parent does not see.
+    await call(http, "write_file", { machine_id: children[0]!.id, path: "state/plan.txt", content: "child's own\n" });
+    assert.equal(text(await call(http, "read_file", { machine_id: parent, path: "state/plan.txt" })), "after the snapshot\n");
+
+    const fromSnap = await call(http, "create_machine", { snapshot: snapshot.id, timeout_s: 600 });
+    assert.equal(fromSnap.isError, undefined, text(fromSnap));
+    const restored = (fromSnap.structuredContent as { machine: { id: string } }).machine.id;
+    made.push(restored);
+    assert.equal(text(await call(http, "read_file", { machine_id: restored, path: "/workspace/state/plan.txt" })), "before the fork\n");
+
+    // Errors are tool errors with Kiln's message: memory on runc (or a bad count), an unknown snapshot.
+    const tooMany = await call(http, "fork_machine", { machine_id: parent, count: 33 });
+    assert.equal(tooMany.isError, true);
+    const unknownFork = await call(http, "fork_machine", { machine_id: "mch_00000000000000000000000000" });
+    assert.equal(unknownFork.isError, true);
+    assert.match(text(unknownFork), /^not_found: /);
+
+    const deleted = await call(http, "delete_snapshot", { snapshot_id: snapshot.id });
+    assert.equal(deleted.isError, undefined, text(deleted));
+    assert.equal((await k.call("GET", `/v1/snapshots/${snapshot.id}`)).body.status, "deleted");
+    snapshotId = undefined;
+    const gone = await call(http, "list_snapshots", { machine_id: parent });
+    assert.match(text(gone), /^No snapshots\./);
+    const unknownSnap = await call(http, "create_machine", { snapshot: snapshot.id });
+    assert.equal(unknownSnap.isError, true, text(unknownSnap));
+  } finally {
+    if (snapshotId) await call(http, "delete_snapshot", { snapshot_id: snapshotId });
+    for (const id of made) {
+      const gone = await call(http, "destroy_machine", { machine_id: id });
+      assert.equal(gone.isError, undefined, text(gone));
+    }
+  }
+  for (const id of made) assert.equal((await k.call("GET", `/v1/machines/${id}`)).body.status, "destroyed");
 });
 
 test("long output is cut (start and end kept) with a note that says how to read the rest", async () => {

@@ -265,6 +265,48 @@ test("a receiver that always fails ends dead_letter with every attempt recorded,
   await k.call("DELETE", `/v1/lifecycle/webhooks/${w.id}`);
 });
 
+test("replay sends a delivery's event again as a new delivery (also one that succeeded): same event id and payload, a new delivery id, signed anew", async () => {
+  const w = await hook("replay");
+  rx.respond = () => ({ status: 200, body: "ok" });
+  await updateEvent();
+  const [first] = await rx.waitForCount(onPath("replay"), 1);
+  const originalId = String(first.headers["x-service-delivery-id"]);
+  const original = await settled(w.id, originalId, "succeeded");
+
+  const replayed = await k.call("POST", `/v1/lifecycle/webhooks/${w.id}/deliveries/${originalId}/replay`);
+  assert.equal(replayed.status, 202, replayed.text);
+  assert.match(replayed.body.id, /^dlv_/);
+  assert.notEqual(replayed.body.id, originalId);
+  assert.deepEqual(
+    { webhook_id: replayed.body.webhook_id, event_id: replayed.body.event_id, operation: replayed.body.operation, attempts: replayed.body.attempts },
+    { webhook_id: w.id, event_id: original.event_id, operation: "update", attempts: [] },
+  );
+  assert.ok(["queued", "in_progress", "succeeded"].includes(replayed.body.status), replayed.body.status);
+
+  const [, second] = await rx.waitForCount(onPath("replay"), 2);
+  assert.equal(second.headers["x-service-delivery-id"], replayed.body.id);
+  assert.equal(second.headers["x-service-event-id"], original.event_id);
+  assert.equal(second.body, first.body, "the payload is the event as it was first sent");
+  assert.ok(verifyByHand(w.signing_secret!, second.headers, second.body), "signed with the webhook's secret");
+  const done = await settled(w.id, replayed.body.id, "succeeded");
+  assert.equal(done.attempts.length, 1);
+  assert.deepEqual((await settled(w.id, originalId, "succeeded")).attempts, original.attempts, "the original delivery is unchanged");
+  assert.deepEqual((await deliveries(w.id)).map((d) => d.id).slice(0, 2), [replayed.body.id, originalId], "the replay is listed, newest first");
+
+  // A dead letter can be replayed too; unknown ids are 404; a disabled webhook refuses (its deliveries would wait).
+  assert.equal((await k.call("POST", `/v1/lifecycle/webhooks/${w.id}/deliveries/dlv_nothing/replay`)).status, 404);
+  assert.equal((await k.call("POST", `/v1/lifecycle/webhooks/whk_nothing/deliveries/${originalId}/replay`)).status, 404);
+  const other = await hook("replay-other");
+  assert.equal((await k.call("POST", `/v1/lifecycle/webhooks/${other.id}/deliveries/${originalId}/replay`)).status, 404, "a delivery is replayed only through its own webhook");
+  await k.call("PATCH", `/v1/lifecycle/webhooks/${w.id}`, { body: { enabled: false } });
+  const disabled = await k.call("POST", `/v1/lifecycle/webhooks/${w.id}/deliveries/${originalId}/replay`);
+  assert.equal(disabled.status, 409, disabled.text);
+  assert.equal(disabled.body.code, "conflict");
+  assert.equal((await deliveries(w.id)).length, 2, "a refused replay adds no delivery");
+  await k.call("DELETE", `/v1/lifecycle/webhooks/${w.id}`);
+  await k.call("DELETE", `/v1/lifecycle/webhooks/${other.id}`);
+});
+
 test("410 Gone disables the webhook and ends the delivery; a disabled webhook receives nothing", async () => {
   const gone = await hook("gone");
   const witness = await hook("witness");
@@ -369,7 +411,7 @@ test("deleting a webhook stops its pending deliveries", async () => {
   await k.call("DELETE", `/v1/lifecycle/webhooks/${witness.id}`);
 });
 
-test("kiln webhooks create, ls, get, deliveries, retry and rm drive the API", async () => {
+test("kiln webhooks create, ls, get, deliveries, retry, replay and rm drive the API", async () => {
   const run = promisify(execFile);
   const cli = (args: string[]) => run(join(import.meta.dirname, "..", "..", "bin", "kiln"), args, { env: { ...process.env, KILN_URL: k.url, KILN_API_KEY: TEST_KEY } });
   const made = await cli(["webhooks", "create", `${rx.url}/cli`, "-o", "update"]);
@@ -388,6 +430,11 @@ test("kiln webhooks create, ls, get, deliveries, retry and rm drive the API", as
   rx.respond = () => ({ status: 200, body: "ok" });
   assert.match((await cli(["webhooks", "retry", id, deliveryId])).stdout, new RegExp(`${deliveryId} queued`));
   await settled(id, deliveryId, "succeeded");
+  const replay = (await cli(["webhooks", "replay", id, deliveryId])).stdout;
+  const [replayId] = replay.trim().split(" ");
+  assert.match(replay, /^dlv_\w+ (queued|in_progress|succeeded)\n$/);
+  assert.notEqual(replayId, deliveryId);
+  await settled(id, replayId, "succeeded");
   await assert.rejects(cli(["webhooks", "create", "ftp://example.com", "-o", "update"]), (err: { stderr?: string }) => /invalid_request/.test(err.stderr ?? ""));
   assert.match((await cli(["webhooks", "rm", id])).stdout, /deleted/);
 });

@@ -254,14 +254,18 @@ function Metrics({ id }: { id: string }) {
 
 interface Snapshot {
   id: string;
-  name?: string | null;
-  status?: string;
+  name: string | null;
+  status: string;
+  memory: boolean;
+  size_bytes: number;
   created_at: string;
 }
 
+/** The machine's snapshots: take one (optionally named), start a new machine from one, delete one. */
 function Snapshots({ id, running }: { id: string; running: boolean }) {
-  const snaps = useLoad(async (signal) => ((await hasRoute("/v1/snapshots")) ? get<{ snapshots: Snapshot[] }>(`/v1/snapshots${q({ machine_id: id })}`, signal) : null), [id]);
+  const snaps = useLoad(async (signal) => ((await hasRoute("/v1/snapshots")) ? get<{ snapshots: Snapshot[] }>(`/v1/snapshots${q({ machine_id: id, limit: 100 })}`, signal) : null), [id]);
   const [error, run, busy] = useAction();
+  const [name, setName] = useState("");
   if (snaps.data === null) {
     return (
       <Empty title="Snapshots are not available on this server">
@@ -269,34 +273,73 @@ function Snapshots({ id, running }: { id: string; running: boolean }) {
       </Empty>
     );
   }
+  const take = () =>
+    run(async () => {
+      await api("POST", `/v1/machines/${enc(id)}/snapshots`, name.trim() ? { name: name.trim() } : {});
+      setName("");
+      snaps.reload();
+    });
   return (
-    <Section
-      title="Snapshots"
-      actions={
-        running ? (
-          <button type="button" disabled={busy} onClick={() => run(async () => (await api("POST", `/v1/machines/${enc(id)}/snapshots`, {}), snaps.reload()))}>
+    <Section title="Snapshots">
+      {running ? (
+        <form
+          class="inline-form"
+          aria-label="Take a snapshot"
+          onSubmit={(e) => {
+            e.preventDefault();
+            void take();
+          }}
+        >
+          <label>
+            Name (optional)
+            <input value={name} maxLength={128} onInput={(e) => setName((e.target as HTMLInputElement).value)} />
+          </label>
+          <button type="submit" disabled={busy}>
             Take a snapshot
           </button>
-        ) : null
-      }
-    >
+        </form>
+      ) : null}
       <ErrorNote error={snaps.error ?? error} />
-      {snaps.data && snaps.data.snapshots.length === 0 ? <Empty title="No snapshots of this machine" /> : null}
+      {snaps.data && snaps.data.snapshots.length === 0 ? (
+        <Empty title="No snapshots of this machine">
+          <p class="muted">A snapshot keeps this machine's files as of now while it goes on; start new machines from it later.</p>
+        </Empty>
+      ) : null}
       {snaps.data && snaps.data.snapshots.length > 0 ? (
         <table class="list" aria-label="Snapshots">
           <thead>
             <tr>
               <th>Snapshot</th>
               <th>Status</th>
+              <th>Size</th>
               <th>Age</th>
+              <th />
             </tr>
           </thead>
           <tbody>
             {snaps.data.snapshots.map((s) => (
-              <tr>
-                <td>{s.name ? `${s.name} (${s.id})` : s.id}</td>
-                <td>{s.status ? <Status value={s.status} /> : "—"}</td>
-                <td>{age(s.created_at)}</td>
+              <tr data-snapshot={s.id}>
+                <td>
+                  {s.name ?? s.id} {s.name ? <span class="muted">{s.id}</span> : null}
+                  {s.memory ? <span class="muted"> with memory</span> : null}
+                </td>
+                <td>
+                  <Status value={s.status} />
+                </td>
+                <td>{bytes(s.size_bytes)}</td>
+                <td title={when(s.created_at)}>{age(s.created_at)} ago</td>
+                <td class="row-actions">
+                  {s.status === "ready" ? (
+                    <button
+                      type="button"
+                      disabled={busy}
+                      onClick={() => run(async () => go("machines", (await api<Machine>("POST", "/v1/machines", { snapshot: s.id })).id))}
+                    >
+                      New machine
+                    </button>
+                  ) : null}
+                  <ConfirmButton label="Delete" confirm="Really delete?" onConfirm={() => run(async () => (await api("DELETE", `/v1/snapshots/${enc(s.id)}`), snaps.reload()))} />
+                </td>
               </tr>
             ))}
           </tbody>

@@ -1,28 +1,39 @@
-// Machines: every live machine with status, template, host and age (pages of 100 rendered as they arrive), a
-// create form, and destroy. The empty state says how to make the first one.
+// Machines: every live machine with status, template, host and age (the first page of 100 on screen at once, the
+// rest read behind it and rendered together), a create form, and destroy. The empty state says how to make the first one.
 
 import { Component } from "preact";
 import { useEffect, useMemo, useState } from "preact/hooks";
-import { allPages, api, get, type Machine, type Template } from "../api.ts";
+import { allPages, api, getEarly, type Machine, type Template } from "../api.ts";
 import { go, href } from "../router.ts";
 import { age, ConfirmButton, Empty, ErrorNote, Section, Status, useAction } from "../ui.tsx";
+
+export const TEMPLATES_PATH = "/v1/templates";
+
+/** Template id → its canonical ref (empty when the list cannot be read: rows show the id). */
+export async function templateNames(signal?: AbortSignal): Promise<Map<string, string>> {
+  try {
+    const body = await getEarly<{ templates: Template[] }>(TEMPLATES_PATH, signal);
+    return new Map(body.templates.map((t) => [t.template_id, t.canonical_ref]));
+  } catch {
+    return new Map();
+  }
+}
 
 export function useTemplateNames(): Map<string, string> {
   const [names, setNames] = useState(new Map<string, string>());
   useEffect(() => {
     const ctl = new AbortController();
-    get<{ templates: Template[] }>("/v1/templates", ctl.signal).then(
-      (body) => setNames(new Map(body.templates.map((t) => [t.template_id, t.canonical_ref]))),
-      () => undefined,
-    );
+    templateNames(ctl.signal).then((m) => !ctl.signal.aborted && setNames(m));
     return () => ctl.abort();
   }, []);
   return names;
 }
 
 /**
- * Rows of one page of the list: appending a page renders only its own rows, not every row again (500 machines
- * arrive as five pages, and re-rendering the growing table for each was most of the view's first paint).
+ * One page of the list as its own fixed-layout table in a `content-visibility: auto` block: appending a page renders
+ * only its own rows, and the browser lays out and paints only the blocks near the screen (the rest when scrolled to;
+ * they are in the page all along, for find-in-page too). Laying out all 500 rows of one table was most of the view's
+ * first paint. Every block has the same columns as the header's table, so they line up.
  */
 class RowGroup extends Component<{ rows: Machine[]; templates: Map<string, string>; now: number; onGone: (id: string) => void }> {
   shouldComponentUpdate(next: RowGroup["props"]) {
@@ -30,8 +41,32 @@ class RowGroup extends Component<{ rows: Machine[]; templates: Map<string, strin
   }
   render() {
     const { rows, templates, now, onGone } = this.props;
-    return rows.map((m) => <MachineRow key={m.id} m={m} template={templates.get(m.template_id) ?? m.template_id} now={now} onGone={() => onGone(m.id)} />);
+    return (
+      <div class="rows-block">
+        <table class="list" role="rowgroup">
+          <Columns />
+          <tbody role="none">
+            {rows.map((m) => (
+              <MachineRow key={m.id} m={m} template={templates.get(m.template_id) ?? m.template_id} now={now} onGone={() => onGone(m.id)} />
+            ))}
+          </tbody>
+        </table>
+      </div>
+    );
   }
+}
+
+function Columns() {
+  return (
+    <colgroup>
+      <col class="col-machine" />
+      <col class="col-status" />
+      <col class="col-template" />
+      <col class="col-host" />
+      <col class="col-age" />
+      <col class="col-actions" />
+    </colgroup>
+  );
 }
 
 export function Machines() {
@@ -40,22 +75,28 @@ export function Machines() {
   const [state, setState] = useState<{ loading: boolean; error?: Error }>({ loading: true });
   const [tick, setTick] = useState(0);
   const [filter, setFilter] = useState("");
-  const templates = useTemplateNames();
+  const [templates, setTemplates] = useState(new Map<string, string>());
 
   useEffect(() => {
     const ctl = new AbortController();
     let acc: Machine[][] = [];
     const first = tick === 0;
     setState((s) => ({ ...s, loading: first }));
-    // The first load shows each page as it arrives; a refresh swaps the whole list in once it has every page.
-    allPages<Machine>("/v1/machines", "machines", (page, done) => {
+    // Read beside the first page (both are prefetched while the page boots), and shown with it: names arriving
+    // after the rows would render every row again.
+    const names = templateNames(ctl.signal);
+    // The first load shows the first page as soon as it arrives and the rest together once read (rendering between
+    // pages held each next request behind a render); a refresh swaps the whole list in once it has every page.
+    allPages<Machine>("/v1/machines", "machines", async (page, done) => {
       acc = [...acc, page];
-      if (first || done) setPages(acc);
+      if (first && acc.length === 1) setTemplates(await names);
+      if ((first && acc.length === 1) || done) setPages(acc);
       if (done) setState({ loading: false });
-      // The first page is on screen: bench/console.bench.ts waits on these marks.
+      // bench/console.bench.ts reads these marks.
       if (first && acc.length === 1) performance.mark("kiln:machines-first-page");
       if (first && done) performance.mark("kiln:machines-all");
     }, { signal: ctl.signal }).catch((error: Error) => !ctl.signal.aborted && setState({ loading: false, error }));
+    if (!first) void names.then((m) => !ctl.signal.aborted && setTemplates(m));
     // Statuses change (creates finish, timeouts destroy): the list is read again every 10 s while shown.
     const timer = setTimeout(() => setTick((t) => t + 1), 10_000);
     return () => {
@@ -98,23 +139,24 @@ export function Machines() {
             </p>
           </Empty>
         ) : (
-          <table class="list" aria-label="Machines">
-            <thead>
-              <tr>
-                <th>Machine</th>
-                <th>Status</th>
-                <th>Template</th>
-                <th>Host</th>
-                <th>Age</th>
-                <th />
-              </tr>
-            </thead>
-            <tbody>
-              {(filter.trim() ? [shown] : pages).map((rows, i) => (
-                <RowGroup key={filter.trim() ? "filtered" : i} rows={rows} templates={templates} now={now} onGone={gone} />
-              ))}
-            </tbody>
-          </table>
+          <div class="blocks" role="table" aria-label="Machines">
+            <table class="list" role="rowgroup">
+              <Columns />
+              <thead role="none">
+                <tr>
+                  <th>Machine</th>
+                  <th>Status</th>
+                  <th>Template</th>
+                  <th>Host</th>
+                  <th>Age</th>
+                  <th />
+                </tr>
+              </thead>
+            </table>
+            {(filter.trim() ? [shown] : pages).map((rows, i) => (
+              <RowGroup key={filter.trim() ? "filtered" : i} rows={rows} templates={templates} now={now} onGone={gone} />
+            ))}
+          </div>
         )}
         {state.loading ? <p class="muted">Loading…</p> : null}
       </Section>

@@ -36,7 +36,7 @@ export function Terminal({ machineId }: { machineId: string }) {
   const host = useRef<HTMLDivElement>(null);
   const [status, setStatus] = useState("connecting…");
   useEffect(() => {
-    const term = new XTerm({ cursorBlink: true, fontSize: 14, scrollback: 5000, fontFamily: "ui-monospace, Menlo, Consolas, monospace" });
+    const term = new XTerm({ cursorBlink: false, fontSize: 14, scrollback: 5000, fontFamily: "ui-monospace, Menlo, Consolas, monospace" });
     const fit = new FitAddon();
     term.loadAddon(fit);
     term.open(host.current!);

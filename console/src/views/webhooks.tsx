@@ -1,5 +1,5 @@
 // Lifecycle webhooks and their deliveries: register one (the signing secret is typed in a password field and
-// never shown again), see each delivery's attempts, and retry a dead letter.
+// never shown again), see each delivery's attempts, retry a dead letter and replay any delivery as a new one.
 
 import { useState } from "preact/hooks";
 import { api, enc, get, type Delivery, type Webhook } from "../api.ts";
@@ -107,6 +107,7 @@ export function WebhookPage({ id }: { id: string }) {
   const deliveries = useLoad((signal) => get<{ deliveries: Delivery[] }>(`/v1/lifecycle/webhooks/${enc(id)}/deliveries?limit=100`, signal), [id], 3000);
   const [error, run] = useAction();
   const [enabledError, toggle, busy] = useAction();
+  const [replayed, setReplayed] = useState<{ from: string; to: string }>();
   const w = hook.data;
   return (
     <Section
@@ -127,6 +128,11 @@ export function WebhookPage({ id }: { id: string }) {
       }
     >
       <ErrorNote error={hook.error ?? deliveries.error ?? error ?? enabledError} />
+      {replayed ? (
+        <p class="notice" role="status">
+          Replayed {replayed.from} as {replayed.to}.
+        </p>
+      ) : null}
       {deliveries.data && deliveries.data.deliveries.length === 0 ? (
         <Empty title="No deliveries yet">
           <p>Deliveries appear here when a subscribed lifecycle event happens (create a machine to see one).</p>
@@ -162,6 +168,20 @@ export function WebhookPage({ id }: { id: string }) {
                       Retry
                     </button>
                   ) : null}
+                  <button
+                    type="button"
+                    title="Send this event again as a new delivery"
+                    data-replay={d.id}
+                    onClick={() =>
+                      run(async () => {
+                        const fresh = await api<Delivery>("POST", `/v1/lifecycle/webhooks/${enc(id)}/deliveries/${enc(d.id)}/replay`);
+                        setReplayed({ from: d.id, to: fresh.id });
+                        deliveries.reload();
+                      })
+                    }
+                  >
+                    Replay
+                  </button>
                 </td>
               </tr>
             ))}

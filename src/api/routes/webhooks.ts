@@ -1,5 +1,5 @@
 // Lifecycle webhooks (SPEC.md's webhook endpoint table, under the Machines tag whose lifecycle they report):
-// registrations, their deliveries with every attempt, and the retry of a dead letter.
+// registrations, their deliveries with every attempt, the retry of a dead letter and the replay of any delivery.
 
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
@@ -173,5 +173,19 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
       },
     },
     async (req) => webhooks.retryDelivery(req.params.webhook_id, req.params.delivery_id),
+  );
+
+  app.post(
+    "/v1/lifecycle/webhooks/:webhook_id/deliveries/:delivery_id/replay",
+    {
+      config: { auth: "key" },
+      schema: {
+        tags,
+        summary: "Send a delivery's event again as a new delivery (any status, also a succeeded one): same event id and payload, a new delivery id",
+        params: DeliveryParams,
+        response: { 202: Delivery, ...errors(404, 409, 429) },
+      },
+    },
+    async (req, reply) => reply.code(202).send(await webhooks.replayDelivery(req.params.webhook_id, req.params.delivery_id)),
   );
 }

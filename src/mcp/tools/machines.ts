@@ -8,7 +8,7 @@ import type { ToolContext } from "../result.ts";
 
 export const MachineId = z.string().regex(/^[A-Za-z0-9_-]{1,64}$/, "a machine id such as mch_…").describe("The machine's id (mch_…), from create_machine or list_machines");
 
-interface Machine {
+export interface Machine {
   id: string;
   name: string | null;
   status: string;
@@ -26,6 +26,7 @@ function describe(m: Machine): string {
 // Made once: a zod schema is compiled on first use, and every request builds a server of these tools.
 const createMachineInput = z.object({
   template: z.string().min(1).max(256).optional().describe("Template ref, e.g. `local/python` or an artifact id (default: the base Debian template, `local/base`)"),
+  snapshot: z.string().regex(/^[A-Za-z0-9_-]{1,64}$/).optional().describe("Start from this snapshot (snp_…, from snapshot_machine) instead of a template: its files, template and size"),
   timeout_s: z.number().int().min(1).optional().describe("Seconds until the machine is destroyed (default 300)"),
   vcpus: z.number().int().min(1).optional().describe("vCPUs (default 1)"),
   memory_mb: z.number().int().min(1).optional().describe("Memory limit in MiB (default 1024)"),
