@@ -3155,6 +3155,8 @@ export interface paths {
                         template_name?: string;
                         alias?: string;
                         dockerfile?: string;
+                        /** @description a snapshot (snp_…) of this host to build on: its machine's files, over its template */
+                        from_snapshot?: string;
                         base_image?: string;
                         /** @description omitted means ["default"]; an explicit empty array is invalid */
                         tags?: string[];

@@ -27,7 +27,7 @@ import { createDiskStock, mountWritableLayer, unmountWritableLayer, writableLaye
 import type { DiskStock } from "./disk.ts";
 import { openDiskPool } from "./disk-pool.ts";
 import type { DiskPool, DiskPoolMode } from "./disk-pool.ts";
-import { allocatedBytes, copyLiveDisk, thawInterrupted } from "./snapshot.ts";
+import { allocatedBytes, copyLiveDisk, copySnapshotLayer, sweepSnapshotReads, thawInterrupted } from "./snapshot.ts";
 import { createEgress } from "./egress.ts";
 import { createRuntimeCli, RUNSC_MIN_RELEASE } from "./runtime-cli.ts";
 import { pidAlive } from "../pid-alive.ts";
@@ -699,7 +699,15 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     },
 
     async listSnapshots() {
+      // Asked at start: a read of a snapshot's files a killed server left mounted goes too.
+      await sweepSnapshotReads(opts.dataDir);
       return readdir(join(opts.dataDir, "disks", "snapshots")).catch(() => []);
+    },
+
+    async snapshotLayer(snapshotId, destDir) {
+      const image = join(snapshotDir(snapshotId), "disk.img");
+      if (!existsSync(image)) throw new Error(`snapshot ${snapshotId} has no disk on this host`);
+      await copySnapshotLayer({ dataDir: opts.dataDir, image, dest: destDir });
     },
 
     canRestoreSnapshot: (saved) => saved.memory === null || (opts.runtime === "runsc" && saved.guestRuntime === opts.guestRuntimeDir && existsSync(saved.memory)),
