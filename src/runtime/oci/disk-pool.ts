@@ -85,8 +85,11 @@ export async function openDiskPool(opts: { dataDir: string; mode: DiskPoolMode; 
   let kind: "xfs-loop" | "data-dir" | "copy" = "copy";
   let why = "";
 
-  if (isMounted(dir)) kind = "xfs-loop";
-  else if (await canReflink(dir)) kind = "data-dir";
+  if (isMounted(dir)) {
+    kind = "xfs-loop";
+    // A pool an older server mounted without discard: its freed blocks are given back from now on.
+    if (existsSync(xfsFile)) await exec("mount", ["-o", "remount,discard", dir]).catch(() => undefined);
+  } else if (await canReflink(dir)) kind = "data-dir";
   else if (opts.mode === "off") why = "KILN_DISK_POOL=off";
   else if (!(await hasMkfsXfs())) why = "mkfs.xfs (xfsprogs) is not installed";
   else if ((await readdir(dir)).length > 0 && !existsSync(xfsFile)) why = `${dir} already holds plain copies`;
@@ -102,7 +105,9 @@ export async function openDiskPool(opts: { dataDir: string; mode: DiskPoolMode; 
           throw err;
         });
       }
-      await exec("mount", ["-t", "xfs", "-o", "loop,noatime", xfsFile, dir]);
+      // discard: blocks XFS frees (a deleted snapshot, a destroyed machine's image) become holes of the sparse file
+      // again, so the data dir's free space, which disk admission reads, has them back.
+      await exec("mount", ["-t", "xfs", "-o", "loop,noatime,discard", xfsFile, dir]);
       kind = "xfs-loop";
     } catch (err) {
       why = `the XFS pool could not be made: ${failure(err)}`;
