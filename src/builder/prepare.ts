@@ -20,6 +20,7 @@ import { templateBaseSource } from "./sources/template-base.ts";
 import type { BuildSource } from "./sources/source.ts";
 import { emptyConfig } from "./sources/source.ts";
 import type { BuildExtensions } from "./extensions.ts";
+import type { SnapshotBases } from "./sources/snapshot.ts";
 
 export const BUILD_DEFAULTS = { tags: ["default"], vcpus: 1, memoryMb: 1024, internet: true, maxAttempts: 3 } as const;
 
@@ -39,6 +40,8 @@ export interface PreparedBuild {
   dockerfileDigest: string | null;
   dockerfile: string;
   triggeredBy: string | null;
+  /** from_snapshot: the snapshot whose files the source phase lays over `source` (its template). */
+  fromSnapshot: { id: string; memory: boolean } | null;
 }
 
 export function buildVm(req: BuildRequestT) {
@@ -55,12 +58,14 @@ function hashToken(token: string): string {
   return createHash("sha256").update(token).digest("hex");
 }
 
-export function createPreparer(deps: { db: Db; templates: TemplateService; blobs: BlobStore; layersDir: string; extensions?: BuildExtensions }) {
+export function createPreparer(deps: { db: Db; templates: TemplateService; blobs: BlobStore; layersDir: string; extensions?: BuildExtensions; snapshots?: SnapshotBases }) {
   const { db, templates, blobs, layersDir } = deps;
 
   async function prepare(req: BuildRequestT, triggeredBy: string | null): Promise<PreparedBuild> {
     if (req.dockerfile && req.build_backend === "native") throw new KilnError("invalid_request", "A dockerfile build cannot use build_backend \"native\": Dockerfile builds use buildkit");
     if (req.dockerfile && req.steps?.length) throw new KilnError("invalid_request", "Give either dockerfile or steps, not both");
+    if (req.from_snapshot && (req.dockerfile || req.base_image)) throw new KilnError("invalid_request", "Give either from_snapshot or dockerfile/base_image: a snapshot's build starts on its template");
+    if (req.from_snapshot && req.build_backend === "buildkit") throw new KilnError("invalid_request", "A from_snapshot build runs its steps with build_backend \"native\"");
     if (req.dockerfile && req.base_image) throw new KilnError("invalid_request", "Give either dockerfile or base_image (a Dockerfile names its own FROM)");
     const backend: BuildBackendName = req.build_backend ?? (req.dockerfile ? "buildkit" : "native");
     if (!req.dockerfile && backend === "buildkit") throw new KilnError("invalid_request", "build_backend \"buildkit\" builds a dockerfile; declarative and base_image builds use native");
@@ -101,7 +106,15 @@ export function createPreparer(deps: { db: Db; templates: TemplateService; blobs
     // The source: local/base, a Kiln template named by base_image (template_base), or an OCI image (oci_import).
     let source: BuildSource | null = null;
     let sourceType: SourceType = req.dockerfile ? "dockerfile" : "declarative";
-    if (req.base_image) {
+    let fromSnapshot: PreparedBuild["fromSnapshot"] = null;
+    if (req.from_snapshot) {
+      // SPEC's source types have no word for a snapshot: it is a template base (its template) plus the machine's files.
+      if (!deps.snapshots) throw new KilnError("build_rejected", "This server keeps no snapshots to build from");
+      const snap = await deps.snapshots.buildBase(req.from_snapshot);
+      source = templateBaseSource(await templates.resolve(snap.artifactId), "template_base");
+      sourceType = "template_base";
+      fromSnapshot = { id: snap.id, memory: snap.memory };
+    } else if (req.base_image) {
       const local = await resolveTemplate(req.base_image);
       if (local) {
         source = templateBaseSource(local, "template_base");
@@ -118,11 +131,12 @@ export function createPreparer(deps: { db: Db; templates: TemplateService; blobs
     }
 
     const steps = planSteps(req.steps ?? [], source?.config.user ?? "root");
-    const stack = (source?.layers.length ?? 0) + steps.filter(touchesFiles).length;
-    if (!stackFits(source?.layers.map((l) => l.dir) ?? [], steps.filter(touchesFiles).length, layersDir)) {
+    const added = steps.filter(touchesFiles).length + (fromSnapshot ? 1 : 0);
+    const stack = (source?.layers.length ?? 0) + added;
+    if (!stackFits(source?.layers.map((l) => l.dir) ?? [], added, layersDir)) {
       throw new KilnError("invalid_request", `This build would stack ${stack} layers; a template may have at most ${MAX_LAYERS} (merge steps, e.g. several commands in one run step)`);
     }
-    const dockerfile = req.dockerfile ?? assembleDockerfile(req.base_image ?? BASE_TEMPLATE_REF, steps.map((s) => s.text));
+    const dockerfile = req.dockerfile ?? assembleDockerfile(req.base_image ?? fromSnapshot?.id ?? BASE_TEMPLATE_REF, steps.map((s) => s.text));
 
     // Claim the name, or find it; an alias another template owns is a conflict. Nothing stream-related happened yet.
     const template = await claimTemplate(canonicalRef, aliasRef, req.name_claim_token);
@@ -141,6 +155,7 @@ export function createPreparer(deps: { db: Db; templates: TemplateService; blobs
       dockerfileDigest: sha256(dockerfile),
       dockerfile,
       triggeredBy,
+      fromSnapshot,
     };
   }
 

@@ -19,6 +19,7 @@ export const BuildRequest = Type.Object(
     template_name: Type.Optional(TemplateName),
     alias: Type.Optional(Type.String({ minLength: 1, maxLength: 128, pattern: "^[a-z0-9][a-z0-9._-]*$" })),
     dockerfile: Type.Optional(Type.String({ minLength: 1, maxLength: 1024 * 1024 })),
+    from_snapshot: Type.Optional(Type.String({ pattern: "^snp_[A-Za-z0-9]{1,64}$", description: "a snapshot (snp_…) of this host to build on: its machine's files, over its template" })),
     base_image: Type.Optional(Type.String({ minLength: 1, maxLength: 1024, pattern: "^[^\\s\\x00]+$" })),
     tags: Type.Optional(Type.Array(Tag, { minItems: 1, maxItems: 64, uniqueItems: true, description: "omitted means [\"default\"]; an explicit empty array is invalid" })),
     steps: Type.Optional(Type.Array(Step, { maxItems: 256 })),

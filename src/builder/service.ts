@@ -30,6 +30,7 @@ import { runPhases } from "./phases/phase.ts";
 import type { BuildRun, PhaseEnv } from "./phases/phase.ts";
 import { BUILD_PIPELINE } from "./phases/index.ts";
 import type { BuildExtensions } from "./extensions.ts";
+import type { SnapshotBases } from "./sources/snapshot.ts";
 
 export type { BuildExtensions } from "./extensions.ts";
 export type { BuildListQuery, BuildView } from "./history.ts";
@@ -64,6 +65,8 @@ export function createBuildService(deps: {
   /** KILN_BUILD_LOG_MAX_BYTES. */
   logMaxBytes?: number;
   extensions?: BuildExtensions;
+  /** Snapshots builds may start from (from_snapshot). */
+  snapshots?: SnapshotBases;
 }): BuildService {
   const { db, log } = deps;
   const logs = createBuildLogs({ db, log, maxBytes: deps.logMaxBytes });
@@ -73,8 +76,8 @@ export function createBuildService(deps: {
   const native = createNativeBackend({ driver: deps.driver, layerCache, layersDir, log, timeouts: deps.extensions?.nativeTimeouts });
   const artifacts = createArtifactStore({ db, retentionS: deps.retentionS });
   const history = createBuildHistory(db);
-  const prepare = createPreparer({ db, templates: deps.templates, blobs, layersDir, extensions: deps.extensions });
-  const env: PhaseEnv = { db, driver: deps.driver, dataDir: deps.dataDir, layersDir, native, extensions: deps.extensions, artifacts, logs };
+  const prepare = createPreparer({ db, templates: deps.templates, blobs, layersDir, extensions: deps.extensions, snapshots: deps.snapshots });
+  const env: PhaseEnv = { db, driver: deps.driver, dataDir: deps.dataDir, layersDir, native, extensions: deps.extensions, artifacts, logs, layerCache, snapshots: deps.snapshots };
   const running = new Map<string, { abort: AbortController; done: Promise<void> }>();
   const retention = createBuildRetention({ db, layersDir, retentionS: deps.retentionS, buildsRunning: () => running.size > 0, ociCache: deps.extensions?.ociCache });
   let collector: NodeJS.Timeout | undefined;

@@ -40,6 +40,7 @@ interface BuildOpts {
   alias?: string;
   tag?: string[];
   baseImage?: string;
+  fromSnapshot?: string;
   dockerfile?: string;
   buildEnv?: string[];
   context?: string;
@@ -144,6 +145,7 @@ export function templateCommands(program: Command) {
     .option("--alias <alias>", "read-only alias of the template")
     .option("--tag <tag>", "tag for the artifact (repeatable; default: default)", collect)
     .option("--base-image <ref>", "a Kiln template (local/x, local/x:tag, art_…) or an OCI image to build FROM")
+    .option("--from-snapshot <snp>", "build on a machine's snapshot: its files, over its template (processes are not kept)")
     .option("--dockerfile <path>", "build this Dockerfile (with --context as its build context)");
   for (const f of STEP_FLAGS) {
     build.option(f.flags, `${f.help} (repeatable)`);
@@ -171,6 +173,7 @@ export function templateCommands(program: Command) {
       if (opts.alias) body.alias = opts.alias;
       if (opts.tag) body.tags = opts.tag;
       if (opts.baseImage) body.base_image = opts.baseImage;
+      if (opts.fromSnapshot) body.from_snapshot = opts.fromSnapshot;
       if (opts.dockerfile) body.dockerfile = readFileSync(opts.dockerfile === "-" ? 0 : opts.dockerfile, "utf8");
       if (opts.buildEnv) body.build_envs = { ...body.build_envs, ...kv(opts.buildEnv) };
       if (opts.startCmd) body.start_cmd = opts.startCmd;

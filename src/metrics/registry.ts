@@ -94,6 +94,30 @@ export function createMetrics(sources: MetricsSources) {
       for (const r of rows) this.set({ status: r.status }, Number(r.n));
     },
   });
+  // Snapshots by host: what they hold is on that host's data dir (shared reflinked blocks count in full).
+  const snapshotsByHost = () =>
+    sources.db
+      .selectFrom("snapshots")
+      .select(["host_id", sql<number>`count(*)`.as("n"), sql<number>`coalesce(sum(size_bytes), 0)`.as("bytes")])
+      .where("status", "=", "ready")
+      .groupBy("host_id")
+      .execute();
+  for (const [name, help, field] of [
+    ["kiln_snapshots", "Ready snapshots by host", "n"],
+    ["kiln_snapshot_bytes", "Bytes the ready snapshots hold on disk, by host (blocks shared with machines count in full)", "bytes"],
+  ] as const) {
+    new Gauge({
+      name,
+      help,
+      labelNames: ["host_id"],
+      registers: [registry],
+      async collect() {
+        const rows = await snapshotsByHost();
+        this.reset();
+        for (const r of rows) this.set({ host_id: r.host_id }, Number(r[field]));
+      },
+    });
+  }
   const backlogAge = new Gauge({ name: "kiln_webhook_backlog_oldest_seconds", help: "Age of the oldest webhook delivery not yet succeeded or dead-lettered (0 when none)", registers: [registry] });
   new Gauge({
     name: "kiln_webhook_backlog",

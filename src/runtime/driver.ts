@@ -135,6 +135,11 @@ export interface MachineDriver {
   deleteSnapshot(snapshotId: string): Promise<void>;
   /** Snapshots whose files are on this host (to remove what no record names after a crash). */
   listSnapshots(): Promise<string[]>;
+  /**
+   * Copies the files a snapshot's machine had written (its writable layer) to `destDir` as a read-only template layer
+   * (overlayfs form, the machines' uid range): a snapshot as a template build's base. The snapshot is not changed.
+   */
+  snapshotLayer(snapshotId: string, destDir: string): Promise<void>;
   /** Whether a memory snapshot can continue here (same runtime and guest runtime as when it was saved). */
   canRestoreSnapshot(saved: { memory: string | null; guestRuntime: string }): boolean;
   /**

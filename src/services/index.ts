@@ -96,7 +96,7 @@ export function createServices(deps: {
   const admission = createAdmission({ db: store.db, limits: deps.limits });
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, maxHibernationS: deps.snapshots?.maxHibernationS });
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
-  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions });
+  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots });
   const templateCatalog = createTemplateCatalog({ db: store.db });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
   const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });

@@ -50,8 +50,12 @@ export interface SnapshotService {
   remove(id: string): Promise<SnapshotView>;
   /** At start: snapshots a crash left half-made are failed, and files no ready snapshot names removed. */
   reconcile(): Promise<{ failed: number; removed: number }>;
-  /** Bytes the ready snapshots of this host hold (GET /v1/ready). */
-  heldBytes(): Promise<number>;
+  /** How many ready snapshots this host keeps and the bytes they hold (GET /v1/ready's capacity). */
+  held(): Promise<{ count: number; bytes: number }>;
+  /** A snapshot as a template build's base: its template artifact; 404/409 when it cannot be one here. */
+  buildBase(id: string): Promise<{ id: string; artifactId: string; memory: boolean }>;
+  /** Copies the files the snapshot's machine wrote to `destDir` (a template layer); a delete meanwhile is refused. */
+  copyLayer(id: string, destDir: string): Promise<void>;
 }
 
 export function createSnapshotService(deps: {
@@ -269,12 +273,32 @@ export function createSnapshotService(deps: {
     return { failed: stale.length, removed };
   }
 
-  /** Bytes the ready snapshots of this host hold (GET /v1/ready). */
-  async function heldBytes(): Promise<number> {
-    const row = await db.selectFrom("snapshots").select(db.fn.sum<number>("size_bytes").as("bytes")).where("host_id", "=", hostId).where("status", "=", "ready").executeTakeFirst();
-    return Number(row?.bytes ?? 0);
+  /** How many ready snapshots this host keeps and the bytes they hold (GET /v1/ready's capacity). */
+  async function held(): Promise<{ count: number; bytes: number }> {
+    const row = await db
+      .selectFrom("snapshots")
+      .select([db.fn.countAll<number>().as("n"), db.fn.sum<number>("size_bytes").as("bytes")])
+      .where("host_id", "=", hostId)
+      .where("status", "=", "ready")
+      .executeTakeFirst();
+    return { count: Number(row?.n ?? 0), bytes: Number(row?.bytes ?? 0) };
   }
 
-  return { create, createMachine, fork, get, list, remove, reconcile, heldBytes };
+  /** Only the disk matters to a build: a memory snapshot is a base too (its processes are not carried over). */
+  async function buildBase(id: string): Promise<{ id: string; artifactId: string; memory: boolean }> {
+    const row = await load(id).catch((err: unknown) => {
+      throw err instanceof KilnError && err.code === "not_found" ? new KilnError("not_found", `from_snapshot: no snapshot ${id}`) : err;
+    });
+    if (row.status !== "ready" || !row.disk_path) throw new KilnError("conflict", `from_snapshot: snapshot ${id} is ${row.status}`);
+    if (row.host_id !== hostId) throw new KilnError("conflict", `from_snapshot: snapshot ${id} is kept on another host (${row.host_id}); build on that host`);
+    return { id: row.id, artifactId: row.artifact_id, memory: row.memory === 1 };
+  }
+
+  async function copyLayer(id: string, destDir: string): Promise<void> {
+    // Held before it is looked at again: deleted since the build was accepted is said so, not an internal error.
+    await using(id, async () => driver.snapshotLayer((await buildBase(id)).id, destDir));
+  }
+
+  return { create, createMachine, fork, get, list, remove, reconcile, held, buildBase, copyLayer };
 }
 

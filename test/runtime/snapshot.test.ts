@@ -153,7 +153,8 @@ if (runtime === "runc") {
   });
 } else {
   const COUNTER = "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &";
-  const count = async (m: LiveMachine) => Number((await sh(m, "cat /tmp/count")).trim());
+  // The counter rewrites its file (`>` truncates, then writes): a read in between sees it empty, so read again.
+  const count = async (m: LiveMachine) => Number((await sh(m, 'for i in $(seq 200); do c=$(cat /tmp/count 2>/dev/null); [ -n "$c" ] && break; sleep 0.01; done; echo "$c"')).trim());
 
   test("gVisor: a memory snapshot's process continues counting from where it was, and the parent keeps running", opt, async () => {
     assert.equal(driver.memorySnapshotsUnsupported(), undefined);

@@ -132,6 +132,13 @@ export interface paths {
                                 min_free_disk_mb: number;
                                 max_disk_mb: number;
                                 memory_overcommit: number | null;
+                                /** @description Snapshots are on the data dir's filesystem: the blocks they keep apart from their machines reduce free_disk_mb, which creates, snapshots and forks are admitted by */
+                                snapshots: {
+                                    /** @description Ready snapshots this host keeps */
+                                    count: number;
+                                    /** @description Bytes they hold on disk (blocks shared with machines count in full) */
+                                    bytes: number;
+                                };
                                 /** @description False while a floor is crossed: creates answer 503 */
                                 accepting: boolean;
                             };
@@ -202,6 +209,13 @@ export interface paths {
                                 min_free_disk_mb: number;
                                 max_disk_mb: number;
                                 memory_overcommit: number | null;
+                                /** @description Snapshots are on the data dir's filesystem: the blocks they keep apart from their machines reduce free_disk_mb, which creates, snapshots and forks are admitted by */
+                                snapshots: {
+                                    /** @description Ready snapshots this host keeps */
+                                    count: number;
+                                    /** @description Bytes they hold on disk (blocks shared with machines count in full) */
+                                    bytes: number;
+                                };
                                 /** @description False while a floor is crossed: creates answer 503 */
                                 accepting: boolean;
                             };
@@ -3155,6 +3169,8 @@ export interface paths {
                         template_name?: string;
                         alias?: string;
                         dockerfile?: string;
+                        /** @description a snapshot (snp_…) of this host to build on: its machine's files, over its template */
+                        from_snapshot?: string;
                         base_image?: string;
                         /** @description omitted means ["default"]; an explicit empty array is invalid */
                         tags?: string[];

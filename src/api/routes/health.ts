@@ -31,6 +31,10 @@ const ReadyBody = Type.Object({
       min_free_disk_mb: Type.Integer({ description: "Below this, creates answer 503 (KILN_MIN_FREE_DISK_MB)" }),
       max_disk_mb: Type.Integer(),
       memory_overcommit: Type.Union([Type.Number(), Type.Null()]),
+      snapshots: Type.Object(
+        { count: Type.Integer({ description: "Ready snapshots this host keeps" }), bytes: Type.Integer({ description: "Bytes they hold on disk (blocks shared with machines count in full)" }) },
+        { description: "Snapshots are on the data dir's filesystem: the blocks they keep apart from their machines reduce free_disk_mb, which creates, snapshots and forks are admitted by" },
+      ),
       accepting: Type.Boolean({ description: "False while a floor is crossed: creates answer 503" }),
     },
     { description: "What machines use of the host, and the floors creates are held to" },
@@ -38,7 +42,7 @@ const ReadyBody = Type.Object({
 });
 
 export async function healthRoutes(app: App, opts: { services: Services }) {
-  const { store, driver, admission, templates } = opts.services;
+  const { store, driver, admission, templates, snapshots } = opts.services;
   // Readiness probes arrive often and from many places: the store is asked at most every 250 ms.
   let lastPing: { at: number; error: string | undefined } | undefined;
   async function storeError(): Promise<string | undefined> {
@@ -64,7 +68,8 @@ export async function healthRoutes(app: App, opts: { services: Services }) {
     { config: { auth: "key" }, schema: { tags: ["Health"], summary: "Store, driver and base-template readiness, and what the host enforces (503 unavailable until ready)", response: { 200: ReadyBody, 503: ReadyBody, ...errors() } } },
     async (req, reply) => {
       const error = await storeError();
-      const [readiness, capacity] = await Promise.all([driver.readiness(), admission.capacity()]);
+      const [readiness, admitted, held] = await Promise.all([driver.readiness(), admission.capacity(), snapshots.held()]);
+      const capacity = { ...admitted, snapshots: held };
       const baseReason = templates.pendingReason();
       const ready = error === undefined && readiness.ready && baseReason === null;
       const body = {

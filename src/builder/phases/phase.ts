@@ -11,6 +11,8 @@ import type { BuildExtensions } from "../extensions.ts";
 import type { BuildLogs, LogInput } from "../log.ts";
 import type { PreparedBuild } from "../prepare.ts";
 import type { BuildSource } from "../sources/source.ts";
+import type { SnapshotBases } from "../sources/snapshot.ts";
+import type { LayerCache } from "../cache/layers.ts";
 
 /** One build in flight, as the phases see it and fill it in. */
 export interface BuildRun {
@@ -42,6 +44,10 @@ export interface PhaseEnv {
   extensions?: BuildExtensions;
   artifacts: ArtifactStore;
   logs: BuildLogs;
+  /** The step-layer cache (a snapshot's copied files are kept in it too). */
+  layerCache: LayerCache;
+  /** Snapshots to build on (from_snapshot); absent where the server keeps none. */
+  snapshots?: SnapshotBases;
 }
 
 export interface BuilderPhase {

@@ -1,8 +1,9 @@
-// Source phase: the base the layers stack on (an OCI image is imported here; other sources were resolved by
-// prepare) and the digest of the whole build's input, recorded on the build.
+// Source phase: the base the layers stack on (an OCI image is imported here, a snapshot's files copied out; other
+// sources were resolved by prepare) and the digest of the whole build's input, recorded on the build.
 
 import { sourceDigest } from "../cache/keys.ts";
 import type { BuilderPhase } from "./phase.ts";
+import { snapshotSource } from "../sources/snapshot.ts";
 
 export const sourcePhase: BuilderPhase = {
   name: "source",
@@ -14,6 +15,9 @@ export const sourcePhase: BuilderPhase = {
       run.emit({ kind: "message", phase: "preparing", message: `importing ${p.request.base_image}` });
       const imported = await env.extensions!.ociImport!(p.request.base_image!, { auth: p.request.base_image_auth, signal: run.signal, dataDir: env.dataDir, log: (e) => run.emit(e), count: (c) => run.count(c) });
       source = { ...imported, type: "oci_import", description: p.request.base_image! };
+    }
+    if (p.fromSnapshot) {
+      source = await snapshotSource(source!, p.fromSnapshot, { snapshots: env.snapshots!, layerCache: env.layerCache, layersDir: env.layersDir, emit: (e) => run.emit(e), count: (c) => run.count(c) });
     }
     run.source = source;
     const req = p.request;

@@ -3,7 +3,7 @@
 // host-wide caps on Kiln's parent cgroup (all machines together stay below the host's pid_max and memory).
 
 import { existsSync, readFileSync } from "node:fs";
-import { mkdir, readdir, rmdir, writeFile } from "node:fs/promises";
+import { mkdir, readdir, readFile, rmdir, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 
 export interface CgroupSupport {
@@ -87,4 +87,45 @@ export async function applyHostLimits(support: CgroupSupport, limits: HostLimits
     if (support.enforced.includes("memory")) await write(join(root, "memory", KILN_CGROUP), "memory.limit_in_bytes", String(limits.memoryBytes));
   }
   return problems;
+}
+
+/** A cgroup's freezer, written directly: what a runtime's pause and resume do, without two processes each. */
+export interface CgroupFreezer {
+  /** Whether the cgroup is frozen (or being frozen) now. */
+  frozen(): Promise<boolean>;
+  /** Freezes every process of the cgroup; resolves once all are frozen (thawed again when that takes past the bound). */
+  freeze(): Promise<void>;
+  thaw(): Promise<void>;
+}
+
+const FREEZE_WAIT_MS = 5000;
+
+/** The freezer of cgroup `path` (v1 freezer.state or v2 cgroup.freeze); undefined where it has none. */
+export function cgroupFreezer(support: CgroupSupport, path: string, root = "/sys/fs/cgroup"): CgroupFreezer | undefined {
+  const v2 = support.version === "v2";
+  const control = v2 ? join(root, path, "cgroup.freeze") : join(root, "freezer", path, "freezer.state");
+  if (!support.enforced.includes("freezer") || !existsSync(control)) return undefined;
+  const read = (file: string) => readFile(file, "utf8").then((t) => t.trim());
+  const settled = async () => (v2 ? /^frozen 1$/m.test(await read(join(root, path, "cgroup.events"))) : (await read(control)) === "FROZEN");
+  return {
+    async frozen() {
+      return v2 ? (await read(control)) === "1" : (await read(control)) !== "THAWED";
+    },
+    async freeze() {
+      const deadline = performance.now() + FREEZE_WAIT_MS;
+      for (;;) {
+        // v1 freezes in steps (FREEZING): writing FROZEN again moves tasks that were busy on.
+        await writeFile(control, v2 ? "1" : "FROZEN");
+        if (await settled()) return;
+        if (performance.now() > deadline) {
+          await writeFile(control, v2 ? "0" : "THAWED");
+          throw new Error(`the processes of ${path} did not freeze within ${FREEZE_WAIT_MS} ms`);
+        }
+        await new Promise((r) => setTimeout(r, 1));
+      }
+    },
+    async thaw() {
+      await writeFile(control, v2 ? "0" : "THAWED");
+    },
+  };
 }

@@ -29,6 +29,12 @@ export interface DiskPool {
   describe(): string;
   /** Makes `dest` a copy of `src`: shared blocks where the pool reflinks, else a sparse copy. */
   clone(src: string, dest: string): Promise<void>;
+  /**
+   * clone() of the image of the filesystem mounted at `mountPoint`, with that filesystem frozen around the copy
+   * (`fsfreeze` flushes it into the image; writes wait meanwhile). One process for freeze, copy and thaw: it thaws
+   * even when the server dies meanwhile.
+   */
+  cloneFrozen(mountPoint: string, src: string, dest: string): Promise<void>;
   /** Unmounts an XFS pool nothing uses any more (no machine disk attached from it); one in use stays mounted. */
   close(): Promise<void>;
 }
@@ -85,8 +91,11 @@ export async function openDiskPool(opts: { dataDir: string; mode: DiskPoolMode; 
   let kind: "xfs-loop" | "data-dir" | "copy" = "copy";
   let why = "";
 
-  if (isMounted(dir)) kind = "xfs-loop";
-  else if (await canReflink(dir)) kind = "data-dir";
+  if (isMounted(dir)) {
+    kind = "xfs-loop";
+    // A pool an older server mounted without discard: its freed blocks are given back from now on.
+    if (existsSync(xfsFile)) await exec("mount", ["-o", "remount,discard", dir]).catch(() => undefined);
+  } else if (await canReflink(dir)) kind = "data-dir";
   else if (opts.mode === "off") why = "KILN_DISK_POOL=off";
   else if (!(await hasMkfsXfs())) why = "mkfs.xfs (xfsprogs) is not installed";
   else if ((await readdir(dir)).length > 0 && !existsSync(xfsFile)) why = `${dir} already holds plain copies`;
@@ -102,7 +111,9 @@ export async function openDiskPool(opts: { dataDir: string; mode: DiskPoolMode; 
           throw err;
         });
       }
-      await exec("mount", ["-t", "xfs", "-o", "loop,noatime", xfsFile, dir]);
+      // discard: blocks XFS frees (a deleted snapshot, a destroyed machine's image) become holes of the sparse file
+      // again, so the data dir's free space, which disk admission reads, has them back.
+      await exec("mount", ["-t", "xfs", "-o", "loop,noatime,discard", xfsFile, dir]);
       kind = "xfs-loop";
     } catch (err) {
       why = `the XFS pool could not be made: ${failure(err)}`;
@@ -122,6 +133,16 @@ export async function openDiskPool(opts: { dataDir: string; mode: DiskPoolMode; 
       const args = copies === "reflink" ? ["--reflink=always"] : ["--sparse=always"];
       try {
         await exec("cp", [...args, src, dest]);
+      } catch (err) {
+        await rm(dest, { force: true });
+        throw new Error(`copying the disk image ${src} failed: ${failure(err)}`);
+      }
+    },
+    async cloneFrozen(mountPoint, src, dest) {
+      const args = copies === "reflink" ? "--reflink=always" : "--sparse=always";
+      const script = `fsfreeze --freeze "$1" || exit 1; cp ${args} -- "$2" "$3"; r=$?; fsfreeze --unfreeze "$1" || r=1; [ $r -eq 0 ] || rm -f -- "$3"; exit $r`;
+      try {
+        await exec("sh", ["-c", script, "sh", mountPoint, src, dest]);
       } catch (err) {
         await rm(dest, { force: true });
         throw new Error(`copying the disk image ${src} failed: ${failure(err)}`);

@@ -64,14 +64,16 @@ async function format(image: string, sizeMb: number, background: boolean): Promi
 /**
  * Mounts the layer's image (formatting it first when there is none) and makes upper and work, upper owned by `owner`.
  * noinit_itable: the kernel would otherwise zero every inode table in the background (~160 MB of writes and page
- * cache per 10 GiB image); a fresh sparse image reads as zeros already.
+ * cache per 10 GiB image); a fresh sparse image reads as zeros already. nobarrier: the disk has no journal, so a
+ * machine's data never survived a host crash in a known state; cache flushes would only send every fsync in the
+ * machine (and the freeze of a snapshot: ~20 ms of its time measured) down through the image to the host's disk.
  */
 async function mountLayer(layer: WritableLayer, sizeMb: number, owner: number, background = false): Promise<void> {
   if (!isMounted(layer.mountPoint)) {
     await mkdir(layer.mountPoint, { recursive: true });
     if (!existsSync(layer.image)) await format(layer.image, sizeMb, background);
     try {
-      await exec("mount", ["-t", "ext4", "-o", "loop,noatime,noinit_itable", layer.image, layer.mountPoint]);
+      await exec("mount", ["-t", "ext4", "-o", "loop,noatime,noinit_itable,nobarrier", layer.image, layer.mountPoint]);
     } catch (err) {
       throw new Error(`mounting the disk ${layer.image} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
     }

@@ -17,7 +17,7 @@ import { guestRuntimeComplete } from "../guest-runtime.ts";
 import { CANONICAL_BASE } from "./idmap.ts";
 import { createMachineIdentities, scratchDir } from "./identity.ts";
 import { AGENT_SOCKET_NAME, machineNofileSoft, machineSpec } from "./spec.ts";
-import { applyHostLimits, defaultHostLimits, detectCgroups, removeCgroups } from "./cgroups.ts";
+import { applyHostLimits, cgroupFreezer, defaultHostLimits, detectCgroups, KILN_CGROUP, removeCgroups } from "./cgroups.ts";
 import type { HostLimits } from "./cgroups.ts";
 import { isMounted } from "./mounts.ts";
 import { machineUsage } from "./usage.ts";
@@ -27,7 +27,8 @@ import { createDiskStock, mountWritableLayer, unmountWritableLayer, writableLaye
 import type { DiskStock } from "./disk.ts";
 import { openDiskPool } from "./disk-pool.ts";
 import type { DiskPool, DiskPoolMode } from "./disk-pool.ts";
-import { allocatedBytes, copyLiveDisk, thawInterrupted } from "./snapshot.ts";
+import type { FreezeHooks } from "./snapshot.ts";
+import { allocatedBytes, copyLiveDisk, copySnapshotLayer, sweepSnapshotReads, thawInterrupted } from "./snapshot.ts";
 import { createEgress } from "./egress.ts";
 import { createRuntimeCli, RUNSC_MIN_RELEASE } from "./runtime-cli.ts";
 import { pidAlive } from "../pid-alive.ts";
@@ -458,9 +459,11 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       await sleep(10);
     }
     await mkdir(imageDir, { recursive: true });
+    const letGo = performance.now();
     for (;;) {
       try {
         await cli.checkpoint(id, imageDir);
+        opts.log.debug({ machine_id: id, let_go_ms: Math.round(letGo - (deadline - LET_GO_WAIT_MS)), checkpoint_ms: Math.round(performance.now() - letGo) }, "machine's processes saved");
         return;
       } catch (err) {
         if (!/bound host socket/i.test((err as Error).message) || performance.now() > deadline) throw err;
@@ -599,6 +602,17 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
    * Saves the machine's disk (and with memory its processes) as a snapshot; the machine goes on as it was. A machine
    * whose disk is not mounted (hibernated to disk) has nothing in flight: its image is copied as it is.
    */
+  /**
+   * How a snapshot freezes the machine's processes. runc: its cgroup's freezer, written directly (what `runc pause`
+   * does, without the two `runc` processes a pause and a resume cost: the larger part of a snapshot on a busy host).
+   * runsc pauses inside its sandbox, so it keeps the runtime's own pause.
+   */
+  function freezeHooks(id: string, stopped: boolean): FreezeHooks {
+    const freezer = opts.runtime === "runc" ? cgroupFreezer(cgroups, `${KILN_CGROUP}/${id}`) : undefined;
+    if (!freezer) return { paused: async () => stopped || (await cli.state(id))?.status === "paused", pause: () => cli.pause(id), resume: () => cli.resume(id) };
+    return { paused: async () => stopped || (await freezer.frozen()), pause: () => freezer.freeze(), resume: () => freezer.thaw() };
+  }
+
   async function snapshot(id: string, snapshotId: string, o: { memory: boolean }): Promise<SavedSnapshot> {
     const p = paths(id);
     const { pool } = await storage();
@@ -608,6 +622,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     await mkdir(dir, { recursive: true });
     try {
       const mounted = isMounted(p.layer.mountPoint);
+      const t0 = performance.now();
       // `stopped`: no process runs (a saved sandbox), so only the filesystem is frozen (fsfreeze flushes it).
       const copyDisk = (stopped = false) =>
         mounted
@@ -617,9 +632,9 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
               image: p.layer.image,
               dest: disk,
               pool,
-              hooks: { paused: async () => stopped || (await cli.state(id))?.status === "paused", pause: () => cli.pause(id), resume: () => cli.resume(id) },
+              hooks: freezeHooks(id, stopped),
             })
-          : pool.clone(p.layer.image, disk);
+          : pool.clone(p.layer.image, disk).then(() => ({}));
       if (memory) {
         const why = memoryUnsupported();
         if (why) throw new Error(why);
@@ -627,15 +642,26 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
         // The sandbox stops once saved, so the disk copied next is of the same instant; then the machine continues
         // from the image just saved (its processes go on; connections to its agent are cut, as by any restore).
         await saveProcesses(id, p, memory);
-        try {
-          await copyDisk(true);
-        } finally {
+        const saved = performance.now();
+        let phases: Record<string, number> = {};
+        // The saved sandbox is taken down while its disk is copied: nothing of it writes any more, and a runsc delete
+        // on a busy host takes as long as the rest of the save.
+        const takeDown = (async () => {
           await cli.remove(id);
           await releaseNetwork(id, p);
+        })();
+        try {
+          phases = await copyDisk(true);
+        } finally {
+          await takeDown;
+          const restoring = performance.now();
           await boot(fresh(await readSpec(id)), memory);
+          const round = (a: number, b: number) => Math.round((b - a) * 10) / 10;
+          opts.log.debug({ machine_id: id, snapshot_id: snapshotId, save_ms: round(t0, saved), copy_ms: round(saved, restoring), copy: phases, restore_ms: round(restoring, performance.now()) }, "memory snapshot taken");
         }
       } else {
-        await copyDisk();
+        const phases = await copyDisk();
+        opts.log.debug({ machine_id: id, snapshot_id: snapshotId, ...phases, total_ms: Math.round((performance.now() - t0) * 10) / 10 }, "disk snapshot taken");
       }
       const sizes = await Promise.all([allocatedBytes(disk), memory ? dirBytes(memory) : 0]);
       return { disk, memory, sizeBytes: sizes[0] + sizes[1], runtime: opts.runtime, guestRuntime: opts.guestRuntimeDir };
@@ -699,7 +725,15 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     },
 
     async listSnapshots() {
+      // Asked at start: a read of a snapshot's files a killed server left mounted goes too.
+      await sweepSnapshotReads(opts.dataDir);
       return readdir(join(opts.dataDir, "disks", "snapshots")).catch(() => []);
+    },
+
+    async snapshotLayer(snapshotId, destDir) {
+      const image = join(snapshotDir(snapshotId), "disk.img");
+      if (!existsSync(image)) throw new Error(`snapshot ${snapshotId} has no disk on this host`);
+      await copySnapshotLayer({ dataDir: opts.dataDir, image, dest: destDir });
     },
 
     canRestoreSnapshot: (saved) => saved.memory === null || (opts.runtime === "runsc" && saved.guestRuntime === opts.guestRuntimeDir && existsSync(saved.memory)),

@@ -118,7 +118,9 @@ export function createRuntimeCli(opts: { runtime: OciRuntime; stateRoot: string;
 
     /** runsc: saves the sandbox (memory, processes) into `imageDir`; the sandbox stops once saved. */
     async checkpoint(id: string, imageDir: string): Promise<void> {
-      await call(["checkpoint", "--image-path", imageDir, name(id)], 120_000);
+      // Uncompressed: runsc's default (flate) spent most of a memory snapshot compressing the machine's memory (and
+      // its restore inflating it); the image is as large as the memory in use, which the disk floor admits.
+      await call(["checkpoint", "--compression=none", "--image-path", imageDir, name(id)], 120_000);
     },
 
     async pause(id: string): Promise<void> {

@@ -5,10 +5,12 @@
 
 import { execFile } from "node:child_process";
 import { existsSync } from "node:fs";
-import { readFile, rm, stat, writeFile } from "node:fs/promises";
+import { randomBytes } from "node:crypto";
+import { mkdir, readdir, readFile, rm, stat, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import type { DiskPool } from "./disk-pool.ts";
+import { isMounted, mountSource } from "./mounts.ts";
 
 const exec = promisify(execFile);
 const FREEZE_MARKER = "snapshot-freeze";
@@ -40,23 +42,30 @@ export async function allocatedBytes(path: string): Promise<number> {
  * Copies the disk image of a live machine (its writable layer mounted at `mountPoint`) to `dest`, consistent as of
  * one instant: no process runs and no write is in flight while the copy is taken.
  */
-export async function copyLiveDisk(opts: { machineDir: string; mountPoint: string; image: string; dest: string; pool: DiskPool; hooks: FreezeHooks }): Promise<void> {
+export async function copyLiveDisk(opts: { machineDir: string; mountPoint: string; image: string; dest: string; pool: DiskPool; hooks: FreezeHooks }): Promise<Record<string, number>> {
   const marker = join(opts.machineDir, FREEZE_MARKER);
+  const ms: Record<string, number> = {};
+  let t = performance.now();
+  const lap = (name: string) => {
+    const now = performance.now();
+    ms[name] = Math.round((now - t) * 10) / 10;
+    t = now;
+  };
   // The marker says whether the processes are to be thawed too, before they are frozen.
   const pausing = !(await opts.hooks.paused());
   await writeFile(marker, JSON.stringify({ pid: process.pid, resume: pausing }));
+  lap("state_ms");
   try {
     if (pausing) await opts.hooks.pause();
-    await exec("fsfreeze", ["--freeze", opts.mountPoint]);
-    try {
-      await opts.pool.clone(opts.image, opts.dest);
-    } finally {
-      await exec("fsfreeze", ["--unfreeze", opts.mountPoint]);
-    }
+    lap("pause_ms");
+    await opts.pool.cloneFrozen(opts.mountPoint, opts.image, opts.dest);
+    lap("copy_ms");
   } finally {
     if (pausing) await opts.hooks.resume();
     await rm(marker, { force: true });
+    lap("resume_ms");
   }
+  return ms;
 }
 
 /**
@@ -77,4 +86,59 @@ export async function thawInterrupted(machineDir: string, mountPoint: string, re
   if (left.resume) await resume().catch(() => undefined);
   await rm(marker, { force: true });
   return true;
+}
+
+/** Where snapshot images are mounted read-only while their files are copied out (`<pid>-<random>` each). */
+function readsDir(dataDir: string): string {
+  return join(dataDir, "snapshot-reads");
+}
+
+/**
+ * Copies the writable layer (overlayfs upper dir) held in a snapshot's disk image to `dest`, as it is: ownership in
+ * the machines' canonical range, whiteout devices and opaque-dir xattrs kept, so `dest` is a template layer. The
+ * image is mounted read-only (it is never changed) on a mount point of its own, unmounted before this returns.
+ */
+export async function copySnapshotLayer(opts: { dataDir: string; image: string; dest: string }): Promise<void> {
+  await sweepSnapshotReads(opts.dataDir);
+  const mnt = join(readsDir(opts.dataDir), `${process.pid}-${randomBytes(4).toString("hex")}`);
+  await mkdir(mnt, { recursive: true });
+  let mounted = false;
+  try {
+    await exec("mount", ["-t", "ext4", "-o", "loop,ro,noatime", opts.image, mnt]);
+    mounted = true;
+    const upper = join(mnt, "upper");
+    await mkdir(opts.dest, { recursive: true });
+    // An image that never held a machine's files (a machine that wrote nothing before its disk was made) has none.
+    if (existsSync(upper)) await exec("cp", ["-a", "--preserve=all", `${upper}/.`, opts.dest], { maxBuffer: 1024 * 1024 });
+  } catch (err) {
+    await rm(opts.dest, { recursive: true, force: true });
+    throw new Error(`copying the files of ${opts.image} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
+  } finally {
+    if (mounted) await unmountRead(mnt, opts.image);
+    await rm(mnt, { recursive: true, force: true });
+  }
+}
+
+/** Unmounts a read and waits (within a bound) until its loop device let go of the image, so nothing is left attached. */
+async function unmountRead(mnt: string, image?: string): Promise<void> {
+  const loop = /^\/dev\/(loop\d+)$/.exec(mountSource(mnt) ?? "")?.[1];
+  await exec("umount", [mnt]).catch(() => exec("umount", ["-l", mnt]));
+  if (!loop || !image) return;
+  for (let i = 0; i < 200; i++) {
+    const backing = await readFile(`/sys/block/${loop}/loop/backing_file`, "utf8").catch(() => "");
+    if (backing.trim().replace(/ \(deleted\)$/, "") !== image) return;
+    await new Promise((r) => setTimeout(r, 10));
+  }
+}
+
+/** Reads a server killed mid-copy left mounted (their process is gone): unmounted and removed. */
+export async function sweepSnapshotReads(dataDir: string): Promise<void> {
+  const dir = readsDir(dataDir);
+  for (const name of await readdir(dir).catch(() => [] as string[])) {
+    const pid = Number(/^(\d+)-/.exec(name)?.[1]);
+    if (pid && processAlive(pid)) continue; // a read under way (this server's, or another's on the same data dir)
+    const mnt = join(dir, name);
+    if (isMounted(mnt)) await unmountRead(mnt);
+    await rm(mnt, { recursive: true, force: true }).catch(() => undefined);
+  }
 }
