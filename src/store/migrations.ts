@@ -335,6 +335,15 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.alterTable("machines").addColumn("snapshot_id", "text").execute();
       },
     },
+    // How a deployment's public URLs are authorised: a long-lived rotatable token (the default), public, or signed.
+    // Deployments made before keep the signed URLs they had (no long-lived credential appears by surprise);
+    // PATCH access: "token" moves them over.
+    "0024_edge_access": {
+      async up(db: Kysely<any>) {
+        await db.schema.alterTable("deployments").addColumn("access", "text", (c) => c.notNull().defaultTo("signed")).execute();
+        await db.schema.alterTable("deployments").addColumn("edge_salt", "text", (c) => c.notNull().defaultTo("")).execute();
+      },
+    },
   };
 }
 

@@ -248,6 +248,10 @@ export interface DeploymentsTable {
   replicas: number;
   /** 1 when ready services get an edge URL. */
   public_url: number;
+  /** token | public | signed: how its public URLs are authorised (src/deployments/edge.ts). */
+  access: string;
+  /** Random salt of the `token` access token (the token is an HMAC of it under the edge secret; never stored). */
+  edge_salt: string;
   status: string; // active | deleting | deleted
   /** idle | rolling | failed — the rollout onto current_version_id. */
   rollout_status: string;
