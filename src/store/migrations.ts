@@ -344,6 +344,12 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.alterTable("deployments").addColumn("edge_salt", "text", (c) => c.notNull().defaultTo("")).execute();
       },
     },
+    // A webhook the operator's key lets reach private and loopback receivers, without a server-wide setting or restart.
+    "0024_webhook_allow_private": {
+      async up(db: Kysely<any>) {
+        await db.schema.alterTable("webhooks").addColumn("allow_private", "integer", (c) => c.notNull().defaultTo(0)).execute();
+      },
+    },
   };
 }
 

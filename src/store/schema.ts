@@ -185,6 +185,8 @@ export interface WebhooksTable {
   /** The secret before the last rotation, still signing beside the new one until previous_secret_expires_at. */
   previous_signing_secret: string | null;
   previous_secret_expires_at: string | null;
+  /** 1 when the operator's key let this webhook reach private and loopback receivers (never link-local). */
+  allow_private: number;
   created_at: string;
   updated_at: string;
 }

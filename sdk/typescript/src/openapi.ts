@@ -4425,6 +4425,7 @@ export interface paths {
                                 url: string;
                                 operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                                 enabled: boolean;
+                                allow_private: boolean;
                                 /** Format: date-time */
                                 created_at: string;
                                 /** Format: date-time */
@@ -4487,6 +4488,8 @@ export interface paths {
                         operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                         /** @description `whsec_` + base64 (16–128 bytes), or any string of 16+ characters used as its UTF-8 bytes. Write-only. */
                         signing_secret?: string;
+                        /** @description Let this webhook reach private and loopback receivers (never link-local or metadata addresses) without KILN_WEBHOOK_ALLOW_PRIVATE. Setting it true takes the operator's key (403 otherwise); deliveries refused for the address go again at once */
+                        allow_private?: boolean;
                     };
                 };
             };
@@ -4502,6 +4505,7 @@ export interface paths {
                             url: string;
                             operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                             enabled: boolean;
+                            allow_private: boolean;
                             /** Format: date-time */
                             created_at: string;
                             /** Format: date-time */
@@ -4530,6 +4534,23 @@ export interface paths {
                 };
                 /** @description Default Response */
                 401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                403: {
                     headers: {
                         [name: string]: unknown;
                     };
@@ -4583,6 +4604,7 @@ export interface paths {
                             url: string;
                             operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                             enabled: boolean;
+                            allow_private: boolean;
                             /** Format: date-time */
                             created_at: string;
                             /** Format: date-time */
@@ -4709,6 +4731,8 @@ export interface paths {
                         /** @description `whsec_` + base64 (16–128 bytes), or any string of 16+ characters used as its UTF-8 bytes. Write-only. */
                         signing_secret?: string;
                         enabled?: boolean;
+                        /** @description Let this webhook reach private and loopback receivers (never link-local or metadata addresses) without KILN_WEBHOOK_ALLOW_PRIVATE. Setting it true takes the operator's key (403 otherwise); deliveries refused for the address go again at once */
+                        allow_private?: boolean;
                     };
                 };
             };
@@ -4724,6 +4748,7 @@ export interface paths {
                             url: string;
                             operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                             enabled: boolean;
+                            allow_private: boolean;
                             /** Format: date-time */
                             created_at: string;
                             /** Format: date-time */
@@ -4750,6 +4775,23 @@ export interface paths {
                 };
                 /** @description Default Response */
                 401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                403: {
                     headers: {
                         [name: string]: unknown;
                     };
@@ -7004,6 +7046,9 @@ export interface paths {
                                 replicas: number;
                                 public_url: boolean;
                                 /** @enum {unknown} */
+                                access: "token" | "public" | "signed";
+                                edge_url: string | null;
+                                /** @enum {unknown} */
                                 rollout_status: "idle" | "rolling" | "failed";
                                 rollout_error: string | null;
                                 /** Format: date-time */
@@ -7091,6 +7136,11 @@ export interface paths {
                         replicas?: number;
                         /** @description Whether ready services get a public edge URL (default true) */
                         public_url?: boolean;
+                        /**
+                         * @description How the public URLs are authorised: `token` (default) a long-lived token, the same on every read, that rotate-edge-token replaces; `public` no credential at all (anyone who learns the URL reaches the service); `signed` a fresh token per read that expires after KILN_EDGE_TOKEN_TTL_S
+                         * @enum {unknown}
+                         */
+                        access?: "token" | "public" | "signed";
                         readiness?: {
                             /** @description HTTP path to GET; without it the probe is TCP */
                             path?: string;
@@ -7125,6 +7175,9 @@ export interface paths {
                             };
                             replicas: number;
                             public_url: boolean;
+                            /** @enum {unknown} */
+                            access: "token" | "public" | "signed";
+                            edge_url: string | null;
                             /** @enum {unknown} */
                             rollout_status: "idle" | "rolling" | "failed";
                             rollout_error: string | null;
@@ -7272,6 +7325,9 @@ export interface paths {
                             replicas: number;
                             public_url: boolean;
                             /** @enum {unknown} */
+                            access: "token" | "public" | "signed";
+                            edge_url: string | null;
+                            /** @enum {unknown} */
                             rollout_status: "idle" | "rolling" | "failed";
                             rollout_error: string | null;
                             /** Format: date-time */
@@ -7373,6 +7429,9 @@ export interface paths {
                             replicas: number;
                             public_url: boolean;
                             /** @enum {unknown} */
+                            access: "token" | "public" | "signed";
+                            edge_url: string | null;
+                            /** @enum {unknown} */
                             rollout_status: "idle" | "rolling" | "failed";
                             rollout_error: string | null;
                             /** Format: date-time */
@@ -7460,6 +7519,11 @@ export interface paths {
                         };
                         replicas?: number;
                         public_url?: boolean;
+                        /**
+                         * @description How the public URLs are authorised: `token` (default) a long-lived token, the same on every read, that rotate-edge-token replaces; `public` no credential at all (anyone who learns the URL reaches the service); `signed` a fresh token per read that expires after KILN_EDGE_TOKEN_TTL_S
+                         * @enum {unknown}
+                         */
+                        access?: "token" | "public" | "signed";
                         readiness?: {
                             /** @description HTTP path to GET; without it the probe is TCP */
                             path?: string;
@@ -7494,6 +7558,9 @@ export interface paths {
                             };
                             replicas: number;
                             public_url: boolean;
+                            /** @enum {unknown} */
+                            access: "token" | "public" | "signed";
+                            edge_url: string | null;
                             /** @enum {unknown} */
                             rollout_status: "idle" | "rolling" | "failed";
                             rollout_error: string | null;
@@ -7591,6 +7658,140 @@ export interface paths {
                 };
             };
         };
+        trace?: never;
+    };
+    "/v1/agent-deployments/{deployment_id}/rotate-edge-token": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Replace the deployment's long-lived edge token: URLs with the old one stop at once (open WebSockets too); the answer carries the new edge_url */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    deployment_id: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            id: string;
+                            name: string;
+                            /** @enum {unknown} */
+                            status: "active" | "deleting" | "deleted";
+                            current_version_id: string;
+                            version: number;
+                            template: string;
+                            command: string;
+                            port: number;
+                            env_names: string[];
+                            readiness: {
+                                path?: string;
+                                interval_s: number;
+                                timeout_s: number;
+                            };
+                            replicas: number;
+                            public_url: boolean;
+                            /** @enum {unknown} */
+                            access: "token" | "public" | "signed";
+                            edge_url: string | null;
+                            /** @enum {unknown} */
+                            rollout_status: "idle" | "rolling" | "failed";
+                            rollout_error: string | null;
+                            /** Format: date-time */
+                            created_at: string;
+                            /** Format: date-time */
+                            updated_at: string;
+                            deleted_at: string | null;
+                            versions?: {
+                                id: string;
+                                number: number;
+                                template: string;
+                                command: string;
+                                port: number;
+                                /** @description Names of the version's envs; their values are sealed at rest and never shown */
+                                env_names: string[];
+                                readiness: {
+                                    path?: string;
+                                    interval_s: number;
+                                    timeout_s: number;
+                                };
+                                /** Format: date-time */
+                                created_at: string;
+                            }[];
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                404: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                409: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
         trace?: never;
     };
     "/v1/agent-deployments/{deployment_id}/services": {
