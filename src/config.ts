@@ -121,7 +121,7 @@ export const CONFIG_VARS = [
   ["KILN_VOLUME_WATCH_QUEUE", "4096", "volume watch events held per watch for a slow client before resync_required"],
   ["KILN_SERVICE_MAX_CRASHES", "5", "crashes in a row after which a deployment's service ends failed"],
   ["KILN_SERVICE_BACKOFF_MS", "500", "first delay before a crashed service starts again (doubles per crash, up to 30 s)"],
-  ["KILN_EDGE_TOKEN_TTL_S", "3600", "lifetime of the edge_token in a service's public URL (renewed whenever it is read)"],
+  ["KILN_EDGE_TOKEN_TTL_S", "3600", "lifetime of the signed edge_token of a deployment with access: signed (a fresh one on every read)"],
   ["KILN_EDGE_MAX_CONNECTIONS", "64", "requests in flight at once to one service (or sandbox port) through the edge"],
   ["KILN_EDGE_QUEUE", "256", "requests that may wait for one of those; past it the edge answers 503 at once"],
   ["KILN_EDGE_HEADERS_TIMEOUT_S", "60", "longest wait through the edge for a place, and for a service's response head (504)"],

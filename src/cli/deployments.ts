@@ -1,4 +1,4 @@
-// `kiln deployments create|ls|get|update|services|logs|restart|rm`: agent deployments and their service instances
+// `kiln deployments create|ls|get|update|url|services|logs|restart|rm`: agent deployments and their service instances
 // for people, over HTTP. Public URLs carry an edge token: they are printed only when asked for (--urls).
 
 import type { Command } from "commander";
@@ -32,6 +32,14 @@ function readinessOf(opts: { readinessPath?: string; readinessInterval?: number;
   return { path: opts.readinessPath, interval_s: opts.readinessInterval, timeout_s: opts.readinessTimeout };
 }
 
+const ACCESS_HELP = "public URL access: token (default; a long-lived token, rotatable), public (no credential: anyone with the URL), signed (expiring, fresh per read)";
+
+interface DeploymentUrl {
+  edge_url: string | null;
+  public_url: boolean;
+  access: string;
+}
+
 export function deploymentCommands(program: Command) {
   const deployments = program.command("deployments").alias("d").description("Serve agents: deployments of supervised services with public URLs");
 
@@ -45,6 +53,7 @@ export function deploymentCommands(program: Command) {
     .option("-e, --env <KEY=VALUE>", "deployment env (repeatable; KEY alone takes it from your environment)", collect)
     .option("-r, --replicas <n>", "number of replicas", (v) => Number(v))
     .option("--no-public-url", "never give services a public URL")
+    .option("--access <mode>", ACCESS_HELP)
     .option("--readiness-path <path>", "HTTP path probed for readiness (default: a TCP probe)")
     .option("--readiness-interval <seconds>", "seconds between probes", (v) => Number(v))
     .option("--readiness-timeout <seconds>", "seconds a probe may take", (v) => Number(v))
@@ -58,6 +67,7 @@ export function deploymentCommands(program: Command) {
         envs: parseEnvs(opts.env),
         replicas: opts.replicas,
         public_url: opts.publicUrl,
+        access: opts.access,
         readiness: readinessOf(opts),
       });
       process.stdout.write(opts.json ? JSON.stringify(d, null, 2) + "\n" : d.id + "\n");
@@ -71,19 +81,37 @@ export function deploymentCommands(program: Command) {
     .option("-t, --template <ref>")
     .option("-e, --env <KEY=VALUE>", "replaces the deployment's envs (repeatable)", collect)
     .option("-r, --replicas <n>", "", (v) => Number(v))
+    .option("--access <mode>", `${ACCESS_HELP}; alone, it changes the URLs without rolling the replicas`)
     .option("--readiness-path <path>")
     .option("--readiness-interval <seconds>", "", (v) => Number(v))
     .option("--readiness-timeout <seconds>", "", (v) => Number(v))
     .action(async (id: string, opts) => {
-      const d = await apiClient().call<{ id: string; version: number }>("PATCH", `/v1/agent-deployments/${id}`, {
+      const d = await apiClient().call<{ id: string; version: number; access: string }>("PATCH", `/v1/agent-deployments/${id}`, {
         command: opts.command,
         port: opts.port,
         template: opts.template,
         envs: parseEnvs(opts.env),
         replicas: opts.replicas,
+        access: opts.access,
         readiness: readinessOf(opts),
       });
-      process.stdout.write(`${d.id} rolling to version ${d.version}\n`);
+      const rolls = ["command", "port", "template", "env", "replicas", "readinessPath", "readinessInterval", "readinessTimeout"].some((k) => opts[k] !== undefined);
+      process.stdout.write(rolls ? `${d.id} rolling to version ${d.version}\n` : `${d.id} access ${d.access}\n`);
+    });
+
+  deployments
+    .command("url <id>")
+    .description("Print the deployment's own public URL (the same on every read; it outlives rollouts). It is a credential: keep it out of shared logs")
+    .option("--rotate", "replace its token first: every URL with the old one stops at once")
+    .action(async (id: string, opts: { rotate?: boolean }) => {
+      const client = apiClient();
+      const d = opts.rotate
+        ? await client.call<DeploymentUrl>("POST", `/v1/agent-deployments/${id}/rotate-edge-token`)
+        : await client.call<DeploymentUrl>("GET", `/v1/agent-deployments/${id}`);
+      if (d.edge_url) return void process.stdout.write(d.edge_url + "\n");
+      const why = !d.public_url ? "it gives no public URL (public_url false)" : "its access is signed: each service's URL is signed and expires (deployments services --urls)";
+      process.stderr.write(`kiln: deployment ${id} has no stable URL: ${why}\n`);
+      process.exitCode = 1;
     });
 
   deployments

@@ -1,10 +1,13 @@
-// `kiln webhooks create|ls|get|rm|deliveries|retry|replay`: lifecycle webhooks for people, over HTTP.
+// `kiln webhooks create|update|ls|get|rm|deliveries|retry|replay`: lifecycle webhooks for people, over HTTP.
 
 import type { Command } from "commander";
 import { apiClient, listAll } from "./client.ts";
 import type { DeliveryView, WebhookView } from "../webhooks/service.ts";
 
 const collect = (v: string, prev: string[] = []) => [...prev, ...v.split(",").filter(Boolean)];
+
+const ALLOW_PRIVATE_HELP =
+  "let it reach private and loopback receivers (e.g. http://localhost:9000) without KILN_WEBHOOK_ALLOW_PRIVATE: needs the operator's key; deliveries refused for the address go again at once";
 
 export function webhookCommands(program: Command) {
   const hooks = program.command("webhooks").alias("wh").description("Lifecycle webhooks: registrations and their deliveries (talks to a running server)");
@@ -14,8 +17,9 @@ export function webhookCommands(program: Command) {
     .description("Register a webhook; prints its id and, when Kiln made it, the signing secret (shown only this once)")
     .option("-o, --operation <op>", "lifecycle operation to receive (repeatable or comma list; default create,destroy): create, update, hibernate, resume, destroy", collect)
     .option("--secret-stdin", "read the signing secret from stdin instead of letting Kiln make one")
+    .option("--allow-private", ALLOW_PRIVATE_HELP)
     .option("--json", "print the whole record")
-    .action(async (url: string, opts: { operation?: string[]; secretStdin?: boolean; json?: boolean }) => {
+    .action(async (url: string, opts: { operation?: string[]; secretStdin?: boolean; allowPrivate?: boolean; json?: boolean }) => {
       let signing_secret: string | undefined;
       if (opts.secretStdin) {
         const chunks: Buffer[] = [];
@@ -26,6 +30,7 @@ export function webhookCommands(program: Command) {
         url,
         operations: opts.operation ?? ["create", "destroy"],
         signing_secret,
+        allow_private: opts.allowPrivate,
       });
       if (opts.json) process.stdout.write(JSON.stringify(hook, null, 2) + "\n");
       else {
@@ -35,6 +40,25 @@ export function webhookCommands(program: Command) {
           process.stdout.write(hook.signing_secret + "\n");
         }
       }
+    });
+
+  hooks
+    .command("update <id>")
+    .description("Change a webhook: its url, operations, whether it is enabled or may reach private receivers")
+    .option("--url <url>", "a new receiver url")
+    .option("-o, --operation <op>", "the operations to receive (repeatable or comma list; replaces them)", collect)
+    .option("--allow-private", ALLOW_PRIVATE_HELP)
+    .option("--no-allow-private", "judge its receiver like any other webhook's again")
+    .option("--enable", "send its deliveries again")
+    .option("--disable", "hold its deliveries")
+    .action(async (id: string, opts: { url?: string; operation?: string[]; allowPrivate?: boolean; enable?: boolean; disable?: boolean }) => {
+      const hook = await apiClient().call<WebhookView>("PATCH", `/v1/lifecycle/webhooks/${id}`, {
+        url: opts.url,
+        operations: opts.operation,
+        allow_private: opts.allowPrivate,
+        enabled: opts.enable ? true : opts.disable ? false : undefined,
+      });
+      process.stdout.write(`${hook.id}\t${hook.url}\t${hook.enabled ? "enabled" : "disabled"}${hook.allow_private ? "\tprivate receivers allowed" : ""}\n`);
     });
 
   hooks

@@ -35,3 +35,18 @@ export function verifyEdgeToken(secret: KeyObject, serviceId: string, token: str
   if (exp * 1000 <= nowMs) return { ok: false, reason: "expired" };
   return { ok: true, expiresAtMs: exp * 1000 };
 }
+
+/**
+ * The long-lived token of a deployment in `token` access: `kse_<base64url HMAC-SHA256 over {deployment id, salt}>`
+ * under the same edge secret. Nothing secret is stored: the store keeps the salt, which is useless without the
+ * secret file; rotating draws a new salt, so the old token stops matching at once.
+ */
+export function stableEdgeToken(secret: KeyObject, deploymentId: string, salt: string): string {
+  return `kse_${createHmac("sha256", secret).update(`kiln-edge-stable-v1\n${deploymentId}\n${salt}`).digest("base64url")}`;
+}
+
+/** Constant-time comparison of a presented token with the expected one (both ASCII). */
+export function sameToken(expected: Buffer, presented: string): boolean {
+  const got = Buffer.from(presented);
+  return got.length === expected.length && timingSafeEqual(got, expected);
+}

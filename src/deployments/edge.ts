@@ -1,27 +1,43 @@
-// The deployment side of the public edge: the route table of services the edge may reach, signed public URLs,
-// edge-token checks (with a bounded cache of verified tokens), and tunnels into a service's port.
+// The deployment side of the public edge: the route table of services the edge may reach, each deployment's access
+// (token, public or signed), public URLs, edge-token checks (with a bounded cache of verified signed tokens), and
+// tunnels into a service's port. `/edge/<service id>/` names one replica; `/edge/<deployment id>/` any routable
+// replica of the deployment (ready ones first, in turn), so it outlives rollouts and restarts.
 
 import type { Socket } from "node:net";
 import type { KeyObject } from "node:crypto";
-import type { ServiceRow } from "../store/schema.ts";
+import type { DeploymentRow, ServiceRow } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
 import type { MachineService } from "../machines/service.ts";
-import { loadEdgeSecret, signEdgeToken, verifyEdgeToken } from "./edge-tokens.ts";
+import { loadEdgeSecret, sameToken, signEdgeToken, stableEdgeToken, verifyEdgeToken } from "./edge-tokens.ts";
+import type { AccessMode } from "./schemas.ts";
 
-/** What the edge routes to for a service: its backing machine and port. */
+/** What the edge routes to for a service: its backing machine and port, its deployment and status. */
 export interface ServiceRoute {
   machineId: string;
   port: number;
+  deploymentId: string;
+  ready: boolean;
 }
 
 /** Services the edge may route to: those starting, ready or unhealthy, kept from every service write. */
 export class RouteTable {
   readonly #routes = new Map<string, ServiceRoute>();
+  readonly #byDeployment = new Map<string, Set<string>>();
+  #turn = 0;
 
   /** Keeps the table in step with a written service row. */
   track(row: ServiceRow): void {
-    if (row.status === "starting" || row.status === "ready" || row.status === "unhealthy") this.#routes.set(row.id, { machineId: row.machine_id, port: row.port });
-    else this.#routes.delete(row.id);
+    if (row.status === "starting" || row.status === "ready" || row.status === "unhealthy") {
+      this.#routes.set(row.id, { machineId: row.machine_id, port: row.port, deploymentId: row.deployment_id, ready: row.status === "ready" });
+      let set = this.#byDeployment.get(row.deployment_id);
+      if (!set) this.#byDeployment.set(row.deployment_id, (set = new Set()));
+      set.add(row.id);
+    } else {
+      this.#routes.delete(row.id);
+      const set = this.#byDeployment.get(row.deployment_id);
+      set?.delete(row.id);
+      if (set?.size === 0) this.#byDeployment.delete(row.deployment_id);
+    }
   }
 
   get(serviceId: string): ServiceRoute | undefined {
@@ -31,6 +47,33 @@ export class RouteTable {
   has(serviceId: string): boolean {
     return this.#routes.has(serviceId);
   }
+
+  /** A routable replica of a deployment on this server: the ready ones in turn, else any (riding out an unhealthy spell). */
+  pick(deploymentId: string): string | undefined {
+    const set = this.#byDeployment.get(deploymentId);
+    if (!set || set.size === 0) return undefined;
+    const ids = [...set];
+    const ready = ids.filter((id) => this.#routes.get(id)?.ready);
+    const from = ready.length > 0 ? ready : ids;
+    return from[this.#turn++ % from.length];
+  }
+}
+
+/** What the edge knows of a deployment's access: kept from every deployment write (and the store's, see poll). */
+interface Access {
+  /** Deployments that give no public URL (public_url false, deleting, deleted) have no entry. */
+  mode: AccessMode;
+  salt: string;
+  /** The expected `token` credential, kept in memory only. */
+  token: Buffer | undefined;
+}
+
+/** Who the edge lets through, and to where. `expiresAtMs` is when the credential ends (undefined: it does not). */
+export interface EdgeGrant {
+  serviceId: string;
+  deploymentId: string | undefined;
+  mode: AccessMode;
+  expiresAtMs: number | undefined;
 }
 
 /** Tokens already verified, with their expiry: a busy public URL pays for its HMAC once, not per request. */
@@ -58,6 +101,9 @@ export interface TunnelOwner {
 export class DeploymentEdge {
   readonly routes = new RouteTable();
   readonly #verified = new VerifiedTokens();
+  readonly #access = new Map<string, Access>();
+  readonly #seenAt = new Map<string, string>();
+  readonly #accessChanged = new Set<(deploymentId: string) => void>();
   readonly #machines: MachineService;
   readonly #opts: { publicUrl: string; edgeTokenTtlS: number };
   #secret: KeyObject | undefined;
@@ -73,27 +119,90 @@ export class DeploymentEdge {
     this.#secret = await loadEdgeSecret(dataDir);
   }
 
-  /** A fresh signed public URL for a ready service whose deployment allows one; null otherwise. */
-  publicUrlOf(row: ServiceRow, allowed: boolean): string | null {
-    if (!allowed || row.status !== "ready" || !row.machine_id || !this.#secret) return null;
-    const token = signEdgeToken(this.#secret, row.id, Date.now() + this.#opts.edgeTokenTtlS * 1000);
-    return `${this.#opts.publicUrl}/edge/${row.id}/?edge_token=${token}`;
+  /**
+   * Keeps a deployment's access in step with its row (every write of one, and the store's poll). A change of mode,
+   * token or availability tells the listeners (the edge cuts that deployment's open WebSockets).
+   */
+  setAccess(row: Pick<DeploymentRow, "id" | "status" | "public_url" | "access" | "edge_salt" | "updated_at">): void {
+    // A poll that read the row before a local write lands after it: an older row never undoes a newer one.
+    const seen = this.#seenAt.get(row.id);
+    if (seen !== undefined && row.updated_at < seen) return;
+    this.#seenAt.set(row.id, row.updated_at);
+    const mode = row.status === "active" && row.public_url === 1 ? (row.access as AccessMode) : null;
+    const before = this.#access.get(row.id);
+    if (before && before.mode === mode && before.salt === row.edge_salt) return;
+    if (!before && mode === null) return;
+    if (mode === null) this.#access.delete(row.id);
+    else this.#access.set(row.id, { mode, salt: row.edge_salt, token: undefined });
+    if (before) for (const fn of this.#accessChanged) fn(row.id);
   }
 
-  /** Checks an edge token for a service; 401 for a wrong, expired or other service's token. Answers its expiry. */
-  authorize(serviceId: string, token: string | undefined): number {
+  /** Calls `fn` with a deployment whose access changed (rotated, another mode, no public URL, deleted). */
+  onAccessChanged(fn: (deploymentId: string) => void): void {
+    this.#accessChanged.add(fn);
+  }
+
+  /** The `token` credential of a deployment, made once from its salt and kept in memory only. */
+  #tokenOf(deploymentId: string, a: Access, secret: KeyObject): Buffer {
+    return (a.token ??= Buffer.from(stableEdgeToken(secret, deploymentId, a.salt)));
+  }
+
+  /** The query the public URLs of a deployment carry: its token, a fresh signed one for `serviceId`, or none. */
+  #credential(deploymentId: string, serviceId: string | undefined): string | null {
+    const a = this.#access.get(deploymentId);
+    if (!a || !this.#secret) return null;
+    if (a.mode === "public") return "";
+    if (a.mode === "token") return `?edge_token=${this.#tokenOf(deploymentId, a, this.#secret).toString()}`;
+    return serviceId ? `?edge_token=${signEdgeToken(this.#secret, serviceId, Date.now() + this.#opts.edgeTokenTtlS * 1000)}` : null;
+  }
+
+  /** A ready service's public URL (stable but for `signed`); null when not ready or its deployment gives none. */
+  publicUrlOf(row: ServiceRow): string | null {
+    if (row.status !== "ready" || !row.machine_id) return null;
+    const q = this.#credential(row.deployment_id, row.id);
+    return q === null ? null : `${this.#opts.publicUrl}/edge/${row.id}/${q}`;
+  }
+
+  /** The deployment's own URL (any ready replica; it outlives rollouts): null for `signed` and without a public URL. */
+  deploymentUrlOf(deploymentId: string): string | null {
+    const q = this.#credential(deploymentId, undefined);
+    return q === null ? null : `${this.#opts.publicUrl}/edge/${deploymentId}/${q}`;
+  }
+
+  /**
+   * Decides an /edge request for `id` (a service's or a deployment's): the credential its deployment's access asks
+   * for, compared in constant time. 401 for anything else, with the same answer whether or not `id` exists; 503 when
+   * a deployment has no routable replica here.
+   */
+  authorize(id: string, token: string | undefined): EdgeGrant {
     const secret = this.#secret;
     if (!secret) throw new KilnError("unavailable", "The edge is not ready yet");
-    if (!token) throw new KilnError("unauthorized", "This public URL needs its edge_token", { detail: { code: "unauthorized", phase: "edge" } });
-    const known = this.#verified.known(serviceId, token);
-    if (known !== undefined) return known;
-    const check = verifyEdgeToken(secret, serviceId, token);
+    const denied = (reason: string, why = "The edge_token is not valid for this URL") =>
+      new KilnError("unauthorized", why, { detail: { code: "unauthorized", phase: "edge", details: { reason } } });
+    const isDeployment = id.startsWith("dep_");
+    const deploymentId = isDeployment ? id : this.routes.get(id)?.deploymentId;
+    const a = deploymentId ? this.#access.get(deploymentId) : undefined;
+    if (a && a.mode !== "signed") {
+      if (a.mode === "token") {
+        if (!token) throw denied("missing", "This public URL needs its edge_token");
+        if (!sameToken(this.#tokenOf(deploymentId!, a, secret), token)) throw denied("bad_token");
+      }
+      const serviceId = isDeployment ? this.routes.pick(id) : id;
+      if (!serviceId) throw new KilnError("unavailable", `Deployment ${id} has no running service here`, { detail: { retryable: true } });
+      return { serviceId, deploymentId, mode: a.mode, expiresAtMs: undefined };
+    }
+    // Signed tokens name one service (deployment URLs have none); a service whose deployment gives no URL refuses them.
+    if (isDeployment || (deploymentId && !a)) throw denied(token ? "bad_token" : "missing", token ? undefined : "This public URL needs its edge_token");
+    if (!token) throw denied("missing", "This public URL needs its edge_token");
+    const known = this.#verified.known(id, token);
+    if (known !== undefined) return { serviceId: id, deploymentId, mode: "signed", expiresAtMs: known };
+    const check = verifyEdgeToken(secret, id, token);
     if (!check.ok) {
       const why = check.reason === "expired" ? "The edge_token has expired: read the service again for a fresh public_url" : "The edge_token is not valid for this service";
-      throw new KilnError("unauthorized", why, { detail: { code: "unauthorized", phase: "edge", details: { reason: check.reason } } });
+      throw denied(check.reason, why);
     }
-    this.#verified.remember(serviceId, token, check.expiresAtMs);
-    return check.expiresAtMs;
+    this.#verified.remember(id, token, check.expiresAtMs);
+    return { serviceId: id, deploymentId, mode: "signed", expiresAtMs: check.expiresAtMs };
   }
 
   /** A tunnel to a routable service's port inside its machine. */

@@ -22,6 +22,15 @@ const Template = Type.String({ minLength: 1, maxLength: 256 });
 const Command = Type.String({ minLength: 1, maxLength: 131072, description: "Shell line run by /bin/sh -c as the machine's user, in /workspace" });
 const Replicas = Type.Integer({ minimum: 1, maximum: 32 });
 
+/** How public URLs are authorised (docs/deployments.md, "Access"). */
+export const ACCESS_MODES = ["token", "public", "signed"] as const;
+export type AccessMode = (typeof ACCESS_MODES)[number];
+const Access = Type.Enum(ACCESS_MODES, {
+  description:
+    "How the public URLs are authorised: `token` (default) a long-lived token, the same on every read, that rotate-edge-token replaces; " +
+    "`public` no credential at all (anyone who learns the URL reaches the service); `signed` a fresh token per read that expires after KILN_EDGE_TOKEN_TTL_S",
+});
+
 export const CreateDeployment = Type.Object(
   {
     name: Name,
@@ -31,6 +40,7 @@ export const CreateDeployment = Type.Object(
     envs: Type.Optional(Envs),
     replicas: Type.Optional(Replicas),
     public_url: Type.Optional(Type.Boolean({ description: "Whether ready services get a public edge URL (default true)" })),
+    access: Type.Optional(Access),
     readiness: Type.Optional(Readiness),
   },
   { additionalProperties: false },
@@ -45,6 +55,7 @@ export const UpdateDeployment = Type.Object(
     envs: Type.Optional(Envs),
     replicas: Type.Optional(Replicas),
     public_url: Type.Optional(Type.Boolean()),
+    access: Type.Optional(Access),
     readiness: Type.Optional(Readiness),
   },
   { additionalProperties: false, minProperties: 1 },

@@ -3,6 +3,7 @@
 // the API offers (create, update, list, delete, restart, logs) and re-attachment after a restart.
 
 import type { Socket } from "node:net";
+import { randomBytes } from "node:crypto";
 import { createKeyedLock } from "../keyed-lock.ts";
 import type { Db, DeploymentRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
@@ -16,13 +17,16 @@ import { loadEnvSealer } from "./sealed-envs.ts";
 import type { EnvSealer } from "./sealed-envs.ts";
 import { createDeploymentRecords } from "./records.ts";
 import { DeploymentEdge } from "./edge.ts";
-import type { TunnelOwner } from "./edge.ts";
+import type { EdgeGrant, TunnelOwner } from "./edge.ts";
 import { ServiceSupervision } from "./supervision.ts";
 import { Rollouts } from "./rollout.ts";
 import { READINESS_DEFAULTS, deploymentView, readinessOfVersion, serviceView } from "./views.ts";
 import type { DeploymentView, Readiness, ServiceView } from "./views.ts";
 import type { CreateDeploymentInput, ReadinessInput, RestartInput, UpdateDeploymentInput } from "./schemas.ts";
 import { newestFirstPage } from "../store/pages.ts";
+
+/** How often the store is asked for deployments whose edge access changed on another server. */
+const ACCESS_POLL_MS = 1000;
 
 export interface DeploymentOptions {
   dataDir: string;
@@ -43,8 +47,12 @@ export interface DeploymentService {
   getService(deploymentId: string, serviceId: string): Promise<ServiceView>;
   serviceLogs(deploymentId: string, serviceId: string, tailBytes: number): Promise<{ service_id: string; process_id: number | null; output: string; total_bytes: number; truncated: boolean }>;
   restart(deploymentId: string, serviceId: string, input: RestartInput, idempotencyKey?: string): Promise<ServiceView>;
-  /** Checks an edge token for a service; 401 for a wrong, expired or other service's token. Answers its expiry. */
-  authorizeEdge(serviceId: string, token: string | undefined): number;
+  /** Replaces a deployment's long-lived edge token: the old one stops at once (here, and within a second elsewhere). */
+  rotateEdgeToken(id: string): Promise<DeploymentView>;
+  /** Decides an /edge request for a service or deployment id; 401 for a credential its access does not take. */
+  authorizeEdge(id: string, token: string | undefined): EdgeGrant;
+  /** Calls `fn` with a deployment whose edge access changed (its open WebSockets are cut). */
+  onAccessChanged(fn: (deploymentId: string) => void): void;
   /** A tunnel to a routable service's port inside its machine. */
   openServicePort(serviceId: string): Promise<Socket>;
   isRoutable(serviceId: string): boolean;
@@ -66,8 +74,12 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   const supervision = new ServiceSupervision({ db, machines, log, records, edge, locks, opts, openEnvs: (sealed) => sealer!.open(sealed) });
   const rollouts = new Rollouts({ db, log, records, supervision });
   const { loadDeployment, loadVersion, loadService } = records;
-  const view = (row: DeploymentRow, withVersions: boolean) => deploymentView(db, row, withVersions);
-  const serviceOut = (row: Parameters<typeof serviceView>[0], publicAllowed: boolean) => serviceView(row, edge.publicUrlOf(row, publicAllowed), supervision.probes.of(row));
+  const view = (row: DeploymentRow, withVersions: boolean) => {
+    edge.setAccess(row);
+    return deploymentView(db, row, withVersions, edge.deploymentUrlOf(row.id));
+  };
+  const serviceOut = (row: Parameters<typeof serviceView>[0], publicAllowed: boolean) => serviceView(row, publicAllowed ? edge.publicUrlOf(row) : null, supervision.probes.of(row));
+  const newSalt = () => randomBytes(16).toString("hex");
 
   /** Deployment envs are sealed before they reach the store; only their names are kept in the clear. */
   function sealEnvs(envs: Record<string, string>) {
@@ -104,6 +116,8 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       current_version_id: version.id,
       replicas: input.replicas ?? 1,
       public_url: input.public_url === false ? 0 : 1,
+      access: input.access ?? "token",
+      edge_salt: newSalt(),
       status: "active",
       rollout_status: "rolling",
       rollout_error: null,
@@ -115,6 +129,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       await tx.insertInto("deployments").values(dep).execute();
       await tx.insertInto("deployment_versions").values(version).execute();
     });
+    edge.setAccess(dep);
     // The first replicas are made before the answer, so the client sees them (starting) and a failing template or
     // machine admission is an error of this request; later ones (updates) roll in the background.
     try {
@@ -129,6 +144,16 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   }
 
   async function update(id: string, input: UpdateDeploymentInput) {
+    // Access is the edge's business, not the replicas': changing only it makes no version and rolls nothing.
+    if (Object.keys(input).every((k) => k === "access")) {
+      const changed = await withLock(`dep:${id}`, async () => {
+        const dep = await loadDeployment(id);
+        if (dep.status !== "active") throw new KilnError("conflict", `Deployment ${id} is ${dep.status}`);
+        await db.updateTable("deployments").set({ access: input.access!, updated_at: new Date().toISOString() }).where("id", "=", id).execute();
+        return loadDeployment(id);
+      });
+      return view(changed, true);
+    }
     const updated = await withLock(`dep:${id}`, async () => {
       const dep = await loadDeployment(id);
       if (dep.status !== "active") throw new KilnError("conflict", `Deployment ${id} is ${dep.status}`);
@@ -156,6 +181,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
             current_version_id: version.id,
             replicas: input.replicas ?? dep.replicas,
             public_url: input.public_url === undefined ? dep.public_url : input.public_url ? 1 : 0,
+            access: input.access ?? dep.access,
             rollout_status: "rolling",
             rollout_error: null,
             updated_at: now,
@@ -167,6 +193,16 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
     });
     void rollouts.run(id);
     return view(updated, true);
+  }
+
+  async function rotateEdgeToken(id: string) {
+    const row = await withLock(`dep:${id}`, async () => {
+      const dep = await loadDeployment(id);
+      if (dep.status !== "active") throw new KilnError("conflict", `Deployment ${id} is ${dep.status}`);
+      await db.updateTable("deployments").set({ edge_salt: newSalt(), updated_at: new Date().toISOString() }).where("id", "=", id).execute();
+      return loadDeployment(id);
+    });
+    return view(row, true);
   }
 
   async function get(id: string) {
@@ -183,6 +219,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       const row = await loadDeployment(id);
       if (row.status === "deleted") return row;
       await db.updateTable("deployments").set({ status: "deleting", updated_at: new Date().toISOString() }).where("id", "=", id).execute();
+      edge.setAccess({ ...row, status: "deleting", updated_at: new Date().toISOString() }); // its URLs stop before its services do
       return row;
     });
     if (dep.status !== "deleted") {
@@ -274,6 +311,9 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
   async function start() {
     await edge.load(opts.dataDir);
     sealer = await loadEnvSealer(opts.dataDir);
+    await pollAccess();
+    accessPoll = setInterval(() => void pollAccess().catch((err: unknown) => log.warn({ err }, "reading deployments' edge access failed")), ACCESS_POLL_MS);
+    accessPoll.unref();
     // On a store shared by several servers, each supervises the services whose machines it runs.
     const rows = await db
       .selectFrom("services")
@@ -302,11 +342,27 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
     if (rows.length > 0) log.info({ services: attached }, "services re-attached after start");
   }
 
+  /**
+   * The edge's view of every deployment's access, read from the store: all at start, then each second the rows
+   * written since (by this server or another on the store), so a rotation or delete made elsewhere stops the old
+   * token here within about a second. Timestamps are ISO strings; ">=" re-reads the last instant's rows (harmless).
+   */
+  let accessSince = "";
+  let accessPoll: NodeJS.Timeout | undefined;
+  async function pollAccess() {
+    const rows = await db.selectFrom("deployments").select(["id", "status", "public_url", "access", "edge_salt", "updated_at"]).where("updated_at", ">=", accessSince).execute();
+    for (const r of rows) {
+      edge.setAccess(r);
+      if (r.updated_at > accessSince) accessSince = r.updated_at;
+    }
+  }
+
   function setPublicUrl(url: string) {
     opts.publicUrl = url.replace(/\/+$/, "");
   }
 
   async function close() {
+    clearInterval(accessPoll);
     const rolloutsDone = rollouts.close();
     supervision.close();
     await rolloutsDone;
@@ -323,7 +379,9 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
     getService,
     serviceLogs,
     restart,
-    authorizeEdge: (serviceId, token) => edge.authorize(serviceId, token),
+    rotateEdgeToken,
+    authorizeEdge: (id, token) => edge.authorize(id, token),
+    onAccessChanged: (fn) => edge.onAccessChanged(fn),
     openServicePort: (serviceId) => edge.openServicePort(serviceId),
     isRoutable: (serviceId) => edge.routes.has(serviceId),
     setProxy: (p) => edge.setProxy(p),

@@ -3,6 +3,7 @@
 
 import type { Db, DeploymentRow, DeploymentVersionRow, ServiceRow } from "../store/schema.ts";
 import type { ReadinessDetail, ServiceStatus } from "./lifecycle.ts";
+import type { AccessMode } from "./schemas.ts";
 
 export const DEPLOYMENT_STATUSES = ["active", "deleting", "deleted"] as const;
 export const ROLLOUT_STATUSES = ["idle", "rolling", "failed"] as const;
@@ -56,7 +57,8 @@ export function serviceView(row: ServiceRow, publicUrl: string | null, detail: R
 }
 export type ServiceView = ReturnType<typeof serviceView>;
 
-export async function deploymentView(db: Db, row: DeploymentRow, withVersions: boolean) {
+/** `edgeUrl` is the deployment's own public URL as the edge makes it for this read (never stored). */
+export async function deploymentView(db: Db, row: DeploymentRow, withVersions: boolean, edgeUrl: string | null) {
   const versions = await db.selectFrom("deployment_versions").selectAll().where("deployment_id", "=", row.id).orderBy("number", "desc").execute();
   const current = versions.find((v) => v.id === row.current_version_id)!;
   const cv = versionView(current);
@@ -73,6 +75,8 @@ export async function deploymentView(db: Db, row: DeploymentRow, withVersions: b
     readiness: cv.readiness,
     replicas: row.replicas,
     public_url: row.public_url === 1,
+    access: row.access as AccessMode,
+    edge_url: edgeUrl,
     rollout_status: row.rollout_status as RolloutStatus,
     rollout_error: row.rollout_error,
     created_at: row.created_at,

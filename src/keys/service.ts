@@ -3,7 +3,7 @@
 // Also seeds the first key on a fresh data dir (written to $KILN_DATA_DIR/api-key, never logged).
 
 import { createHash, randomBytes, timingSafeEqual } from "node:crypto";
-import { chmod, mkdir, writeFile } from "node:fs/promises";
+import { chmod, mkdir, readFile, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { Db } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
@@ -65,6 +65,8 @@ export interface KeyService {
   watchRevocations(onError: (err: unknown) => void): Promise<() => void>;
   seed(opts: { apiKey?: string; dataDir: string; log: Logger }): Promise<void>;
   isKey(candidate: string): Promise<boolean>;
+  /** Whether an active key is the operator's: KILN_API_KEY, or the key first start wrote to the data dir (seed). */
+  isOperator(id: string | undefined): Promise<boolean>;
 }
 
 export function createKeyService(db: Db): KeyService {
@@ -205,6 +207,22 @@ export function createKeyService(db: Db): KeyService {
    * a new one is written to <dataDir>/api-key (0600) and only that path is logged.
    */
   async function seed(opts: { apiKey?: string; dataDir: string; log: Logger }): Promise<void> {
+    await seedKeys(opts);
+    // The operator's keys are the ones only the host's operator holds: the configured one, and the first-start file's.
+    operatorHashes.clear();
+    if (opts.apiKey) operatorHashes.add(hashKey(opts.apiKey));
+    const written = await readFile(join(opts.dataDir, "api-key"), "utf8").catch(() => "");
+    if (written.trim()) operatorHashes.add(hashKey(written.trim()));
+  }
+
+  const operatorHashes = new Set<string>();
+  async function isOperator(id: string | undefined): Promise<boolean> {
+    if (id === undefined || operatorHashes.size === 0) return false;
+    const row = await db.selectFrom("api_keys").select("hash").where("id", "=", id).where("revoked_at", "is", null).executeTakeFirst();
+    return row !== undefined && operatorHashes.has(row.hash);
+  }
+
+  async function seedKeys(opts: { apiKey?: string; dataDir: string; log: Logger }): Promise<void> {
     if (opts.apiKey) {
       const exists = await db.selectFrom("api_keys").select("id").where("hash", "=", hashKey(opts.apiKey)).executeTakeFirst();
       if (!exists) await create("KILN_API_KEY", opts.apiKey);
@@ -231,5 +249,5 @@ export function createKeyService(db: Db): KeyService {
     return (await db.selectFrom("api_keys").select("id").where("hash", "=", hash).executeTakeFirst()) !== undefined;
   }
 
-  return { create, list, revoke, verify, isActive, isRevoked, onRevoked, watchRevocations, seed, isKey };
+  return { create, list, revoke, verify, isActive, isRevoked, onRevoked, watchRevocations, seed, isKey, isOperator };
 }

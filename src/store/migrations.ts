@@ -335,6 +335,21 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.alterTable("machines").addColumn("snapshot_id", "text").execute();
       },
     },
+    // How a deployment's public URLs are authorised: a long-lived rotatable token (the default), public, or signed.
+    // Deployments made before keep the signed URLs they had (no long-lived credential appears by surprise);
+    // PATCH access: "token" moves them over.
+    "0024_edge_access": {
+      async up(db: Kysely<any>) {
+        await db.schema.alterTable("deployments").addColumn("access", "text", (c) => c.notNull().defaultTo("signed")).execute();
+        await db.schema.alterTable("deployments").addColumn("edge_salt", "text", (c) => c.notNull().defaultTo("")).execute();
+      },
+    },
+    // A webhook the operator's key lets reach private and loopback receivers, without a server-wide setting or restart.
+    "0024_webhook_allow_private": {
+      async up(db: Kysely<any>) {
+        await db.schema.alterTable("webhooks").addColumn("allow_private", "integer", (c) => c.notNull().defaultTo(0)).execute();
+      },
+    },
   };
 }
 

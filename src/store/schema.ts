@@ -185,6 +185,8 @@ export interface WebhooksTable {
   /** The secret before the last rotation, still signing beside the new one until previous_secret_expires_at. */
   previous_signing_secret: string | null;
   previous_secret_expires_at: string | null;
+  /** 1 when the operator's key let this webhook reach private and loopback receivers (never link-local). */
+  allow_private: number;
   created_at: string;
   updated_at: string;
 }
@@ -248,6 +250,10 @@ export interface DeploymentsTable {
   replicas: number;
   /** 1 when ready services get an edge URL. */
   public_url: number;
+  /** token | public | signed: how its public URLs are authorised (src/deployments/edge.ts). */
+  access: string;
+  /** Random salt of the `token` access token (the token is an HMAC of it under the edge secret; never stored). */
+  edge_salt: string;
   status: string; // active | deleting | deleted
   /** idle | rolling | failed — the rollout onto current_version_id. */
   rollout_status: string;

@@ -41,7 +41,7 @@ export interface DispatcherOptions {
 }
 
 /** What sending needs of a webhook, read with the claim so a PATCH (new URL, rotated secret) applies to the next attempt. */
-type HookTarget = Pick<WebhookRow, "url" | "signing_secret" | "previous_signing_secret" | "previous_secret_expires_at"> & { webhook_id: string };
+type HookTarget = Pick<WebhookRow, "url" | "signing_secret" | "previous_signing_secret" | "previous_secret_expires_at" | "allow_private"> & { webhook_id: string };
 
 interface Outcome {
   row: DeliveryRow;
@@ -63,7 +63,11 @@ export function createDispatcher(opts: DispatcherOptions) {
   const idleMs = opts.idleMs ?? (opts.dialect === "postgres" ? 1000 : 30_000);
   // A claim outlives the longest attempt by a wide margin; past it, another server may take the delivery over.
   const claimTtlMs = timeoutMs * 4;
-  const agent = new Agent({ connect: { lookup: guardedLookup(opts.allowPrivate, opts.resolve), timeout: Math.min(10_000, timeoutMs) }, keepAliveTimeout: 4_000 });
+  // One connection pool per address policy: a webhook with allow_private (the operator's say) may reach private
+  // receivers; the others only when the whole server allows it. Link-local is refused by both.
+  const agentFor = (allowPrivate: boolean) => new Agent({ connect: { lookup: guardedLookup(allowPrivate, opts.resolve), timeout: Math.min(10_000, timeoutMs) }, keepAliveTimeout: 4_000 });
+  const agent = agentFor(opts.allowPrivate);
+  const privateAgent = opts.allowPrivate ? agent : agentFor(true);
 
   let inFlight = 0;
   const perWebhook = new Map<string, number>();
@@ -136,7 +140,7 @@ export function createDispatcher(opts: DispatcherOptions) {
     const skipClause = skip.length > 0 ? sql`and d.webhook_id not in (${sql.join(skip)})` : sql``;
     // Oldest due first, straight off the covering (status, next_attempt_at, id, webhook_id) index.
     const candidates = await sql<{ id: string } & HookTarget>`
-      select d.id, w.id as webhook_id, w.url, w.signing_secret, w.previous_signing_secret, w.previous_secret_expires_at
+      select d.id, w.id as webhook_id, w.url, w.signing_secret, w.previous_signing_secret, w.previous_secret_expires_at, w.allow_private
       from webhook_deliveries d join webhooks w on w.id = d.webhook_id
       where d.status = 'queued' and d.next_attempt_at <= ${nowIso} and w.enabled = 1 ${skipClause}
       order by d.next_attempt_at, d.id limit ${n * 4}`.execute(db);
@@ -189,8 +193,9 @@ export function createDispatcher(opts: DispatcherOptions) {
     let retryAfterMs = 0;
     try {
       const url = new URL(hook.url);
+      const allowPrivate = opts.allowPrivate || Number(hook.allow_private) === 1;
       const literal = ipLiteral(url.hostname);
-      const problem = literal ? addressProblem(literal, opts.allowPrivate) : null;
+      const problem = literal ? addressProblem(literal, allowPrivate) : null;
       if (problem) throw new ReceiverRefusedError(problem);
       const secrets = [hook.signing_secret];
       if (hook.previous_signing_secret && hook.previous_secret_expires_at && hook.previous_secret_expires_at > started.toISOString()) secrets.push(hook.previous_signing_secret);
@@ -199,7 +204,7 @@ export function createDispatcher(opts: DispatcherOptions) {
         method: "POST",
         headers: { ...headers, "content-type": "application/json", "user-agent": "Kiln-Webhooks/0.1" },
         body: row.body,
-        dispatcher: agent,
+        dispatcher: allowPrivate ? privateAgent : agent,
         signal: AbortSignal.timeout(timeoutMs),
       });
       statusCode = res.statusCode;
@@ -367,6 +372,7 @@ export function createDispatcher(opts: DispatcherOptions) {
     await Promise.allSettled([...sending]);
     while (flushing) await flushing;
     await agent.close();
+    if (privateAgent !== agent) await privateAgent.close();
   }
 
   return { start, close, wake };

@@ -25,6 +25,7 @@ export interface CreateWebhookInput {
   url: string;
   operations: WebhookOperation[];
   signing_secret?: string;
+  allow_private?: boolean;
 }
 
 export interface UpdateWebhookInput {
@@ -32,6 +33,12 @@ export interface UpdateWebhookInput {
   operations?: WebhookOperation[];
   signing_secret?: string;
   enabled?: boolean;
+  allow_private?: boolean;
+}
+
+/** Who asks: only the operator's key may let a webhook reach private addresses (docs/webhooks.md). */
+export interface Caller {
+  operator: boolean;
 }
 
 /** The webhook record as the API shows it: never any secret. */
@@ -41,6 +48,7 @@ export function webhookView(row: WebhookRow) {
     url: row.url,
     operations: JSON.parse(row.operations_json) as LifecycleOperation[],
     enabled: row.enabled === 1,
+    allow_private: row.allow_private === 1,
     created_at: row.created_at,
     updated_at: row.updated_at,
   };
@@ -78,10 +86,10 @@ type Page<T> = { items: T[]; last?: [string, string]; more: boolean };
 const NAME_CHECK_TIMEOUT_MS = 3_000;
 
 export interface WebhookService {
-  create(input: CreateWebhookInput): Promise<WebhookView & { signing_secret?: string }>;
+  create(input: CreateWebhookInput, caller?: Caller): Promise<WebhookView & { signing_secret?: string }>;
   get(id: string): Promise<WebhookView>;
   list(opts: { limit: number; after?: [string, string] }): Promise<Page<WebhookView>>;
-  update(id: string, input: UpdateWebhookInput): Promise<WebhookView>;
+  update(id: string, input: UpdateWebhookInput, caller?: Caller): Promise<WebhookView>;
   remove(id: string): Promise<{ id: string; deleted: true }>;
   listDeliveries(webhookId: string, opts: { limit: number; after?: [string, string]; status?: DeliveryStatus }): Promise<Page<DeliveryView>>;
   getDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView & { payload: unknown }>;
@@ -103,7 +111,8 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
    * resolves to now (`localhost` is 127.0.0.1), must be one a delivery may reach. A name that does not resolve yet
    * is accepted: its deliveries fail and retry until it does, as they would for a receiver that goes away later.
    */
-  async function checkUrl(raw: string): Promise<string> {
+  async function checkUrl(raw: string, hookAllowsPrivate: boolean): Promise<string> {
+    const allowPrivate = deps.allowPrivate || hookAllowsPrivate;
     let url: URL;
     try {
       url = new URL(raw);
@@ -113,13 +122,13 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
     if (url.protocol !== "http:" && url.protocol !== "https:") throw new KilnError("invalid_request", `url must be http or https, not ${url.protocol.replace(/:$/, "")}`);
     if (url.username || url.password) throw new KilnError("invalid_request", "url must not carry credentials (user:password@); put a token in the path or query, or verify signatures");
     const literal = ipLiteral(url.hostname);
-    const problem = literal ? addressProblem(literal, deps.allowPrivate) : await nameProblem(url.hostname);
+    const problem = literal ? addressProblem(literal, allowPrivate) : await nameProblem(url.hostname, allowPrivate);
     if (problem) throw new KilnError("invalid_request", `url is not allowed: ${problem}`);
     return url.toString();
   }
 
   /** What a delivery's guarded lookup would refuse about this name's addresses now, or null. */
-  function nameProblem(hostname: string): Promise<string | null> {
+  function nameProblem(hostname: string, allowPrivate: boolean): Promise<string | null> {
     const resolve = deps.resolve ?? (dnsLookup as unknown as Resolve);
     return new Promise((done) => {
       const timer = setTimeout(() => done(null), NAME_CHECK_TIMEOUT_MS);
@@ -127,7 +136,7 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
         clearTimeout(timer);
         if (err) return done(null);
         for (const a of addresses) {
-          const problem = addressProblem(a.address, deps.allowPrivate);
+          const problem = addressProblem(a.address, allowPrivate);
           if (problem) return done(`${hostname}: ${problem}`);
         }
         done(null);
@@ -155,8 +164,15 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
   }
 
   /** The new record, and the signing secret when Kiln made it (shown in this one response only). */
-  async function create(input: CreateWebhookInput): Promise<WebhookView & { signing_secret?: string }> {
-    const url = await checkUrl(input.url);
+  function checkOperator(caller: Caller | undefined, what: string): void {
+    if (!caller?.operator) {
+      throw new KilnError("forbidden", `${what} needs the operator's key (KILN_API_KEY, or the one first start wrote to the data dir): a webhook that reaches private addresses reaches the host's network`);
+    }
+  }
+
+  async function create(input: CreateWebhookInput, caller?: Caller): Promise<WebhookView & { signing_secret?: string }> {
+    if (input.allow_private) checkOperator(caller, "allow_private: true");
+    const url = await checkUrl(input.url, input.allow_private === true);
     const operations = checkOperations(input.operations);
     const generated = input.signing_secret === undefined ? generateSecret() : undefined;
     const secret = generated ?? checkSecret(input.signing_secret!);
@@ -169,6 +185,7 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
       signing_secret: secret,
       previous_signing_secret: null,
       previous_secret_expires_at: null,
+      allow_private: input.allow_private ? 1 : 0,
       created_at: now,
       updated_at: now,
     };
@@ -185,10 +202,23 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
     return { items: page.rows.map(webhookView), last: page.last, more: page.more };
   }
 
-  /** A new signing_secret rotates: the old one keeps signing beside it for the grace period. */
-  async function update(id: string, input: UpdateWebhookInput): Promise<WebhookView> {
+  /**
+   * A new signing_secret rotates: the old one keeps signing beside it for the grace period. Letting a webhook reach
+   * private addresses (allow_private: true), or moving the url of one that may, takes the operator's key; turning it
+   * off does not. When its receiver may now be reached (private allowed, or a new url), deliveries that were refused
+   * for its address are due at once instead of at their next scheduled retry.
+   */
+  async function update(id: string, input: UpdateWebhookInput, caller?: Caller): Promise<WebhookView> {
     const set: Partial<WebhookRow> = {};
-    if (input.url !== undefined) set.url = await checkUrl(input.url);
+    const current = await load(id);
+    if (input.allow_private === true) checkOperator(caller, "allow_private: true");
+    const allowPrivate = input.allow_private ?? current.allow_private === 1;
+    if (input.url !== undefined && current.allow_private === 1 && input.allow_private !== false) checkOperator(caller, "Changing the url of a webhook with allow_private");
+    if (input.allow_private !== undefined) set.allow_private = input.allow_private ? 1 : 0;
+    if (input.url !== undefined) set.url = await checkUrl(input.url, allowPrivate);
+    else if (input.allow_private === false) await checkUrl(current.url, false).catch((err: unknown) => {
+      throw err instanceof KilnError ? new KilnError("invalid_request", `allow_private: false would refuse this webhook's url; change the url too (${err.message})`) : err;
+    });
     if (input.operations !== undefined) set.operations_json = checkOperations(input.operations);
     if (input.enabled !== undefined) set.enabled = input.enabled ? 1 : 0;
     const secret = input.signing_secret === undefined ? undefined : checkSecret(input.signing_secret);
@@ -203,11 +233,33 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
       }
       set.updated_at = now.toISOString();
       await tx.updateTable("webhooks").set(set).where("id", "=", id).execute();
+      if (set.url !== undefined || set.allow_private === 1) await refusedDueNow(tx, id, now.toISOString());
       return { ...current, ...set };
     });
-    // Deliveries held back while it was disabled are due now.
-    if (input.enabled) deps.wake();
+    // Deliveries held back while it was disabled, or refused for an address it may now reach, are due now.
+    if (input.enabled || set.url !== undefined || set.allow_private === 1) deps.wake();
     return webhookView(row);
+  }
+
+  /**
+   * Deliveries whose last attempt was refused for the receiver's address go again now: queued ones without waiting
+   * out their retry delay, dead letters for one more run of the schedule (as a manual retry would).
+   */
+  async function refusedDueNow(tx: Db, id: string, now: string): Promise<void> {
+    await tx
+      .updateTable("webhook_deliveries")
+      .set({ next_attempt_at: now, updated_at: now })
+      .where("webhook_id", "=", id)
+      .where("status", "=", "queued")
+      .where("last_error", "like", "refused:%")
+      .execute();
+    await tx
+      .updateTable("webhook_deliveries")
+      .set((eb) => ({ status: "queued", schedule_base: eb.ref("attempts"), next_attempt_at: now, completed_at: null, updated_at: now }))
+      .where("webhook_id", "=", id)
+      .where("status", "=", "dead_letter")
+      .where("last_error", "like", "refused:%")
+      .execute();
   }
 
   /** Deletes the webhook with its deliveries and their attempts: pending ones are never sent. */

@@ -1,5 +1,5 @@
 // Which receiver addresses a delivery may reach: link-local and cloud metadata never, private and loopback only
-// when KILN_WEBHOOK_ALLOW_PRIVATE=1. Checked on the address actually connected to, resolved at each attempt; the
+// when KILN_WEBHOOK_ALLOW_PRIVATE=1 or the webhook has allow_private (set with the operator's key). Checked on the address actually connected to, resolved at each attempt; the
 // classification itself is Kiln's one outbound-address classifier (src/net/addresses.ts).
 
 import { lookup as dnsLookup } from "node:dns";
@@ -11,7 +11,7 @@ import { classifyAddress, addressProblem as outboundProblem } from "../net/addre
 export function addressProblem(ip: string, allowPrivate: boolean): string | null {
   const problem = outboundProblem(ip, allowPrivate);
   if (!problem) return null;
-  const hint = classifyAddress(ip).class === "private" ? "; set KILN_WEBHOOK_ALLOW_PRIVATE=1 to allow it" : "";
+  const hint = classifyAddress(ip).class === "private" ? "; set KILN_WEBHOOK_ALLOW_PRIVATE=1, or allow_private: true on the webhook with the operator's key, to allow it" : "";
   return problem.replace(/^the address /, "the receiver address ") + hint;
 }
 

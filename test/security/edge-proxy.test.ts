@@ -35,11 +35,11 @@ after(async () => {
 const fast = { interval_s: 0.2, timeout_s: 1 };
 const probes = new Map<string, { svc: any; base: string; token: string; machine: string }>();
 
-/** A ready deployment of the probe service; `name` keeps one per test role. */
-async function probe(name: string) {
+/** A ready deployment of the probe service; `name` keeps one per test role (`access` as the deployment's, token by default). */
+async function probe(name: string, access?: "signed") {
   const known = probes.get(name);
   if (known) return known;
-  const dep = await createDeployment(k, { name, command: probeCommand(8080), port: 8080, readiness: { ...fast, path: "/" } });
+  const dep = await createDeployment(k, { name, command: probeCommand(8080), port: 8080, readiness: { ...fast, path: "/" }, ...(access ? { access } : {}) });
   const [first] = await services(k, dep.id);
   const svc = await waitService(k, dep.id, first.id, (s) => s.status === "ready");
   const url = new URL(svc.public_url);
@@ -208,7 +208,7 @@ test("a WebSocket handshake the service answers without 101 is relayed and the c
 });
 
 test("a WebSocket through the edge closes when the edge token that opened it expires", async () => {
-  const p = await probe("creds");
+  const p = await probe("expiring", "signed");
   const secret = await loadEdgeSecret(k.dataDir);
   // Tokens carry whole seconds: this one expires 2–3 s from now.
   const expiresAt = (Math.floor(Date.now() / 1000) + 3) * 1000;

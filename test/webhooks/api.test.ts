@@ -38,7 +38,7 @@ after(async () => {
 async function hook(path: string, body: Record<string, unknown> = {}) {
   const res = await k.call("POST", "/v1/lifecycle/webhooks", { body: { url: `${rx.url}/${path}`, operations: ["update"], ...body } });
   assert.equal(res.status, 201, res.text);
-  return res.body as { id: string; signing_secret?: string; url: string; operations: string[]; enabled: boolean };
+  return res.body as { id: string; signing_secret?: string; url: string; operations: string[]; enabled: boolean; allow_private: boolean };
 }
 
 /** An `update` lifecycle event of the test machine; resolves with its event id once it is committed. */
@@ -82,7 +82,8 @@ test("create, get, list by pages, patch and delete a webhook; records never show
   assert.match(a.id, /^whk_/);
   assert.match(a.signing_secret!, /^whsec_[A-Za-z0-9+/]+={0,2}$/);
   assert.ok(Buffer.from(a.signing_secret!.slice(6), "base64").length >= 24, "a generated secret holds 24+ random bytes");
-  assert.deepEqual(Object.keys(a).sort(), ["created_at", "enabled", "id", "operations", "signing_secret", "updated_at", "url"]);
+  assert.deepEqual(Object.keys(a).sort(), ["allow_private", "created_at", "enabled", "id", "operations", "signing_secret", "updated_at", "url"]);
+  assert.equal(a.allow_private, false);
   assert.equal(a.enabled, true);
   assert.deepEqual(a.operations, ["create", "destroy"]);
 
@@ -92,7 +93,7 @@ test("create, get, list by pages, patch and delete a webhook; records never show
 
   const got = await k.call("GET", `/v1/lifecycle/webhooks/${a.id}`);
   assert.equal(got.status, 200);
-  assert.deepEqual(Object.keys(got.body).sort(), ["created_at", "enabled", "id", "operations", "updated_at", "url"]);
+  assert.deepEqual(Object.keys(got.body).sort(), ["allow_private", "created_at", "enabled", "id", "operations", "updated_at", "url"]);
 
   const first = await k.call("GET", "/v1/lifecycle/webhooks?limit=2");
   assert.equal(first.status, 200);

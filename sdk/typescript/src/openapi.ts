@@ -4441,6 +4441,7 @@ export interface paths {
                                 url: string;
                                 operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                                 enabled: boolean;
+                                allow_private: boolean;
                                 /** Format: date-time */
                                 created_at: string;
                                 /** Format: date-time */
@@ -4503,6 +4504,8 @@ export interface paths {
                         operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                         /** @description `whsec_` + base64 (16–128 bytes), or any string of 16+ characters used as its UTF-8 bytes. Write-only. */
                         signing_secret?: string;
+                        /** @description Let this webhook reach private and loopback receivers (never link-local or metadata addresses) without KILN_WEBHOOK_ALLOW_PRIVATE. Setting it true takes the operator's key (403 otherwise); deliveries refused for the address go again at once */
+                        allow_private?: boolean;
                     };
                 };
             };
@@ -4518,6 +4521,7 @@ export interface paths {
                             url: string;
                             operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                             enabled: boolean;
+                            allow_private: boolean;
                             /** Format: date-time */
                             created_at: string;
                             /** Format: date-time */
@@ -4546,6 +4550,23 @@ export interface paths {
                 };
                 /** @description Default Response */
                 401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                403: {
                     headers: {
                         [name: string]: unknown;
                     };
@@ -4599,6 +4620,7 @@ export interface paths {
                             url: string;
                             operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                             enabled: boolean;
+                            allow_private: boolean;
                             /** Format: date-time */
                             created_at: string;
                             /** Format: date-time */
@@ -4725,6 +4747,8 @@ export interface paths {
                         /** @description `whsec_` + base64 (16–128 bytes), or any string of 16+ characters used as its UTF-8 bytes. Write-only. */
                         signing_secret?: string;
                         enabled?: boolean;
+                        /** @description Let this webhook reach private and loopback receivers (never link-local or metadata addresses) without KILN_WEBHOOK_ALLOW_PRIVATE. Setting it true takes the operator's key (403 otherwise); deliveries refused for the address go again at once */
+                        allow_private?: boolean;
                     };
                 };
             };
@@ -4740,6 +4764,7 @@ export interface paths {
                             url: string;
                             operations: ("create" | "update" | "hibernate" | "resume" | "destroy" | "snapshot" | "fork" | "service.starting" | "service.ready" | "service.unhealthy" | "service.stopping" | "service.stopped" | "service.failed" | "service.restart")[];
                             enabled: boolean;
+                            allow_private: boolean;
                             /** Format: date-time */
                             created_at: string;
                             /** Format: date-time */
@@ -4766,6 +4791,23 @@ export interface paths {
                 };
                 /** @description Default Response */
                 401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                403: {
                     headers: {
                         [name: string]: unknown;
                     };
@@ -7151,6 +7193,9 @@ export interface paths {
                                 replicas: number;
                                 public_url: boolean;
                                 /** @enum {unknown} */
+                                access: "token" | "public" | "signed";
+                                edge_url: string | null;
+                                /** @enum {unknown} */
                                 rollout_status: "idle" | "rolling" | "failed";
                                 rollout_error: string | null;
                                 /** Format: date-time */
@@ -7238,6 +7283,11 @@ export interface paths {
                         replicas?: number;
                         /** @description Whether ready services get a public edge URL (default true) */
                         public_url?: boolean;
+                        /**
+                         * @description How the public URLs are authorised: `token` (default) a long-lived token, the same on every read, that rotate-edge-token replaces; `public` no credential at all (anyone who learns the URL reaches the service); `signed` a fresh token per read that expires after KILN_EDGE_TOKEN_TTL_S
+                         * @enum {unknown}
+                         */
+                        access?: "token" | "public" | "signed";
                         readiness?: {
                             /** @description HTTP path to GET; without it the probe is TCP */
                             path?: string;
@@ -7272,6 +7322,9 @@ export interface paths {
                             };
                             replicas: number;
                             public_url: boolean;
+                            /** @enum {unknown} */
+                            access: "token" | "public" | "signed";
+                            edge_url: string | null;
                             /** @enum {unknown} */
                             rollout_status: "idle" | "rolling" | "failed";
                             rollout_error: string | null;
@@ -7419,6 +7472,9 @@ export interface paths {
                             replicas: number;
                             public_url: boolean;
                             /** @enum {unknown} */
+                            access: "token" | "public" | "signed";
+                            edge_url: string | null;
+                            /** @enum {unknown} */
                             rollout_status: "idle" | "rolling" | "failed";
                             rollout_error: string | null;
                             /** Format: date-time */
@@ -7520,6 +7576,9 @@ export interface paths {
                             replicas: number;
                             public_url: boolean;
                             /** @enum {unknown} */
+                            access: "token" | "public" | "signed";
+                            edge_url: string | null;
+                            /** @enum {unknown} */
                             rollout_status: "idle" | "rolling" | "failed";
                             rollout_error: string | null;
                             /** Format: date-time */
@@ -7607,6 +7666,11 @@ export interface paths {
                         };
                         replicas?: number;
                         public_url?: boolean;
+                        /**
+                         * @description How the public URLs are authorised: `token` (default) a long-lived token, the same on every read, that rotate-edge-token replaces; `public` no credential at all (anyone who learns the URL reaches the service); `signed` a fresh token per read that expires after KILN_EDGE_TOKEN_TTL_S
+                         * @enum {unknown}
+                         */
+                        access?: "token" | "public" | "signed";
                         readiness?: {
                             /** @description HTTP path to GET; without it the probe is TCP */
                             path?: string;
@@ -7641,6 +7705,9 @@ export interface paths {
                             };
                             replicas: number;
                             public_url: boolean;
+                            /** @enum {unknown} */
+                            access: "token" | "public" | "signed";
+                            edge_url: string | null;
                             /** @enum {unknown} */
                             rollout_status: "idle" | "rolling" | "failed";
                             rollout_error: string | null;
@@ -7738,6 +7805,140 @@ export interface paths {
                 };
             };
         };
+        trace?: never;
+    };
+    "/v1/agent-deployments/{deployment_id}/rotate-edge-token": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Replace the deployment's long-lived edge token: URLs with the old one stop at once (open WebSockets too); the answer carries the new edge_url */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    deployment_id: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            id: string;
+                            name: string;
+                            /** @enum {unknown} */
+                            status: "active" | "deleting" | "deleted";
+                            current_version_id: string;
+                            version: number;
+                            template: string;
+                            command: string;
+                            port: number;
+                            env_names: string[];
+                            readiness: {
+                                path?: string;
+                                interval_s: number;
+                                timeout_s: number;
+                            };
+                            replicas: number;
+                            public_url: boolean;
+                            /** @enum {unknown} */
+                            access: "token" | "public" | "signed";
+                            edge_url: string | null;
+                            /** @enum {unknown} */
+                            rollout_status: "idle" | "rolling" | "failed";
+                            rollout_error: string | null;
+                            /** Format: date-time */
+                            created_at: string;
+                            /** Format: date-time */
+                            updated_at: string;
+                            deleted_at: string | null;
+                            versions?: {
+                                id: string;
+                                number: number;
+                                template: string;
+                                command: string;
+                                port: number;
+                                /** @description Names of the version's envs; their values are sealed at rest and never shown */
+                                env_names: string[];
+                                readiness: {
+                                    path?: string;
+                                    interval_s: number;
+                                    timeout_s: number;
+                                };
+                                /** Format: date-time */
+                                created_at: string;
+                            }[];
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                404: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                409: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
         trace?: never;
     };
     "/v1/agent-deployments/{deployment_id}/services": {

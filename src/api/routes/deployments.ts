@@ -7,7 +7,7 @@ import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { SERVICE_STATUSES } from "../../deployments/lifecycle.ts";
 import { DEPLOYMENT_STATUSES, ROLLOUT_STATUSES } from "../../deployments/views.ts";
-import { CreateDeployment, RestartRequest, UpdateDeployment } from "../../deployments/schemas.ts";
+import { ACCESS_MODES, CreateDeployment, RestartRequest, UpdateDeployment } from "../../deployments/schemas.ts";
 import { errors, Cursor, Id, Limit } from "../schemas.ts";
 import { nextCursor, pageAfter } from "../../store/cursor.ts";
 import { KilnError } from "../../errors.ts";
@@ -40,6 +40,13 @@ const Deployment = Type.Object({
   readiness: ReadinessOut,
   replicas: Type.Integer(),
   public_url: Type.Boolean(),
+  access: Type.Enum(ACCESS_MODES),
+  edge_url: Nullable(
+    Type.String({
+      description:
+        "The deployment's own public URL (any ready replica; the same across reads, rollouts and restarts) in `token` and `public` access; null for `signed` or without public_url. A `token` URL is a credential: keep it out of logs",
+    }),
+  ),
   rollout_status: Type.Enum(ROLLOUT_STATUSES),
   rollout_error: Nullable(Type.String()),
   created_at: Type.String({ format: "date-time" }),
@@ -59,7 +66,9 @@ const ServiceInstance = Type.Object({
   updated_at: Type.String({ format: "date-time" }),
   machine_id: Type.String(),
   process_id: Nullable(Type.Integer()),
-  public_url: Nullable(Type.String({ description: "Signed edge URL of a ready service; carries an edge_token: never log or store it" })),
+  public_url: Nullable(
+    Type.String({ description: "Edge URL of a ready service, as its deployment's access makes it (stable token, public, or signed and expiring); an edge_token is a credential: never log or store it" }),
+  ),
   readiness_status: Type.Object({}, { additionalProperties: true }),
   failure_reason: Nullable(Type.String()),
   started_at: Nullable(Type.String({ format: "date-time" })),
@@ -139,6 +148,20 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
     "/v1/agent-deployments/:deployment_id",
     { config: { auth: "key" }, schema: { tags, summary: "Delete a deployment: every service stops and its machine is destroyed", params: DepParams, response: { 200: Deployment, ...errors(404) } } },
     async (req) => deployments.remove(req.params.deployment_id),
+  );
+
+  app.post(
+    "/v1/agent-deployments/:deployment_id/rotate-edge-token",
+    {
+      config: { auth: "key" },
+      schema: {
+        tags,
+        summary: "Replace the deployment's long-lived edge token: URLs with the old one stop at once (open WebSockets too); the answer carries the new edge_url",
+        params: DepParams,
+        response: { 200: Deployment, ...errors(404, 409) },
+      },
+    },
+    async (req) => deployments.rotateEdgeToken(req.params.deployment_id),
   );
 
   app.get(

@@ -1,5 +1,7 @@
-// The public edge: /edge/<service_id>/… proxies HTTP and WebSocket to a ready service, authorised by the signed
-// edge_token of its public URL (then by an HttpOnly cookie scoped to the service's path), never by an API key.
+// The public edge: /edge/<service_id>/… (one replica) and /edge/<deployment_id>/… (any ready replica) proxy HTTP and
+// WebSocket to a service, authorised as the deployment's access says — its long-lived token, nothing (public), or a
+// signed expiring token — carried by the URL's edge_token (then by an HttpOnly cookie scoped to that path), never
+// by an API key.
 // Plain HTTP requests are served before Fastify routes them (see server.ts: they are the data path, and Fastify's
 // request machinery cost more than the proxying); WebSocket upgrades come through the Fastify route below.
 
@@ -13,6 +15,7 @@ import { scrubUrl } from "../../log.ts";
 import type { Logger } from "../../log.ts";
 import { acceptWebSocket, createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHeaders, isWebSocketUpgrade } from "../../deployments/proxy.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
+import type { EdgeGrant } from "../../deployments/edge.ts";
 import { mayCarryKilnCredentials, rememberedCheck, stripKilnCredentials } from "../../deployments/credentials.ts";
 
 /** The cookie that carries the edge token after the first request, so a browser's relative requests work too. */
@@ -73,11 +76,36 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
   // A Kiln API key sent along (a client that adds its key to every request to Kiln's host) never reaches a service.
   const isKilnKey = rememberedCheck((c) => opts.services.keys.isKey(c));
 
-  /** Authorises the request; answers the token's expiry. Throws 401/503 as KilnErrors. */
-  function authorize(serviceId: string, queryToken: string | undefined, cookie: string | undefined): number {
-    const expiresAtMs = deployments.authorizeEdge(serviceId, queryToken ?? cookieValue(cookie, EDGE_COOKIE));
-    if (!deployments.isRoutable(serviceId)) throw new KilnError("unavailable", `Service ${serviceId} is not running`, { detail: { retryable: true } });
-    return expiresAtMs;
+  /** Authorises the request for `id` (a service's or a deployment's); answers the grant. Throws 401/503 as KilnErrors. */
+  function authorize(id: string, queryToken: string | undefined, cookie: string | undefined): EdgeGrant {
+    const grant = deployments.authorizeEdge(id, queryToken ?? cookieValue(cookie, EDGE_COOKIE));
+    if (!deployments.isRoutable(grant.serviceId)) throw new KilnError("unavailable", `Service ${grant.serviceId} is not running`, { detail: { retryable: true } });
+    return grant;
+  }
+
+  /** The cookie a browser keeps the URL's token in: until a signed one expires, for the session for a long-lived one. */
+  function edgeCookie(id: string, token: string | undefined, grant: EdgeGrant): string[] | undefined {
+    if (!token || grant.mode === "public") return undefined;
+    const maxAge = grant.expiresAtMs === undefined ? "" : `; Max-Age=${Math.max(0, Math.floor((grant.expiresAtMs - Date.now()) / 1000))}`;
+    return [`${EDGE_COOKIE}=${token}; Path=${PREFIX}${id}/${maxAge}; HttpOnly; SameSite=Lax${opts.secureCookies ? "; Secure" : ""}`];
+  }
+
+  /** WebSockets opened through a deployment's access, cut when that access changes (rotated, revoked, deleted). */
+  const pipes = new Map<string, Set<{ destroy(): void }>>();
+  deployments.onAccessChanged((deploymentId) => {
+    const held = pipes.get(deploymentId);
+    pipes.delete(deploymentId);
+    for (const p of held ?? []) p.destroy();
+  });
+  function holdPipe(deploymentId: string | undefined, socket: { destroy(): void; once(e: "close", f: () => void): unknown }) {
+    if (!deploymentId) return;
+    let held = pipes.get(deploymentId);
+    if (!held) pipes.set(deploymentId, (held = new Set()));
+    held.add(socket);
+    socket.once("close", () => {
+      held.delete(socket);
+      if (held.size === 0 && pipes.get(deploymentId) === held) pipes.delete(deploymentId);
+    });
   }
 
   function sendError(res: ServerResponse, requestId: string, err: unknown): number {
@@ -89,22 +117,20 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
 
   async function serve(req: IncomingMessage, res: ServerResponse, requestId: string, target: Exclude<EdgeTarget, { redirect: string }>): Promise<number> {
     if (!METHODS.has(req.method ?? "")) throw new KilnError("method_not_allowed", `${req.method} is not allowed on the edge`);
-    const expiresAtMs = authorize(target.serviceId, target.queryToken, req.headers.cookie);
+    const grant = authorize(target.serviceId, target.queryToken, req.headers.cookie);
     const headers = forwardedHeaders(req.headers, { stripCookie: EDGE_COOKIE, clientIp: req.socket.remoteAddress, proto: opts.secureCookies ? "https" : "http", keepUpgrade: false });
     if (mayCarryKilnCredentials(headers)) await stripKilnCredentials(headers, isKilnKey);
-    // Later relative requests from a browser carry the token as a cookie scoped to this service's path.
-    const cookie = target.queryToken
-      ? [`${EDGE_COOKIE}=${target.queryToken}; Path=${PREFIX}${target.serviceId}/; Max-Age=${Math.max(0, Math.floor((expiresAtMs - Date.now()) / 1000))}; HttpOnly; SameSite=Lax${opts.secureCookies ? "; Secure" : ""}`]
-      : undefined;
+    // Later relative requests from a browser carry the token as a cookie scoped to this URL's path.
+    const cookie = edgeCookie(target.serviceId, target.queryToken, grant);
     try {
       return await proxy.forward(
-        target.serviceId,
+        grant.serviceId,
         { method: req.method!, path: target.path, headers, body: req.method === "GET" || req.method === "HEAD" ? undefined : req },
         res,
         () => ({ "x-request-id": [requestId], ...(cookie ? { "set-cookie": cookie } : {}) }),
       );
     } catch (err) {
-      throw err instanceof KilnError ? err : new KilnError("unavailable", `Service ${target.serviceId} did not answer`, { detail: { retryable: true } });
+      throw err instanceof KilnError ? err : new KilnError("unavailable", `Service ${grant.serviceId} did not answer`, { detail: { retryable: true } });
     }
   }
 
@@ -152,13 +178,14 @@ export function createEdge(opts: { services: Services; log: Logger; secureCookie
     const target = edgeTarget(req.url);
     if (!target || "redirect" in target) throw new KilnError("not_found", "WebSocket upgrades need /edge/<service_id>/…");
     if (!isWebSocketUpgrade(req.raw)) throw new KilnError("invalid_request", "The edge upgrades only to WebSocket");
-    const expiresAtMs = authorize(target.serviceId, target.queryToken, req.headers.cookie);
+    const grant = authorize(target.serviceId, target.queryToken, req.headers.cookie);
     const headers = forwardedHeaders(req.headers, { stripCookie: EDGE_COOKIE, clientIp: req.ip, proto: opts.secureCookies ? "https" : "http", keepUpgrade: true });
     if (mayCarryKilnCredentials(headers)) await stripKilnCredentials(headers, isKilnKey);
     reply.hijack();
     const socket = req.raw.socket;
+    holdPipe(grant.deploymentId, socket);
     try {
-      const status = await proxy.upgrade(target.serviceId, { method: req.method, path: target.path, headers }, socket, upgradeHead(req), { accept: acceptWebSocket, until: expiresAtMs });
+      const status = await proxy.upgrade(grant.serviceId, { method: req.method, path: target.path, headers }, socket, upgradeHead(req), { accept: acceptWebSocket, until: grant.expiresAtMs });
       req.log.info({ method: req.method, url: scrubUrl(req.url), status }, "request");
     } catch (err) {
       const status = err instanceof KilnError ? (err.code === "timeout" ? 504 : err.code === "unavailable" && err.detail?.retryable ? 503 : 502) : 502;

@@ -18,11 +18,17 @@ const SigningSecret = Type.String({
   description: "`whsec_` + base64 (16–128 bytes), or any string of 16+ characters used as its UTF-8 bytes. Write-only.",
 });
 
+const AllowPrivate = Type.Boolean({
+  description:
+    "Let this webhook reach private and loopback receivers (never link-local or metadata addresses) without KILN_WEBHOOK_ALLOW_PRIVATE. Setting it true takes the operator's key (403 otherwise); deliveries refused for the address go again at once",
+});
+
 const Webhook = Type.Object({
   id: Type.String(),
   url: Type.String(),
   operations: Type.Array(Type.Enum(WEBHOOK_OPERATIONS)),
   enabled: Type.Boolean(),
+  allow_private: Type.Boolean(),
   created_at: Type.String({ format: "date-time" }),
   updated_at: Type.String({ format: "date-time" }),
 });
@@ -55,7 +61,7 @@ const HookParams = Type.Object({ webhook_id: Id });
 const DeliveryParams = Type.Object({ webhook_id: Id, delivery_id: Id });
 
 export async function webhookRoutes(app: App, opts: { services: Services }) {
-  const { webhooks } = opts.services;
+  const { webhooks, keys } = opts.services;
 
   app.post(
     "/v1/lifecycle/webhooks",
@@ -64,11 +70,11 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
       schema: {
         tags,
         summary: "Register a lifecycle webhook; a generated signing_secret is in this response only",
-        body: Type.Object({ url: Url, operations: Operations, signing_secret: Type.Optional(SigningSecret) }, { additionalProperties: false }),
-        response: { 201: Type.Intersect([Webhook, Type.Object({ signing_secret: Type.Optional(Type.String()) })]), ...errors(400) },
+        body: Type.Object({ url: Url, operations: Operations, signing_secret: Type.Optional(SigningSecret), allow_private: Type.Optional(AllowPrivate) }, { additionalProperties: false }),
+        response: { 201: Type.Intersect([Webhook, Type.Object({ signing_secret: Type.Optional(Type.String()) })]), ...errors(400, 403) },
       },
     },
-    async (req, reply) => reply.code(201).send(await webhooks.create(req.body)),
+    async (req, reply) => reply.code(201).send(await webhooks.create(req.body, { operator: await keys.isOperator(req.apiKeyId) })),
   );
 
   app.get(
@@ -103,13 +109,19 @@ export async function webhookRoutes(app: App, opts: { services: Services }) {
         summary: "Update a webhook; a new signing_secret rotates it (the old one keeps signing beside it for 24 h)",
         params: HookParams,
         body: Type.Object(
-          { url: Type.Optional(Url), operations: Type.Optional(Operations), signing_secret: Type.Optional(SigningSecret), enabled: Type.Optional(Type.Boolean()) },
+          {
+            url: Type.Optional(Url),
+            operations: Type.Optional(Operations),
+            signing_secret: Type.Optional(SigningSecret),
+            enabled: Type.Optional(Type.Boolean()),
+            allow_private: Type.Optional(AllowPrivate),
+          },
           { additionalProperties: false, minProperties: 1 },
         ),
-        response: { 200: Webhook, ...errors(400, 404) },
+        response: { 200: Webhook, ...errors(400, 403, 404) },
       },
     },
-    async (req) => webhooks.update(req.params.webhook_id, req.body),
+    async (req) => webhooks.update(req.params.webhook_id, req.body, { operator: await keys.isOperator(req.apiKeyId) }),
   );
 
   app.delete(
