@@ -184,7 +184,10 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     } else if (opts.mustBePaused) {
       throw new KilnError("conflict", `sandbox "${m.id}" is already running`);
     }
-    const after = timeout !== undefined ? await machines.update(m.id, { timeout_s: timeout }) : await machines.get(m.id);
+    // E2B's connect only ever lengthens a running sandbox's life (setTimeout is the call that can shorten it);
+    // a resumed sandbox gets the asked timeout, as a new start does.
+    const longer = timeout !== undefined && (status === 201 || !m.expires_at || Date.now() + timeout * 1000 > Date.parse(m.expires_at));
+    const after = longer ? await machines.update(m.id, { timeout_s: timeout }) : await machines.get(m.id);
     return { status, body: created(after, req) };
   }
   for (const path of ["/sandboxes/:id/connect", "/v2/sandboxes/:id/connect"]) {
