@@ -195,6 +195,9 @@ function streamExecution(reply: FastifyReply, frames: Readable, abort: AbortCont
     if (!out.writableEnded) out.write(JSON.stringify(frame) + "\n");
   };
   const keepalive = setInterval(() => send({ type: "keepalive" }), KEEPALIVE_MS);
+  // Node sends the response's headers with its first bytes: one keepalive now, so the client has its headers at
+  // once — the SDK's timeoutMs clock starts with them — however long the code stays silent.
+  send({ type: "keepalive" });
   const lines = createInterface({ input: frames, crlfDelay: Infinity });
   const finish = () => {
     clearInterval(keepalive);
