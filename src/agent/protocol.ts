@@ -366,6 +366,8 @@ export interface CodeExecuteRequest {
   language?: CodeLanguage;
   default_context?: CodeContextCreate;
   timeout_ms?: number;
+  /** Environment variables for this execute only (set before it, put back after it). */
+  envs?: Record<string, string>;
 }
 
 export type CodeFrame =

@@ -24,7 +24,7 @@ export interface CodeService {
   restart(id: string, ctxId: string): Promise<{ id: string; language: CodeLanguage; cwd: string }>;
   remove(id: string, ctxId: string): Promise<void>;
   /** NDJSON frames; without context_id the language's default context (made on first use). */
-  execute(id: string, input: { code: string; context_id?: string; language?: CodeLanguage; timeout_s?: number }, signal?: AbortSignal): Promise<Readable>;
+  execute(id: string, input: { code: string; context_id?: string; language?: CodeLanguage; timeout_s?: number; envs?: Record<string, string> }, signal?: AbortSignal): Promise<Readable>;
 }
 
 export function createCodeService(machines: MachineService): CodeService {
@@ -65,7 +65,7 @@ export function createCodeService(machines: MachineService): CodeService {
     },
 
     /** NDJSON frames; without context_id the language's default context (made on first use). */
-    async execute(id: string, input: { code: string; context_id?: string; language?: CodeLanguage; timeout_s?: number }, signal?: AbortSignal): Promise<Readable> {
+    async execute(id: string, input: { code: string; context_id?: string; language?: CodeLanguage; timeout_s?: number; envs?: Record<string, string> }, signal?: AbortSignal): Promise<Readable> {
       if (input.context_id !== undefined && input.language !== undefined) throw new KilnError("invalid_request", "Give context_id or language, not both (a context has its language)");
       const t = await cwdOf(id, undefined);
       const language = input.language ?? CODE_DEFAULT_LANGUAGE;
@@ -77,6 +77,7 @@ export function createCodeService(machines: MachineService): CodeService {
             language: input.context_id === undefined ? language : undefined,
             default_context: input.context_id === undefined ? { id: newId("ctx"), language, cwd: t.cwd, user: t.row.user } : undefined,
             timeout_ms: (input.timeout_s ?? CODE_DEFAULT_TIMEOUT_S) * 1000,
+            ...(input.envs ? { envs: input.envs } : {}),
           },
           signal,
         ),

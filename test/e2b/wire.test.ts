@@ -38,11 +38,14 @@ test("an envd request names its sandbox by header or by a 49983-<machine id>. ho
   assert.equal(sandboxIdOf({ headers: { host: `49983-${id}.kiln.example:8080` } }), id);
   assert.equal(sandboxIdOf({ headers: { host: `3000-${id}.kiln.example` } }), undefined);
   assert.equal(sandboxIdOf({ headers: { host: "127.0.0.1:8080" } }), undefined);
-  assert.deepEqual(portTargetOf(`3000-${id}.kiln.example`, 49983), { port: 3000, sandboxId: id });
-  assert.equal(portTargetOf(`49983-${id}.kiln.example`, 49983), undefined);
+  // The code interpreter's port is Kiln's too: named by Host, never proxied into the machine.
+  assert.equal(sandboxIdOf({ headers: { host: `49999-${id}.kiln.example` } }), id);
+  assert.equal(portTargetOf(`49999-${id}.kiln.example`, [49983, 49999]), undefined);
+  assert.deepEqual(portTargetOf(`3000-${id}.kiln.example`, [49983, 49999]), { port: 3000, sandboxId: id });
+  assert.equal(portTargetOf(`49983-${id}.kiln.example`, [49983, 49999]), undefined);
   // A Kiln host that merely starts with digits and a dash is still Kiln's.
-  assert.equal(portTargetOf("8080-kiln.example.com", 49983), undefined);
-  assert.equal(portTargetOf("70000-mch_01m8278fg8qnyqh9sw8rwsfk2b.x", 49983), undefined);
+  assert.equal(portTargetOf("8080-kiln.example.com", [49983, 49999]), undefined);
+  assert.equal(portTargetOf("70000-mch_01m8278fg8qnyqh9sw8rwsfk2b.x", [49983, 49999]), undefined);
 });
 
 test("access tokens are per sandbox and key, name their key, and are checked in constant time", () => {

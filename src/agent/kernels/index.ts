@@ -167,7 +167,7 @@ class Kernel {
   }
 
   /** Runs `code`, calling `emit` for every frame until (and including) `end`. */
-  execute(code: string, timeoutMs: number, signal: AbortSignal, emit: (f: CodeFrame) => void): Promise<void> {
+  execute(code: string, timeoutMs: number, signal: AbortSignal, emit: (f: CodeFrame) => void, envs?: Record<string, string>): Promise<void> {
     const run = () =>
       new Promise<void>((resolve) => {
         const started = performance.now();
@@ -205,7 +205,7 @@ class Kernel {
           return finish(null, "died");
         }
         if (signal.aborted) return finish(null, "interrupted");
-        this.command({ op: "execute", code });
+        this.command({ op: "execute", code, ...(envs ? { envs } : {}) });
       });
     const next = this.queue.then(run, run);
     this.queue = next;
@@ -295,6 +295,20 @@ export async function stopAllKernels(): Promise<void> {
 }
 
 /** Settles when `res` can take more, or will take nothing more. */
+/** Per-execute environment variables: names as the shell takes them, string values, 64 KiB in all. */
+function envsOf(v: unknown): Record<string, string> | undefined {
+  if (v === undefined || v === null) return undefined;
+  if (typeof v !== "object" || Array.isArray(v)) throw new AgentFailure("invalid_request", "envs must map names to strings");
+  const entries = Object.entries(v as Record<string, unknown>);
+  let bytes = 0;
+  for (const [k, val] of entries) {
+    if (!/^[A-Za-z_][A-Za-z0-9_]*$/.test(k) || typeof val !== "string") throw new AgentFailure("invalid_request", `envs: ${JSON.stringify(k)} must be a variable name with a string value`);
+    bytes += k.length + val.length;
+  }
+  if (bytes > 64 * 1024) throw new AgentFailure("invalid_request", "envs are larger than 64 KiB");
+  return entries.length > 0 ? (v as Record<string, string>) : undefined;
+}
+
 function drainedOrClosed(res: ServerResponse): Promise<void> {
   return new Promise((resolve) => {
     const done = () => {
@@ -361,10 +375,16 @@ export async function handleCode(req: IncomingMessage, res: ServerResponse, path
     res.writeHead(200, { "content-type": "application/x-ndjson", "x-kiln-context-id": kernel.info.id });
     res.flushHeaders();
     const running = kernel;
-    await kernel.execute(body.code, timeoutMs, abort.signal, (frame) => {
-      if (res.writableEnded || res.destroyed) return;
-      if (!res.write(JSON.stringify(frame) + "\n")) running.holdOutput(drainedOrClosed(res));
-    });
+    await kernel.execute(
+      body.code,
+      timeoutMs,
+      abort.signal,
+      (frame) => {
+        if (res.writableEnded || res.destroyed) return;
+        if (!res.write(JSON.stringify(frame) + "\n")) running.holdOutput(drainedOrClosed(res));
+      },
+      envsOf(body.envs),
+    );
     res.end();
     return true;
   }

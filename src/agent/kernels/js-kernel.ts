@@ -62,9 +62,23 @@ function userFrames(stack: string): string {
     .join("\n");
 }
 
-async function execute(code: string) {
+/** Sets `envs` in process.env for one execute; returns what puts the previous values back. */
+function withEnvs(envs: Record<string, string> | undefined): () => void {
+  if (!envs) return () => undefined;
+  const saved = Object.keys(envs).map((k) => [k, process.env[k]] as const);
+  Object.assign(process.env, envs);
+  return () => {
+    for (const [k, v] of saved) {
+      if (v === undefined) delete process.env[k];
+      else process.env[k] = v;
+    }
+  };
+}
+
+async function execute(code: string, envs?: Record<string, string>) {
   const count = ++executionCount;
   let status = "ok";
+  const restoreEnvs = withEnvs(envs);
   try {
     const cell = compileCell(code);
     let value = new Script(cell.source, { filename: `<cell ${count}>` }).runInThisContext({ breakOnSigint: true, displayErrors: false });
@@ -86,6 +100,7 @@ async function execute(code: string) {
     });
   } finally {
     interruptPending = undefined;
+    restoreEnvs();
   }
   emit({ type: "done", execution_count: count, status });
 }
@@ -97,13 +112,13 @@ process.on("unhandledRejection", (err) => emit({ type: "stderr", text: `Unhandle
 let queue = Promise.resolve();
 const lines = createInterface({ input: process.stdin });
 lines.on("line", (line) => {
-  let cmd: { op?: string; code?: string };
+  let cmd: { op?: string; code?: string; envs?: Record<string, string> };
   try {
     cmd = JSON.parse(line);
   } catch {
     return;
   }
-  if (cmd.op === "execute") queue = queue.then(() => execute(String(cmd.code ?? "")));
+  if (cmd.op === "execute") queue = queue.then(() => execute(String(cmd.code ?? ""), cmd.envs));
   else if (cmd.op === "shutdown") process.exit(0);
 });
 lines.on("close", () => process.exit(0));

@@ -75,7 +75,8 @@ def main():
                 except Exception:  # noqa: BLE001 - a dead kernel is noticed by the execute loop
                     pass
             elif op == "execute":
-                work.put(cmd.get("code", ""))
+                envs = cmd.get("envs")
+                work.put((cmd.get("code", ""), envs if isinstance(envs, dict) else None))
             elif op == "shutdown":
                 break
         work.put(None)  # stdin closed (the agent went away) or shutdown: stop
@@ -84,10 +85,18 @@ def main():
     emit({"type": "ready", "kernel_pid": pid})
 
     while True:
-        code = work.get()
-        if code is None:
+        item = work.get()
+        if item is None:
             break
+        code, envs = item
+        if envs:
+            # Variables for this one execute: set in the kernel before it, put back after it (silently: no output,
+            # no execution count).
+            names = json.dumps(sorted(envs))
+            run_silent(kc, "import os as __kiln_os, json as __kiln_json\n__kiln_saved_env = {k: __kiln_os.environ.get(k) for k in __kiln_json.loads(%r)}\n__kiln_os.environ.update(__kiln_json.loads(%r))" % (names, json.dumps(envs)))
         run(km, kc, code)
+        if envs:
+            run_silent(kc, "for __kiln_k, __kiln_v in __kiln_saved_env.items():\n    __kiln_os.environ.pop(__kiln_k, None) if __kiln_v is None else __kiln_os.environ.__setitem__(__kiln_k, __kiln_v)\ndel __kiln_saved_env")
 
     try:
         kc.stop_channels()
@@ -95,6 +104,17 @@ def main():
     except Exception:  # noqa: BLE001 - the agent kills what is left
         pass
     return 0
+
+
+def run_silent(kc, code):
+    msg_id = kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+    try:
+        while True:
+            reply = kc.get_shell_msg(timeout=30)
+            if reply.get("parent_header", {}).get("msg_id") == msg_id:
+                return
+    except queue.Empty:
+        pass
 
 
 def run(km, kc, code):

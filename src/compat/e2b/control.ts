@@ -21,6 +21,9 @@ export interface ControlDeps {
   sandboxReady: (id: string) => void;
 }
 
+/** The template `@e2b/code-interpreter`'s Sandbox.create() names by default. */
+const CODE_INTERPRETER_TEMPLATE = "code-interpreter-v1";
+
 /** E2B's default sandbox timeout when a create names none (seconds). */
 const E2B_DEFAULT_TIMEOUT_S = 15;
 const STATES = ["running", "paused"] as const;
@@ -133,13 +136,22 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     if (body.network !== undefined && body.network !== null && !(typeof body.network === "object" && Object.keys(body.network).length === 0)) bad("network rules are not supported by Kiln's E2B API yet; use allow_internet_access");
     if (body.mcp !== undefined && body.mcp !== null) bad("mcp is not supported by Kiln");
     if (body.iam !== undefined && body.iam !== null) bad("iam is not supported by Kiln");
-    const m = await machines.create({
-      template,
-      metadata: body.metadata,
-      envs: body.envVars,
-      timeout_s: body.timeout ?? E2B_DEFAULT_TIMEOUT_S,
-      internet: body.allow_internet_access,
-    });
+    const m = await machines
+      .create({
+        template,
+        metadata: body.metadata,
+        envs: body.envVars,
+        timeout_s: body.timeout ?? E2B_DEFAULT_TIMEOUT_S,
+        internet: body.allow_internet_access,
+      })
+      .catch((err: unknown) => {
+        // @e2b/code-interpreter's default template: Kiln does not make it (yet); any template with python3 and
+        // ipykernel serves runCode.
+        if (template === CODE_INTERPRETER_TEMPLATE && err instanceof KilnError && err.code === "not_found") {
+          throw new KilnError("not_found", `Kiln has no "${CODE_INTERPRETER_TEMPLATE}" template yet: create the sandbox from "base" (python3 + ipykernel serve runCode), or build one with numpy/pandas/matplotlib and name it ${CODE_INTERPRETER_TEMPLATE} (docs/e2b.md)`);
+        }
+        throw err;
+      });
     deps.sandboxReady(m.id);
     return created(m, req);
   }
@@ -184,7 +196,10 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     } else if (opts.mustBePaused) {
       throw new KilnError("conflict", `sandbox "${m.id}" is already running`);
     }
-    const after = timeout !== undefined ? await machines.update(m.id, { timeout_s: timeout }) : await machines.get(m.id);
+    // E2B's connect only ever lengthens a running sandbox's life (setTimeout is the call that can shorten it);
+    // a resumed sandbox gets the asked timeout, as a new start does.
+    const longer = timeout !== undefined && (status === 201 || !m.expires_at || Date.now() + timeout * 1000 > Date.parse(m.expires_at));
+    const after = longer ? await machines.update(m.id, { timeout_s: timeout }) : await machines.get(m.id);
     return { status, body: created(after, req) };
   }
   for (const path of ["/sandboxes/:id/connect", "/v2/sandboxes/:id/connect"]) {

@@ -50,7 +50,14 @@ export function filesRoutes(kit: EnvdKit): void {
   const { app, services, context, resolvePath } = kit;
   const envdRoute = { config: { e2b: "envd", auth: "envd-token" as const }, constraints: { e2bEnvd: "envd" } };
 
-  app.get("/health", envdRoute, async (_req, reply) => reply.code(204).send());
+  // envd answers /health only while its sandbox runs; for a paused, killed or unknown sandbox E2B's proxy answers
+  // 502, which is how the SDK's isRunning() (and its "was the sandbox killed?" probe) tells them apart.
+  app.get("/health", envdRoute, async (req, reply) => {
+    const id = kit.sandboxIdOf(req);
+    const m = await services.machines.get(id).catch(() => undefined);
+    if (m?.status === "running") return reply.code(204).send();
+    return reply.code(502).type("application/json").send({ code: 502, message: `The sandbox ${id} is not running`, sandboxId: id });
+  });
 
   app.get("/files", envdRoute, async (req, reply) => {
     const { id, user, home } = await context(req);

@@ -4,7 +4,7 @@
 import type { FastifyRequest } from "fastify";
 import { ConnectFailure } from "./connect.ts";
 import type { ServerStream } from "./connect.ts";
-import type { ProcessConfig, ProcessEvent, ProcessRegistry } from "./processes.ts";
+import type { ProcessConfig, ProcessNotice, ProcessRegistry } from "./processes.ts";
 import { base64Of, isObj, keepaliveEveryS, str, uint } from "./envd-wire.ts";
 import type { EnvdKit } from "./envd-wire.ts";
 
@@ -17,12 +17,14 @@ function selectorOf(msg: Record<string, unknown>): { pid?: number; tag?: string 
 }
 
 /** Streams process events to the client: start first, then everything the process does, keepalives between. */
-function pipeProcess(processes: ProcessRegistry, req: FastifyRequest, stream: ServerStream, machineId: string, attach: (listener: (e: ProcessEvent) => void) => Promise<number>) {
+function pipeProcess(processes: ProcessRegistry, req: FastifyRequest, stream: ServerStream, machineId: string, attach: (listener: (e: ProcessNotice) => void) => Promise<number>) {
   return new Promise<void>((resolve, reject) => {
-    const queued: ProcessEvent[] = [];
+    const queued: ProcessNotice[] = [];
     let pid: number | undefined;
-    const listener = (e: ProcessEvent) => {
+    const listener = (e: ProcessNotice) => {
       if (pid === undefined) return void queued.push(e);
+      // The sandbox stopped under the process: `unavailable`, which the SDK reports as its timeout error.
+      if ("gone" in e) return stream.end(new ConnectFailure("unavailable", `the sandbox is not running anymore (${e.gone})`));
       stream.send({ event: e });
       if ("end" in e) stream.end();
     };

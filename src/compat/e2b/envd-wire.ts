@@ -19,6 +19,8 @@ export interface EnvdKit {
   services: Services;
   processes: ProcessRegistry;
   bodyLimit: number;
+  /** The sandbox an envd request names. */
+  sandboxIdOf(req: FastifyRequest): string;
   /** The machine, the acting user and that user's home (cached: homes do not move while a machine runs). */
   context(req: FastifyRequest): Promise<{ id: string; user: string; home: string }>;
   /** Relative paths resolve from the user's home, as envd does. */

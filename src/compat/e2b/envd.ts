@@ -106,7 +106,7 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
     services.machines.agentOf(id).then(({ row, agent }) => homeOf(id, agent, row.user)).catch(() => undefined);
   });
 
-  const kit: EnvdKit = { app, services, processes, bodyLimit: deps.bodyLimit, context, resolvePath, unary, serverStream };
+  const kit: EnvdKit = { app, services, processes, bodyLimit: deps.bodyLimit, sandboxIdOf: deps.sandboxIdOf, context, resolvePath, unary, serverStream };
   processRpcs(kit);
   filesystemRpcs(kit);
   filesRoutes(kit);

@@ -13,6 +13,7 @@ import { sendUnaryError } from "./connect.ts";
 import { createProcessRegistry } from "./processes.ts";
 import { createTokens, loadTokenSecret } from "./token.ts";
 import { installPortProxy, SANDBOX_HOST_RE } from "./ports.ts";
+import { codeInterpreterRoutes, JUPYTER_PORT } from "./code-interpreter.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import type { Auth } from "../../api/auth.ts";
 import { unauthorized } from "../../api/auth.ts";
@@ -30,13 +31,28 @@ export interface E2bOptions {
   limits?: ProxyLimits;
 }
 
-/** The sandbox an envd request is for, or undefined when the request is not an envd request. */
+/** The sandbox port a request names: `E2b-Sandbox-Port`, else the port of a `<port>-<id>.` Host. */
+function sandboxPortOf(req: { headers: Record<string, string | string[] | undefined> }): number | undefined {
+  const header = req.headers["e2b-sandbox-port"];
+  if (typeof header === "string" && /^\d{1,5}$/.test(header)) return Number(header);
+  const host = req.headers.host;
+  const m = typeof host === "string" ? SANDBOX_HOST_RE.exec(host) : null;
+  return m ? Number(m[1]) : undefined;
+}
+
+/** The sandbox an envd or code-interpreter request is for, or undefined when the request is neither. */
 export function sandboxIdOf(req: { headers: Record<string, string | string[] | undefined> }): string | undefined {
   const header = req.headers["e2b-sandbox-id"];
   if (typeof header === "string" && header) return header;
   const host = req.headers.host;
   const m = typeof host === "string" ? SANDBOX_HOST_RE.exec(host) : null;
-  return m && Number(m[1]) === ENVD_PORT ? m[2] : undefined;
+  return m && (Number(m[1]) === ENVD_PORT || Number(m[1]) === JUPYTER_PORT) ? m[2] : undefined;
+}
+
+/** Which in-sandbox server a request is for: the code interpreter (port 49999) or envd (any other). */
+function sandboxServerOf(req: { headers: Record<string, string | string[] | undefined> }): "envd" | "jupyter" | undefined {
+  if (!sandboxIdOf(req)) return undefined;
+  return sandboxPortOf(req) === JUPYTER_PORT ? "jupyter" : "envd";
 }
 
 /** KILN_PUBLIC_URL's host; none when it names port 0 (a server on an ephemeral port: the Host used is right). */
@@ -61,7 +77,7 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
       const handlers = new Map<string, unknown>();
       return { get: (k: string) => (handlers.get(k) ?? null) as never, set: (k: string, v: unknown) => void handlers.set(k, v) };
     },
-    deriveConstraint: (req: FastifyRequest["raw"]) => (sandboxIdOf(req as never) ? "envd" : undefined) as never,
+    deriveConstraint: (req: FastifyRequest["raw"]) => sandboxServerOf(req as never) as never,
     mustMatchWhenDerived: false,
   });
 
@@ -73,8 +89,9 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
     const keyId = sandboxId ? tokens.verify(sandboxId, presented) : undefined;
     return keyId !== undefined && (await services.keys.isActive(keyId)) ? keyId : undefined;
   };
+  // The code interpreter's calls carry the sandbox's traffic token (Kiln's is the envd token), some only that one.
   opts.auth.provide("envd-token", async (req) => {
-    const keyId = await envdKeyOf(sandboxIdOf(req), req.headers["x-access-token"]);
+    const keyId = await envdKeyOf(sandboxIdOf(req), req.headers["x-access-token"] ?? req.headers["e2b-traffic-access-token"]);
     if (keyId === undefined) throw unauthorized("invalid or missing X-Access-Token for this sandbox");
     return keyId;
   });
@@ -82,7 +99,8 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
   app.setErrorHandler((err, req, reply) => {
     const isRpc = (req.routeOptions.config as { e2b?: string } | undefined)?.e2b === "envd" && /^\/[a-z]+\.[A-Za-z]+\//.test(req.url);
     if (isRpc) return sendUnaryError(reply, err);
-    const { status, body } = e2bError(err);
+    const isJupyter = (req.routeOptions.config as { e2b?: string } | undefined)?.e2b === "jupyter";
+    const { status, body } = isJupyter ? jupyter.errorOf(err) : e2bError(err);
     // As Kiln's own handler: 503 `unavailable` (try again) is an expected refusal, logged at info.
     if (status >= 500 && !(err instanceof KilnError && err.code === "unavailable")) req.log.error({ err }, "request failed");
     else req.log.info({ code: status }, "request refused");
@@ -91,10 +109,11 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
 
   // After ready, so the websocket plugin's upgrade listener is among those it passes everything else to.
   app.addHook("onReady", (done) => {
-    installPortProxy(app.server, { machines: services.machines, keyOf: envdKeyOf, onRevoked: services.keys.onRevoked, isKey: services.keys.isKey, envdPort: ENVD_PORT, proto: new URL(opts.publicUrl).protocol.replace(":", ""), limits: opts.limits });
+    installPortProxy(app.server, { machines: services.machines, keyOf: envdKeyOf, onRevoked: services.keys.onRevoked, isKey: services.keys.isKey, servedPorts: [ENVD_PORT, JUPYTER_PORT], proto: new URL(opts.publicUrl).protocol.replace(":", ""), limits: opts.limits });
     done();
   });
 
+  const jupyter = await codeInterpreterRoutes(app, { services, sandboxIdOf: (req) => sandboxIdOf(req)! });
   const readyListeners: ((id: string) => void)[] = [];
   await controlRoutes(app, { services, tokenOf: tokens.tokenOf, domain: publicDomain(opts.publicUrl), sandboxReady: (id) => readyListeners.forEach((fn) => fn(id)) });
   await envdRoutes(app, {

@@ -11,12 +11,12 @@ import { acceptWebSocket, createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHe
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import { rememberedCheck, stripKilnCredentials } from "../../deployments/credentials.ts";
 
-/** The machine port a request is for, or undefined (envd's port and Kiln's own names are not port requests). */
-export function portTargetOf(host: string | undefined, envdPort: number): { port: number; sandboxId: string } | undefined {
+/** The machine port a request is for, or undefined (the ports Kiln serves itself — envd's, the code interpreter's — and Kiln's own names are not port requests). */
+export function portTargetOf(host: string | undefined, servedPorts: readonly number[]): { port: number; sandboxId: string } | undefined {
   const m = host ? SANDBOX_HOST_RE.exec(host) : null;
   if (!m) return undefined;
   const port = Number(m[1]);
-  if (port === envdPort || port < 1 || port > 65535) return undefined;
+  if (servedPorts.includes(port) || port < 1 || port > 65535) return undefined;
   return { port, sandboxId: m[2] };
 }
 
@@ -31,7 +31,8 @@ export interface PortProxyDeps {
   onRevoked: (fn: (ids: string[]) => void) => void;
   /** Whether a string is one of Kiln's API keys (revoked or not): such a key never reaches the sandbox's server. */
   isKey: (candidate: string) => Promise<boolean>;
-  envdPort: number;
+  /** Sandbox ports Kiln answers itself (envd, the code interpreter): never proxied into the machine. */
+  servedPorts: readonly number[];
   proto: string;
   limits?: ProxyLimits;
 }
@@ -71,7 +72,7 @@ export function installPortProxy(server: Server, deps: PortProxyDeps) {
 
   /** The sandbox port, once the request carries that sandbox's token (E2B's `e2b-traffic-access-token`, or envd's header). */
   async function authorize(req: IncomingMessage) {
-    const target = portTargetOf(req.headers.host, deps.envdPort)!;
+    const target = portTargetOf(req.headers.host, deps.servedPorts)!;
     const token = req.headers["e2b-traffic-access-token"] ?? req.headers["x-access-token"];
     const keyId = await deps.keyOf(target.sandboxId, token);
     if (keyId === undefined) throw new KilnError("unauthorized", "send the sandbox's access token in e2b-traffic-access-token");
@@ -121,7 +122,7 @@ export function installPortProxy(server: Server, deps: PortProxyDeps) {
     server.removeAllListeners(event);
     server.on(event, (...args: unknown[]) => {
       const req = args[0] as IncomingMessage;
-      if (portTargetOf(req.headers.host, deps.envdPort)) {
+      if (portTargetOf(req.headers.host, deps.servedPorts)) {
         if (event === "request") {
           const res = args[1] as ServerResponse;
           return void proxyHttp(req, res).catch((err: unknown) => {

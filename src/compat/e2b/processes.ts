@@ -24,7 +24,9 @@ export interface ProcessConfig {
   cwd?: string;
 }
 
-type Listener = (event: ProcessEvent) => void;
+/** What a listener sees: the process's events, or `gone` when its machine stopped under it (no end will come). */
+export type ProcessNotice = ProcessEvent | { gone: string };
+type Listener = (event: ProcessNotice) => void;
 /** Sees a watch's events; `end` when the watch ended without being asked (machine stopped, watcher failed). */
 export type WatchListener = (frame: FileEventFrame | ResyncRequiredFrame | { type: "end"; error: string }) => void;
 
@@ -52,10 +54,36 @@ interface MachineTable {
 
 const AGENT_TO_CONNECT: Record<string, ConnectCode> = { invalid_request: "invalid_argument", not_found: "not_found", forbidden: "permission_denied", conflict: "failed_precondition", timeout: "deadline_exceeded" };
 
-/** A process's end as envd reports it: `exit status N` or `signal: killed` (exit code -1). */
-function endEvent(exitCode: number | null, signal: string | null): ProcessEvent {
-  if (signal) return { end: { exitCode: -1, exited: false, status: `signal: ${signal === "SIGKILL" ? "killed" : signal.replace(/^SIG/, "").toLowerCase()}` } };
-  return { end: { exitCode: exitCode ?? -1, exited: true, status: `exit status ${exitCode ?? -1}` } };
+// Go's names for the signals a process usually dies of (os.ProcessState.String: "signal: killed").
+const GO_SIGNAL_NAMES: Record<string, string> = {
+  SIGKILL: "killed",
+  SIGTERM: "terminated",
+  SIGINT: "interrupt",
+  SIGHUP: "hangup",
+  SIGQUIT: "quit",
+  SIGABRT: "aborted",
+  SIGSEGV: "segmentation fault",
+  SIGPIPE: "broken pipe",
+  SIGBUS: "bus error",
+  SIGFPE: "floating point exception",
+  SIGILL: "illegal instruction",
+  SIGUSR1: "user defined signal 1",
+  SIGUSR2: "user defined signal 2",
+};
+
+/**
+ * A process's end as envd reports it (Go's ProcessState): `exit status N`, or `signal: killed` with exit code -1;
+ * `error` is cmd.Wait's error, the same words, set whenever the process did not exit 0 (the SDK's CommandExitError
+ * message).
+ */
+export function endEvent(exitCode: number | null, signal: string | null): ProcessEvent {
+  if (signal) {
+    const status = `signal: ${GO_SIGNAL_NAMES[signal] ?? signal}`;
+    return { end: { exitCode: -1, exited: false, status, error: status } };
+  }
+  const code = exitCode ?? -1;
+  const status = `exit status ${code}`;
+  return { end: { exitCode: code, exited: true, status, ...(code !== 0 ? { error: status } : {}) } };
 }
 
 export function createProcessRegistry(machines: MachineService) {
@@ -69,7 +97,9 @@ export function createProcessRegistry(machines: MachineService) {
     const t = tables.get(machineId);
     if (!t) return;
     tables.delete(machineId);
-    for (const p of t.procs.values()) for (const l of p.listeners) l({ end: { exitCode: -1, exited: false, status: "killed", error: why } });
+    // No end event: the process did not end, its sandbox went away (envd's stream would break, and the SDK then
+    // reports a timeout); the listeners end their streams with `unavailable`.
+    for (const p of t.procs.values()) for (const l of p.listeners) l({ gone: why });
     t.procs.clear();
     for (const w of t.pending.values()) w.reject(new ConnectFailure("unavailable", why));
     t.pending.clear();
@@ -80,7 +110,7 @@ export function createProcessRegistry(machines: MachineService) {
     t.ws.close();
   }
 
-  function emit(t: MachineTable, pid: number, event: ProcessEvent) {
+  function emit(t: MachineTable, pid: number, event: ProcessNotice) {
     const p = t.procs.get(pid);
     if (p) for (const l of p.listeners) l(event);
   }
