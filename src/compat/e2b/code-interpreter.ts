@@ -120,7 +120,7 @@ export async function codeInterpreterRoutes(parent: FastifyInstance, deps: CodeI
     const json = app.getDefaultJsonParser("error", "error");
     app.addContentTypeParser("application/json", { parseAs: "string" }, (req, body, done) => (body === "" ? done(null, undefined) : json(req, body as string, done)));
 
-    app.get("/health", { config, constraints }, async (req, reply) => {
+    app.get("/health", { config, constraints, schema: { hide: true } }, async (req, reply) => {
       await runningSandbox(req);
       return reply.code(200).type("text/plain").send("OK");
     });
@@ -137,7 +137,7 @@ export async function codeInterpreterRoutes(parent: FastifyInstance, deps: CodeI
       return view(ctx);
     });
 
-    app.get("/contexts", { config, constraints }, async (req) => {
+    app.get("/contexts", { config, constraints, schema: { hide: true } }, async (req) => {
       const id = await runningSandbox(req);
       return (await services.code.list(id)).contexts.map(view);
     });
