@@ -1,7 +1,8 @@
 // The webhook outbox: a lifecycle event and one delivery row per matching enabled webhook, written in the caller's
 // transaction, so an event is never recorded without its deliveries (nor a delivery without its event).
 
-import type { Db } from "../store/schema.ts";
+import type { Insertable } from "kysely";
+import type { Db, WebhookDeliveriesTable } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 
 /** One event as receivers get it: `payload` is the JSON body, the same on every attempt. */
@@ -10,6 +11,29 @@ export interface OutboxEvent {
   operation: string;
   occurredAt: string;
   payload: unknown;
+}
+
+/** A new delivery row of one event to one webhook, queued to go at once (a first send, or a replay of an earlier one). */
+export function queuedDelivery(d: { webhookId: string; eventId: string; operation: string; body: string; now: string; id?: string }): Insertable<WebhookDeliveriesTable> {
+  return {
+    id: d.id ?? newId("dlv"),
+    webhook_id: d.webhookId,
+    event_id: d.eventId,
+    operation: d.operation,
+    body: d.body,
+    status: "queued",
+    attempts: 0,
+    schedule_base: 0,
+    next_attempt_at: d.now,
+    claimed_by: null,
+    claimed_at: null,
+    claim_expires_at: null,
+    last_status_code: null,
+    last_error: null,
+    created_at: d.now,
+    updated_at: d.now,
+    completed_at: null,
+  };
 }
 
 /** Writes a delivery for each enabled webhook subscribed to the event's operation; returns how many. */
@@ -22,25 +46,7 @@ export async function enqueueDeliveries(tx: Db, event: OutboxEvent): Promise<num
   await tx
     .insertInto("webhook_deliveries")
     .values(
-      matching.map((h) => ({
-        id: newId("dlv"),
-        webhook_id: h.id,
-        event_id: event.id,
-        operation: event.operation,
-        body,
-        status: "queued",
-        attempts: 0,
-        schedule_base: 0,
-        next_attempt_at: now,
-        claimed_by: null,
-        claimed_at: null,
-        claim_expires_at: null,
-        last_status_code: null,
-        last_error: null,
-        created_at: now,
-        updated_at: now,
-        completed_at: null,
-      })),
+      matching.map((h) => queuedDelivery({ webhookId: h.id, eventId: event.id, operation: event.operation, body, now })),
     )
     .execute();
   return matching.length;

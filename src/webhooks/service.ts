@@ -13,6 +13,7 @@ import type { Resolve } from "./ssrf.ts";
 import { lookup as dnsLookup } from "node:dns";
 import type { DeliveryStatus } from "./dispatcher.ts";
 import { newestFirstPage } from "../store/pages.ts";
+import { queuedDelivery } from "./outbox.ts";
 
 export { DELIVERY_STATUSES } from "./dispatcher.ts";
 
@@ -348,25 +349,7 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
       const now = new Date().toISOString();
       await tx
         .insertInto("webhook_deliveries")
-        .values({
-          id,
-          webhook_id: webhookId,
-          event_id: row.event_id,
-          operation: row.operation,
-          body: row.body,
-          status: "queued",
-          attempts: 0,
-          schedule_base: 0,
-          next_attempt_at: now,
-          claimed_by: null,
-          claimed_at: null,
-          claim_expires_at: null,
-          last_status_code: null,
-          last_error: null,
-          created_at: now,
-          updated_at: now,
-          completed_at: null,
-        })
+        .values(queuedDelivery({ id, webhookId, eventId: row.event_id, operation: row.operation, body: row.body, now }))
         .execute();
     });
     deps.wake();

@@ -6,36 +6,21 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
-import { existsSync, readFileSync, readdirSync } from "node:fs";
+import { existsSync, readdirSync } from "node:fs";
 import { join } from "node:path";
 import { startTestKiln } from "../support/kiln.ts";
+import { createMachine, startSnapshotKiln, stdoutOf, stopSnapshotKiln } from "./support.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { TEST_RUNTIME } from "../support/paths.ts";
 
 let k: TestKiln;
 before(async () => {
-  k = await startTestKiln({ env: { KILN_WARM_POOL: "0" } });
+  k = await startSnapshotKiln();
 });
-after(async () => {
-  const dataDir = k.dataDir;
-  const snaps = await k.call("GET", "/v1/snapshots?limit=100");
-  for (const s of snaps.body?.snapshots ?? []) await k.call("DELETE", `/v1/snapshots/${s.id}`);
-  await k?.close();
-  assert.ok(!readFileSync("/proc/self/mountinfo", "utf8").includes(dataDir), "nothing of the data dir stays mounted");
-  assert.ok(!execFileSync("losetup", ["-a"], { encoding: "utf8" }).includes(dataDir), "no loop device on a file of the data dir");
-});
+after(() => stopSnapshotKiln(k));
 
-async function create(body: Record<string, unknown> = {}) {
-  const res = await k.call("POST", "/v1/machines", { body });
-  assert.equal(res.status, 201, res.text);
-  return res.body;
-}
-
-async function sh(id: string, cmd: string) {
-  const res = await k.call("POST", `/v1/machines/${id}/exec`, { body: { cmd } });
-  assert.equal(res.status, 200, res.text);
-  return res.body.stdout as string;
-}
+const create = (body: Record<string, unknown> = {}) => createMachine(k, body);
+const sh = (id: string, cmd: string) => stdoutOf(k, id, cmd);
 
 async function events(machineId: string) {
   const rows = await k.kiln.services.store.db.selectFrom("events").selectAll().where("machine_id", "=", machineId).orderBy("seq").execute();
