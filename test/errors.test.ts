@@ -31,7 +31,7 @@ const PINNED: Record<string, number> = {
 };
 
 /** Codes the catalogue keeps for DESIGN.md §3 that no Kiln code raises yet. */
-const RESERVED = new Set(["rate_limited"]);
+const RESERVED = new Set<string>([]);
 
 /**
  * Files that may throw a plain Error, and the one place each is mapped: a failure of the host (driver, store,
@@ -53,6 +53,7 @@ const PLAIN_ERROR_SEAMS: Record<string, string> = {
   "deployments/sealed-envs.ts": "damaged sealed envs: the replica fails with its reason",
   "machines/create.ts": "caught in create: the machine fails with 'the machine failed to start'",
   "runtime/guest-runtime.ts": "the MachineDriver seam: internal",
+  "runtime/oci/cgroups.ts": "the MachineDriver seam: internal",
   "runtime/oci/disk-pool.ts": "the MachineDriver seam: internal",
   "runtime/oci/disk.ts": "the MachineDriver seam: internal",
   "runtime/oci/driver.ts": "the MachineDriver seam: internal",
@@ -61,6 +62,7 @@ const PLAIN_ERROR_SEAMS: Record<string, string> = {
   "runtime/oci/identity.ts": "the MachineDriver seam: internal",
   "runtime/oci/idmap.ts": "the MachineDriver seam: internal",
   "runtime/oci/network.ts": "the MachineDriver seam: internal",
+  "runtime/oci/snapshot.ts": "the MachineDriver seam: internal",
   "runtime/oci/runtime-cli.ts": "the MachineDriver seam: internal",
   "store/db.ts": "refuses to start on a store it cannot open",
   "store/migrations.ts": "refuses to start on a failed migration",
