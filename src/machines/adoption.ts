@@ -6,6 +6,10 @@ import type { MachineContext } from "./context.ts";
 import type { MachineLifecycle } from "./lifecycle.ts";
 import type { MachineHealth } from "./health.ts";
 
+/** How often, and how far apart, the start tries to remove what a crash left of one machine. */
+const LEFTOVER_ATTEMPTS = 3;
+const LEFTOVER_RETRY_MS = 1000;
+
 export function createAdoption(ctx: MachineContext, lifecycle: MachineLifecycle, health: MachineHealth) {
   const { db, driver, log, hostId, records, agents } = ctx;
   const { deathReason } = lifecycle;
@@ -54,10 +58,24 @@ export function createAdoption(ctx: MachineContext, lifecycle: MachineLifecycle,
     let leaked = 0;
     for (const id of (await driver.listKnown?.()) ?? []) {
       if (keep.has(id)) continue;
-      await driver.destroy(id, { leftover: true }).then(
-        () => leaked++,
-        (err: unknown) => log.error({ err, machine_id: id }, "removing what a crash left of a machine failed"),
-      );
+      // A machine that died a moment ago may still have processes exiting (its runtime, cgroups and mounts refuse
+      // to go until they have): a failure is tried again a few times before it is left for the next start.
+      for (let attempt = 1; ; attempt++) {
+        const failed = await driver.destroy(id, { leftover: true }).then(
+          () => undefined,
+          (err: unknown) => err,
+        );
+        if (failed === undefined) {
+          leaked++;
+          break;
+        }
+        if (attempt >= LEFTOVER_ATTEMPTS) {
+          log.error({ err: failed, machine_id: id }, "removing what a crash left of a machine failed");
+          break;
+        }
+        log.warn({ err: failed, machine_id: id, attempt }, "removing what a crash left of a machine failed; trying again");
+        await new Promise((r) => setTimeout(r, LEFTOVER_RETRY_MS));
+      }
     }
     // What died while no server watched (a network helper) is repaired now, before anything is served.
     await healLive();
