@@ -15,7 +15,8 @@ after(async () => agent?.stop());
 
 test("envs the agent refuses are an invalid_request answer, not a cut stream; the next execute runs", async () => {
   const ctx = await agent.client.codeCreate({ id: "ctx_atk24envs", language: "javascript", cwd: "/tmp", user: "root" });
-  for (const envs of [{ "BAD-NAME": "x" }, { A: "a".repeat(40_000), B: "b".repeat(40_000) }]) {
+  const refused: Record<string, string>[] = [{ "BAD-NAME": "x" }, { A: "a".repeat(40_000), B: "b".repeat(40_000) }];
+  for (const envs of refused) {
     await assert.rejects(
       agent.client.codeExecute({ code: "1", context_id: ctx.id, envs }),
       (err: { code?: string; message?: string }) => err.code === "invalid_request" || /invalid_request|envs/.test(String(err.message)),
