@@ -13,23 +13,27 @@ export async function loadEdgeSecret(dataDir: string): Promise<KeyObject> {
   return createSecretKey(await loadKeyFile(dataDir, EDGE_SECRET_FILE));
 }
 
-function mac(secret: KeyObject, serviceId: string, expiresAtS: number): string {
-  return createHmac("sha256", secret).update(`kiln-edge-v1\n${serviceId}\n${expiresAtS}`).digest("base64url");
+/**
+ * The signature also covers the deployment's salt (when it has one: deployments made before issue 24 have none until
+ * their first rotation), so rotating the deployment's token stops the signed URLs already handed out too.
+ */
+function mac(secret: KeyObject, serviceId: string, expiresAtS: number, salt: string): string {
+  return createHmac("sha256", secret).update(`kiln-edge-v1\n${serviceId}\n${expiresAtS}${salt ? `\n${salt}` : ""}`).digest("base64url");
 }
 
-/** `<expiry in unix seconds, base 36>.<signature>`: URL-safe, bound to one service. */
-export function signEdgeToken(secret: KeyObject, serviceId: string, expiresAtMs: number): string {
+/** `<expiry in unix seconds, base 36>.<signature>`: URL-safe, bound to one service and its deployment's salt. */
+export function signEdgeToken(secret: KeyObject, serviceId: string, expiresAtMs: number, salt = ""): string {
   const exp = Math.floor(expiresAtMs / 1000);
-  return `${exp.toString(36)}.${mac(secret, serviceId, exp)}`;
+  return `${exp.toString(36)}.${mac(secret, serviceId, exp, salt)}`;
 }
 
 export type EdgeTokenCheck = { ok: true; expiresAtMs: number } | { ok: false; reason: "malformed" | "bad_signature" | "expired" };
 
-export function verifyEdgeToken(secret: KeyObject, serviceId: string, token: string, nowMs = Date.now()): EdgeTokenCheck {
+export function verifyEdgeToken(secret: KeyObject, serviceId: string, token: string, nowMs = Date.now(), salt = ""): EdgeTokenCheck {
   const m = /^([0-9a-z]{1,12})\.([A-Za-z0-9_-]{43})$/.exec(token);
   if (!m) return { ok: false, reason: "malformed" };
   const exp = parseInt(m[1], 36);
-  const want = Buffer.from(mac(secret, serviceId, exp));
+  const want = Buffer.from(mac(secret, serviceId, exp, salt));
   const got = Buffer.from(m[2]);
   if (want.length !== got.length || !timingSafeEqual(want, got)) return { ok: false, reason: "bad_signature" };
   if (exp * 1000 <= nowMs) return { ok: false, reason: "expired" };

@@ -79,17 +79,17 @@ export interface EdgeGrant {
 /** Tokens already verified, with their expiry: a busy public URL pays for its HMAC once, not per request. */
 class VerifiedTokens {
   static readonly MAX = 4096;
-  readonly #tokens = new Map<string, { serviceId: string; expiresAtMs: number }>();
+  readonly #tokens = new Map<string, { serviceId: string; salt: string; expiresAtMs: number }>();
 
-  /** The token's expiry if it was verified for this service and has not expired. */
-  known(serviceId: string, token: string): number | undefined {
+  /** The token's expiry if it was verified for this service under this salt (not rotated since) and has not expired. */
+  known(serviceId: string, salt: string, token: string): number | undefined {
     const t = this.#tokens.get(token);
-    return t && t.serviceId === serviceId && t.expiresAtMs > Date.now() ? t.expiresAtMs : undefined;
+    return t && t.serviceId === serviceId && t.salt === salt && t.expiresAtMs > Date.now() ? t.expiresAtMs : undefined;
   }
 
-  remember(serviceId: string, token: string, expiresAtMs: number): void {
+  remember(serviceId: string, salt: string, token: string, expiresAtMs: number): void {
     if (this.#tokens.size >= VerifiedTokens.MAX) this.#tokens.clear(); // a bound, not an LRU: re-verifying is cheap, memory growth is not
-    this.#tokens.set(token, { serviceId, expiresAtMs });
+    this.#tokens.set(token, { serviceId, salt, expiresAtMs });
   }
 }
 
@@ -153,7 +153,7 @@ export class DeploymentEdge {
     if (!a || !this.#secret) return null;
     if (a.mode === "public") return "";
     if (a.mode === "token") return `?edge_token=${this.#tokenOf(deploymentId, a, this.#secret).toString()}`;
-    return serviceId ? `?edge_token=${signEdgeToken(this.#secret, serviceId, Date.now() + this.#opts.edgeTokenTtlS * 1000)}` : null;
+    return serviceId ? `?edge_token=${signEdgeToken(this.#secret, serviceId, Date.now() + this.#opts.edgeTokenTtlS * 1000, a.salt)}` : null;
   }
 
   /** A ready service's public URL (stable but for `signed`); null when not ready or its deployment gives none. */
@@ -194,14 +194,16 @@ export class DeploymentEdge {
     // Signed tokens name one service (deployment URLs have none); a service whose deployment gives no URL refuses them.
     if (isDeployment || (deploymentId && !a)) throw denied(token ? "bad_token" : "missing", token ? undefined : "This public URL needs its edge_token");
     if (!token) throw denied("missing", "This public URL needs its edge_token");
-    const known = this.#verified.known(id, token);
+    // Signed tokens cover the deployment's salt: a rotation stops those already handed out (and their cookies).
+    const salt = a?.salt ?? "";
+    const known = this.#verified.known(id, salt, token);
     if (known !== undefined) return { serviceId: id, deploymentId, mode: "signed", expiresAtMs: known };
-    const check = verifyEdgeToken(secret, id, token);
+    const check = verifyEdgeToken(secret, id, token, Date.now(), salt);
     if (!check.ok) {
       const why = check.reason === "expired" ? "The edge_token has expired: read the service again for a fresh public_url" : "The edge_token is not valid for this service";
       throw denied(check.reason, why);
     }
-    this.#verified.remember(id, token, check.expiresAtMs);
+    this.#verified.remember(id, salt, token, check.expiresAtMs);
     return { serviceId: id, deploymentId, mode: "signed", expiresAtMs: check.expiresAtMs };
   }
 

@@ -6,6 +6,8 @@ import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { request } from "undici";
 import { WebSocket } from "ws";
+import { DatabaseSync } from "node:sqlite";
+import { join } from "node:path";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { createDeployment, services, waitService } from "../deployments/support.ts";
@@ -212,7 +214,11 @@ test("a WebSocket through the edge closes when the edge token that opened it exp
   const secret = await loadEdgeSecret(k.dataDir);
   // Tokens carry whole seconds: this one expires 2–3 s from now.
   const expiresAt = (Math.floor(Date.now() / 1000) + 3) * 1000;
-  const token = signEdgeToken(secret, p.svc.id, expiresAt);
+  // Signed tokens cover the deployment's salt (a rotation stops them): read it from the store, as the server does.
+  const store = new DatabaseSync(join(k.dataDir, "kiln.db"), { readOnly: true });
+  const { edge_salt: salt } = store.prepare("select edge_salt from deployments where id = ?").get(p.svc.deployment_id) as { edge_salt: string };
+  store.close();
+  const token = signEdgeToken(secret, p.svc.id, expiresAt, salt);
   const ws = new WebSocket(`ws://${new URL(p.base).host}/edge/${p.svc.id}/ws?edge_token=${token}`);
   const messages: string[] = [];
   ws.on("message", (d) => messages.push(String(d)));

@@ -358,6 +358,8 @@ export async function handleCode(req: IncomingMessage, res: ServerResponse, path
   if (req.method === "POST" && path === "/code/execute") {
     const body = (await readJson(req)) as CodeExecuteRequest;
     if (typeof body.code !== "string") throw new AgentFailure("invalid_request", "code must be a string");
+    // Checked before the 200 head: a refusal after it could only cut the stream, with no answer for the caller.
+    const envs = envsOf(body.envs);
     let kernel: Kernel | undefined;
     if (body.context_id !== undefined) {
       kernel = contexts.get(String(body.context_id));
@@ -383,7 +385,7 @@ export async function handleCode(req: IncomingMessage, res: ServerResponse, path
         if (res.writableEnded || res.destroyed) return;
         if (!res.write(JSON.stringify(frame) + "\n")) running.holdOutput(drainedOrClosed(res));
       },
-      envsOf(body.envs),
+      envs,
     );
     res.end();
     return true;

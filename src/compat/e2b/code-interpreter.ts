@@ -72,7 +72,9 @@ function parseJson(value: string): unknown {
   }
 }
 
-const EnvVars = Type.Record(Type.String({ pattern: "^[A-Za-z_][A-Za-z0-9_]*$", maxLength: 256 }), Type.String({ maxLength: 32 * 1024 }), { maxProperties: 256 });
+// additionalProperties: false, or a name the pattern refuses would pass the record untested (src/code/service.ts
+// checks the names and the total again, as the guest agent takes them).
+const EnvVars = Type.Record(Type.String({ pattern: "^[A-Za-z_][A-Za-z0-9_]*$", maxLength: 256 }), Type.String({ maxLength: 32 * 1024 }), { maxProperties: 256, additionalProperties: false });
 const ExecuteBody = Type.Object(
   {
     code: Type.String({ maxLength: 1024 * 1024 }),
