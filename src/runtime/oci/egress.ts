@@ -181,6 +181,17 @@ export function createEgress(): Egress {
     return join(dir, "cgroup.procs");
   }
 
+  async function killMembers(procs: string): Promise<void> {
+    const pids = (await readFile(procs, "utf8").catch(() => "")).split("\n").filter(Boolean).map(Number);
+    for (const pid of pids) {
+      try {
+        process.kill(pid, "SIGKILL");
+      } catch {
+        // gone meanwhile
+      }
+    }
+  }
+
   async function release(id: string, marker: string): Promise<void> {
     if (!root) return;
     const recorded = await readFile(marker, "utf8").catch(() => "");
@@ -196,13 +207,16 @@ export function createEgress(): Egress {
         for (const line of [...element, `delete chain inet ${TABLE} ${name}`, ...sets]) await nft(line + "\n").catch(() => undefined);
       });
     }
-    // The cgroup empties once slirp4netns has exited; the kernel may take a moment after the kill to let it go.
+    // The cgroup empties once slirp4netns has exited; the kernel may take a moment after the kill to let it go. Only
+    // this machine's network helper is ever put in it: one still there after a while (its pid file lost or stale,
+    // as a crash can leave it) is killed from the cgroup's own list.
     for (let i = 0; existsSync(dir); i++) {
       try {
         await rmdir(dir);
       } catch (err) {
         if ((err as NodeJS.ErrnoException).code === "ENOENT") break;
         if (i >= 200) throw new Error(`the egress cgroup ${dir} did not empty: ${(err as Error).message}`);
+        if (i % 50 === 20) await killMembers(join(dir, "cgroup.procs"));
         await new Promise((r) => setTimeout(r, 10));
       }
     }
