@@ -49,9 +49,9 @@ test("disk admission counts snapshots: what a snapshot keeps apart takes the dat
   const m = created.body.id as string;
   if (!existsSync(join(k.dataDir, "disks.xfs"))) return t.skip("the data dir reflinks itself: no pool file to measure");
   // 64 MiB the machine writes, then rewrites in place: without a snapshot a rewrite takes no new space.
-  await sh(m, "dd if=/dev/urandom of=/workspace/big bs=1M count=64 status=none && sync");
+  await sh(m, "dd if=/dev/urandom of=/workspace/big bs=1M count=64 iflag=fullblock status=none && sync");
   const written = poolBytes();
-  await sh(m, "dd if=/dev/urandom of=/workspace/big bs=1M count=64 conv=notrunc status=none && sync");
+  await sh(m, "dd if=/dev/urandom of=/workspace/big bs=1M count=64 iflag=fullblock conv=notrunc status=none && sync");
   const rewritten = poolBytes();
   assert.ok(rewritten - written < 24 * MIB, `a rewrite in place takes no new space (${(rewritten - written) / MIB} MiB)`);
 
@@ -67,7 +67,7 @@ test("disk admission counts snapshots: what a snapshot keeps apart takes the dat
   assert.equal(await metric("kiln_snapshot_bytes"), s.body.size_bytes);
 
   // The machine rewrites the same blocks: the snapshot keeps the old ones, so the pool (and the data dir) grows.
-  await sh(m, "dd if=/dev/urandom of=/workspace/big bs=1M count=64 conv=notrunc status=none && sync");
+  await sh(m, "dd if=/dev/urandom of=/workspace/big bs=1M count=64 iflag=fullblock conv=notrunc status=none && sync");
   const kept = poolBytes();
   assert.ok(kept - rewritten >= 48 * MIB, `the snapshot's own blocks take the data dir's space (${(kept - rewritten) / MIB} MiB)`);
 

@@ -23,7 +23,9 @@ export async function stopSnapshotKiln(k: TestKiln | undefined): Promise<void> {
 
 export async function createMachine(k: TestKiln, body: Record<string, unknown> = {}) {
   const res = await k.call("POST", "/v1/machines", { body });
-  assert.equal(res.status, 201, res.text);
+  // A failed start says why only in the server's log: carry its errors into the failure.
+  const errors = () => k.logs.join("").split("\n").filter((l) => /"level":(50|60)/.test(l)).slice(-3).join("\n");
+  assert.equal(res.status, 201, res.status === 201 ? "" : `${res.text}\n${errors()}`);
   return res.body;
 }
 
