@@ -44,6 +44,24 @@ test("kiln with a wrong key says unauthorized and exits non-zero", async () => {
   await assert.rejects(cli(["machines", "ls"], { KILN_API_KEY: "kiln_wrong_0000000000000000000000000" }), (err: { stderr?: string }) => /unauthorized/.test(err.stderr ?? ""));
 });
 
+test("kiln ends quietly with exit 0 when its reader goes away (kiln webhooks create … | head -1)", async () => {
+  const child = spawn(KILN, ["webhooks", "create", "https://hooks.example.com/kiln"], {
+    env: { ...process.env, KILN_URL: k.url, KILN_API_KEY: TEST_KEY },
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  // The reader is gone before the first line: every write the CLI makes meets a closed pipe.
+  child.stdout.destroy();
+  let stderr = "";
+  child.stderr.on("data", (b: Buffer) => (stderr += b.toString()));
+  const code = await new Promise<number | null>((resolve) => child.on("close", resolve));
+  assert.doesNotMatch(stderr, /EPIPE|Error|at /, "no EPIPE trace");
+  assert.equal(code, 0);
+  const hooks = await k.call("GET", "/v1/lifecycle/webhooks");
+  const made = (hooks.body.webhooks as { id: string; url: string }[]).filter((h) => h.url === "https://hooks.example.com/kiln");
+  assert.equal(made.length, 1, "the webhook was made all the same");
+  for (const h of made) await k.call("DELETE", `/v1/lifecycle/webhooks/${h.id}`);
+});
+
 test("kiln keys create, list and revoke work on the local store", async () => {
   const dataDir = await mkdtemp(join(tmpdir(), "kiln-cli-keys-"));
   try {

@@ -20,6 +20,13 @@ import { usePrivateUmask } from "../data-dir.ts";
 // server's files are.
 usePrivateUmask();
 
+// A reader that has what it wanted and goes away (`kiln webhooks create … | head -1`) ends the command quietly, as
+// for any Unix tool, instead of an unhandled EPIPE.
+process.stdout.on("error", (err: NodeJS.ErrnoException) => {
+  if (err.code === "EPIPE") process.exit(0);
+  throw err;
+});
+
 const program = new Command("kiln")
   .description("Kiln: isolated Linux machines for AI agents, self-hosted")
   .version("0.1.0")
