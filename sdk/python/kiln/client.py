@@ -230,8 +230,17 @@ class Webhooks:
     def __init__(self, client):
         self._c = client
 
-    def create(self, url, operations, signing_secret):
-        return self._c.call("POST", "/v1/lifecycle/webhooks", {"url": url, "operations": list(operations), "signing_secret": signing_secret})
+    def create(self, url, operations=None, signing_secret=None, allow_private=None):
+        """Registers a receiver. Without a signing secret Kiln makes one (in the answer, shown only this once);
+        allow_private (the operator's key only) lets it reach private and loopback receivers."""
+        body = {"url": url}
+        if operations is not None:
+            body["operations"] = list(operations)
+        if signing_secret is not None:
+            body["signing_secret"] = signing_secret
+        if allow_private is not None:
+            body["allow_private"] = allow_private
+        return self._c.call("POST", "/v1/lifecycle/webhooks", body)
 
     def list(self):
         return self._c.pages("/v1/lifecycle/webhooks", "webhooks")
@@ -247,3 +256,7 @@ class Webhooks:
 
     def retry(self, webhook_id, delivery_id):
         return self._c.call("POST", "/v1/lifecycle/webhooks/%s/deliveries/%s/retry" % (_p(webhook_id), _p(delivery_id)))
+
+    def replay(self, webhook_id, delivery_id):
+        """Sends a delivered event again as a new delivery (same event id, so receivers can tell)."""
+        return self._c.call("POST", "/v1/lifecycle/webhooks/%s/deliveries/%s/replay" % (_p(webhook_id), _p(delivery_id)))
