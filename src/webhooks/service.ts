@@ -224,16 +224,22 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
     if (input.enabled !== undefined) set.enabled = input.enabled ? 1 : 0;
     const secret = input.signing_secret === undefined ? undefined : checkSecret(input.signing_secret);
     const now = new Date();
+    const checked = current;
+    // The checks above were made on `checked`: an update that raced another (the operator allowing private addresses
+    // while a key holder moves the url) must not land on a record they were not made for.
+    const changedMeanwhile = () => new KilnError("conflict", `Webhook ${id} changed while this update was checked; send it again`);
     const row = await db.transaction().execute(async (tx) => {
       const current = await tx.selectFrom("webhooks").selectAll().where("id", "=", id).executeTakeFirst();
       if (!current) throw new KilnError("not_found", `No webhook ${id}`);
+      if (current.url !== checked.url || current.allow_private !== checked.allow_private) throw changedMeanwhile();
       if (secret !== undefined && secret !== current.signing_secret) {
         set.signing_secret = secret;
         set.previous_signing_secret = current.signing_secret;
         set.previous_secret_expires_at = new Date(now.getTime() + deps.rotationGraceMs).toISOString();
       }
       set.updated_at = now.toISOString();
-      await tx.updateTable("webhooks").set(set).where("id", "=", id).execute();
+      const updated = await tx.updateTable("webhooks").set(set).where("id", "=", id).where("url", "=", checked.url).where("allow_private", "=", checked.allow_private).executeTakeFirst();
+      if (Number(updated.numUpdatedRows) !== 1) throw changedMeanwhile();
       if (set.url !== undefined || set.allow_private === 1) await refusedDueNow(tx, id, now.toISOString());
       return { ...current, ...set };
     });

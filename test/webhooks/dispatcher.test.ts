@@ -193,3 +193,28 @@ test("an event and its deliveries commit together: a rolled-back transaction lea
   assert.equal((await store.db.selectFrom("webhook_deliveries").select("id").where("event_id", "=", id).execute()).length, 0);
   await hooks.remove(w.id);
 });
+
+test("a url change checked while the operator's key allowed private addresses is refused, not applied to the widened webhook", async () => {
+  // The key holder's new url resolves (slowly) to a public address; meanwhile the operator lets the webhook reach
+  // private ones. Landing the url then would hand the operator's grant to a name the key holder controls.
+  let release: () => void = () => undefined;
+  const held = new Promise<void>((r) => (release = r));
+  const slow = createWebhookService({
+    db: store.db,
+    allowPrivate: false,
+    rotationGraceMs: 1000,
+    wake: () => undefined,
+    resolve: ((_name: string, _o: unknown, cb: (err: Error | null, a: { address: string; family: number }[]) => void) => {
+      void held.then(() => cb(null, [{ address: "93.184.216.34", family: 4 }]));
+    }) as never,
+  });
+  const hook = await slow.create({ url: "http://93.184.216.34/hook", operations: ["create"] });
+  const moving = slow.update(hook.id, { url: "http://attacker.example/hook" }, { operator: false });
+  await slow.update(hook.id, { allow_private: true }, { operator: true });
+  release();
+  await assert.rejects(moving, (err: { code?: string; message?: string }) => err.code === "conflict" && /changed while this update was checked/.test(err.message ?? ""));
+  const after = await slow.get(hook.id);
+  assert.equal(after.url, "http://93.184.216.34/hook", "the url the operator's grant was given for");
+  assert.equal(after.allow_private, true);
+  await slow.remove(hook.id);
+});
