@@ -47,6 +47,7 @@ export interface Config {
   webhookAllowPrivate: boolean;
   /** How long a rotated-out signing secret keeps signing beside the new one. */
   webhookRotationGraceMs: number;
+  webhookHistoryS: number;
   /** Volume watch frames a socket may hold unsent per watch before it drops them for a resync_required. */
   volumeWatchQueue: number;
   /** Supervised deployment services: crashes in a row before `failed`, and the first restart delay. */
@@ -117,6 +118,7 @@ export const CONFIG_VARS = [
   ["KILN_HOST_ID", "(made once into $KILN_DATA_DIR/host-id)", "this host's id when several servers share one store"],
   ["KILN_WEBHOOK_RETRY_SCHEDULE_MS", "0,5000,300000,1800000,7200000,18000000,36000000,36000000", "delay before each webhook delivery attempt, comma-separated"],
   ["KILN_WEBHOOK_ALLOW_PRIVATE", "0", "1 lets webhooks reach private and loopback addresses (link-local never)"],
+  ["KILN_WEBHOOK_HISTORY_S", "2592000", "seconds a finished webhook delivery (succeeded or dead-lettered), its attempts and its event are kept (0: forever)"],
   ["KILN_WEBHOOK_ROTATION_GRACE_MS", "86400000", "how long a rotated-out webhook signing secret keeps signing"],
   ["KILN_VOLUME_WATCH_QUEUE", "4096", "volume watch events held per watch for a slow client before resync_required"],
   ["KILN_SERVICE_MAX_CRASHES", "5", "crashes in a row after which a deployment's service ends failed"],
@@ -193,6 +195,7 @@ export function loadConfig(env: Env = process.env): Config {
     webhookRetryScheduleMs: scheduleVar(env, "KILN_WEBHOOK_RETRY_SCHEDULE_MS", DEFAULT_WEBHOOK_RETRY_SCHEDULE_MS),
     webhookAllowPrivate: boolVar(env, "KILN_WEBHOOK_ALLOW_PRIVATE"),
     webhookRotationGraceMs: intVar(env, "KILN_WEBHOOK_ROTATION_GRACE_MS", 86_400_000, 0, 30 * 86_400_000),
+    webhookHistoryS: intVar(env, "KILN_WEBHOOK_HISTORY_S", 2_592_000, 0, 10 * 365 * 86_400),
     volumeWatchQueue: intVar(env, "KILN_VOLUME_WATCH_QUEUE", 4096, 1, 1_000_000),
     serviceMaxCrashes: intVar(env, "KILN_SERVICE_MAX_CRASHES", 5, 1, 1000),
     serviceBackoffMs: intVar(env, "KILN_SERVICE_BACKOFF_MS", 500, 0, 600_000),

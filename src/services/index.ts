@@ -47,6 +47,8 @@ export interface WebhookSettings {
   retryScheduleMs: number[];
   allowPrivate: boolean;
   rotationGraceMs: number;
+  /** Seconds finished deliveries and their events are kept (0: forever). */
+  historyS?: number;
 }
 
 /** What the routes, the E2B layer and the server's start and stop see: one service per domain. */
@@ -98,7 +100,7 @@ export function createServices(deps: {
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
   const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots });
   const templateCatalog = createTemplateCatalog({ db: store.db });
-  const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
+  const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate, historyS: deps.webhooks.historyS });
   const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });
   const deployments = createDeploymentService({ db: store.db, machines, templates, log, options: deps.deployments, hostId });
   return {

@@ -350,6 +350,13 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.alterTable("webhooks").addColumn("allow_private", "integer", (c) => c.notNull().defaultTo(0)).execute();
       },
     },
+    // The outbox's history is pruned by age: finished deliveries by when they finished, events by when they occurred.
+    "0026_webhook_history": {
+      async up(db: Kysely<any>) {
+        await db.schema.createIndex("webhook_deliveries_completed").on("webhook_deliveries").columns(["completed_at"]).execute();
+        await db.schema.createIndex("events_occurred").on("events").columns(["occurred_at"]).execute();
+      },
+    },
   };
 }
 

@@ -10,6 +10,7 @@ import { deliveryHeaders } from "./signing.ts";
 import { addressProblem, guardedLookup, ipLiteral, ReceiverRefusedError } from "./ssrf.ts";
 import type { Resolve } from "./ssrf.ts";
 import { onDeliveriesQueued } from "./outbox.ts";
+import { pruneWebhookHistory } from "./history.ts";
 import { metricEvents } from "../metrics/events.ts";
 
 export const DELIVERY_STATUSES = ["queued", "in_progress", "succeeded", "dead_letter"] as const;
@@ -38,7 +39,12 @@ export interface DispatcherOptions {
   idleMs?: number;
   /** How receiver names are resolved (dns.lookup); tests give names addresses DNS here cannot. */
   resolve?: Resolve;
+  /** How long finished deliveries, their attempts and their events are kept (0 or absent: forever). */
+  historyS?: number;
 }
+
+/** How often the history is pruned (and once at start). */
+const HISTORY_PRUNE_EVERY_MS = 3_600_000;
 
 /** What sending needs of a webhook, read with the claim so a PATCH (new URL, rotated secret) applies to the next attempt. */
 type HookTarget = Pick<WebhookRow, "url" | "signing_secret" | "previous_signing_secret" | "previous_secret_expires_at" | "allow_private"> & { webhook_id: string };
@@ -77,6 +83,7 @@ export function createDispatcher(opts: DispatcherOptions) {
   let closed = true;
   let timer: NodeJS.Timeout | undefined;
   let recoverTimer: NodeJS.Timeout | undefined;
+  let historyTimer: NodeJS.Timeout | undefined;
   let unsubscribe: (() => void) | undefined;
   const pending: Outcome[] = [];
   let flushing: Promise<void> | undefined;
@@ -359,7 +366,20 @@ export function createDispatcher(opts: DispatcherOptions) {
         .catch((err: unknown) => log.error({ err }, "recovering expired webhook claims failed"));
     }, Math.max(1000, claimTtlMs / 2));
     recoverTimer.unref();
+    if (opts.historyS) {
+      void pruneHistory();
+      historyTimer = setInterval(() => void pruneHistory(), HISTORY_PRUNE_EVERY_MS);
+      historyTimer.unref();
+    }
     wake();
+  }
+
+  /** Every server prunes; the deletes are idempotent, so several on one store only repeat each other's no-op. */
+  function pruneHistory(): Promise<void> {
+    return pruneWebhookHistory(db, new Date(Date.now() - opts.historyS! * 1000)).then(
+      (n) => void (n.deliveries + n.events > 0 && log.info(n, "webhook history past its period removed")),
+      (err: unknown) => log.error({ err }, "pruning webhook history failed"),
+    );
   }
 
   /** Stops claiming, lets attempts in flight finish (each is bounded by its timeout) and records them. */
@@ -369,6 +389,7 @@ export function createDispatcher(opts: DispatcherOptions) {
     unsubscribe?.();
     if (timer) clearTimeout(timer);
     if (recoverTimer) clearInterval(recoverTimer);
+    if (historyTimer) clearInterval(historyTimer);
     await Promise.allSettled([...sending]);
     while (flushing) await flushing;
     await agent.close();

@@ -19,6 +19,7 @@ import { announceDeliveries, enqueueDeliveries, recordEvent } from "../../src/we
 import { deliveryHeaders, generateSecret, sign } from "../../src/webhooks/signing.ts";
 import { addressProblem } from "../../src/webhooks/ssrf.ts";
 import { createWebhookService } from "../../src/webhooks/service.ts";
+import { pruneWebhookHistory } from "../../src/webhooks/history.ts";
 import { startReceiver } from "./receiver.ts";
 import type { Receiver } from "./receiver.ts";
 
@@ -217,4 +218,53 @@ test("a url change checked while the operator's key allowed private addresses is
   assert.equal(after.url, "http://93.184.216.34/hook", "the url the operator's grant was given for");
   assert.equal(after.allow_private, true);
   await slow.remove(hook.id);
+});
+
+test("history: finished deliveries past the period go with their attempts and events; queued and recent ones stay", async () => {
+  const svc = service(true);
+  const hook = await svc.create({ url: `${rx.url}/history`, operations: ["create"] });
+  const held = await svc.create({ url: `${rx.url}/held`, operations: ["create"] });
+  // Events as the machine lifecycle records them: the `events` row beside its deliveries.
+  const emitRecorded = async () => {
+    const id = newId("evt");
+    await store.db.transaction().execute((tx) => recordEvent(tx, { id, operation: "create", machineId: "mch_history", occurredAt: new Date().toISOString(), payload: { id, operation: "create" } }));
+    announceDeliveries(store.db);
+    return id;
+  };
+  const d = dispatcher();
+  await d.start();
+  let oldEvt = "";
+  let newEvt = "";
+  try {
+    oldEvt = await emitRecorded();
+    assert.equal((await statusOf(oldEvt, hook.id)).status, "succeeded");
+    await statusOf(oldEvt, held.id);
+    newEvt = await emitRecorded();
+    assert.equal((await statusOf(newEvt, hook.id)).status, "succeeded");
+  } finally {
+    await d.close();
+  }
+  const longAgo = new Date(Date.now() - 40 * 86_400_000).toISOString();
+  // The old event and its delivery to one webhook finished 40 days ago; its delivery to the other waits for a retry.
+  await store.db.updateTable("events").set({ occurred_at: longAgo }).where("id", "=", oldEvt).execute();
+  const later = new Date(Date.now() + 86_400_000).toISOString();
+  await store.db.updateTable("webhook_deliveries").set({ status: "queued", completed_at: null, next_attempt_at: later }).where("event_id", "=", oldEvt).where("webhook_id", "=", held.id).execute();
+  await store.db.updateTable("webhook_deliveries").set({ completed_at: longAgo }).where("event_id", "=", oldEvt).where("webhook_id", "=", hook.id).execute();
+  const deliveryOf = (evt: string, whk: string) => store.db.selectFrom("webhook_deliveries").select(["id", "status"]).where("event_id", "=", evt).where("webhook_id", "=", whk).executeTakeFirst();
+  const oldDelivery = (await deliveryOf(oldEvt, hook.id))!.id;
+
+  const pruned = await pruneWebhookHistory(store.db, new Date(Date.now() - 30 * 86_400_000));
+  assert.ok(pruned.deliveries >= 1);
+  assert.equal(await deliveryOf(oldEvt, hook.id), undefined, "the old finished delivery is gone");
+  assert.equal((await store.db.selectFrom("webhook_delivery_attempts").select("delivery_id").where("delivery_id", "=", oldDelivery).execute()).length, 0, "and its attempts");
+  assert.equal((await deliveryOf(oldEvt, held.id))?.status, "queued", "a queued delivery of the same event stays");
+  assert.ok(await store.db.selectFrom("events").select("id").where("id", "=", oldEvt).executeTakeFirst(), "the event stays while a delivery of it does");
+  assert.equal((await deliveryOf(newEvt, hook.id))?.status, "succeeded", "a recent delivery stays");
+
+  // Once nothing of it is left, the old event goes too.
+  await svc.remove(held.id);
+  assert.ok((await pruneWebhookHistory(store.db, new Date(Date.now() - 30 * 86_400_000))).events >= 1);
+  assert.equal(await store.db.selectFrom("events").select("id").where("id", "=", oldEvt).executeTakeFirst(), undefined);
+  assert.ok(await store.db.selectFrom("events").select("id").where("id", "=", newEvt).executeTakeFirst(), "a recent event stays");
+  await svc.remove(hook.id);
 });
