@@ -336,6 +336,9 @@ export function createWebhookService(deps: { db: Db; allowPrivate: boolean; rota
   async function replayDelivery(webhookId: string, deliveryId: string): Promise<DeliveryView> {
     const id = newId("dlv");
     await db.transaction().execute(async (tx) => {
+      // A no-op write takes the webhook's row lock (PostgreSQL; SQLite has one writer): concurrent replays of one
+      // webhook count its pending deliveries one after another, so together they cannot pass the bound.
+      await tx.updateTable("webhooks").set((eb) => ({ enabled: eb.ref("enabled") })).where("id", "=", webhookId).execute();
       const hook = await tx.selectFrom("webhooks").select(["id", "enabled"]).where("id", "=", webhookId).executeTakeFirst();
       if (!hook) throw new KilnError("not_found", `No webhook ${webhookId}`);
       const row = await tx.selectFrom("webhook_deliveries").selectAll().where("id", "=", deliveryId).where("webhook_id", "=", webhookId).executeTakeFirst();

@@ -1,6 +1,7 @@
 // A key holder against webhook replay (issue 23): replaying in a loop, sequentially and in a concurrent burst, while
 // the receiver is failing stops at the bound of pending deliveries (429, retryable); another webhook's delivery id,
-// or a delivery id under another webhook, is 404 and queues nothing.
+// or a delivery id under another webhook, is 404 and queues nothing. On SQLite and on PostgreSQL (where concurrent
+// replays each counting the pending ones could otherwise all pass the bound together).
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
@@ -9,25 +10,28 @@ import type { TestKiln } from "../support/kiln.ts";
 import { startReceiver } from "../webhooks/receiver.ts";
 import type { Receiver } from "../webhooks/receiver.ts";
 import { MAX_PENDING_DELIVERIES_PER_WEBHOOK } from "../../src/webhooks/service.ts";
+import { startPostgres } from "../support/postgres.ts";
+import type { TestPostgres } from "../support/postgres.ts";
 
-let k: TestKiln;
 let rx: Receiver;
-let machineId: string;
 
 before(async () => {
   rx = await startReceiver();
-  // Slow retries: a failing delivery stays queued for the test's length.
-  k = await startTestKiln({ env: { KILN_WEBHOOK_ALLOW_PRIVATE: "1", KILN_WEBHOOK_RETRY_SCHEDULE_MS: "0,600000,600000", KILN_WARM_POOL: "0" } });
-  const m = await k.call("POST", "/v1/machines", { body: {} });
-  assert.equal(m.status, 201, m.text);
-  machineId = m.body.id;
 });
 after(async () => {
-  await k?.close();
   await rx?.close();
 });
 
-async function pendingOf(hookId: string): Promise<number> {
+// Slow retries: a failing delivery stays queued for the test's length.
+const env = { KILN_WEBHOOK_ALLOW_PRIVATE: "1", KILN_WEBHOOK_RETRY_SCHEDULE_MS: "0,600000,600000", KILN_WARM_POOL: "0" };
+
+async function withMachine(k: TestKiln): Promise<string> {
+  const m = await k.call("POST", "/v1/machines", { body: {} });
+  assert.equal(m.status, 201, m.text);
+  return m.body.id;
+}
+
+async function pendingOf(k: TestKiln, hookId: string): Promise<number> {
   let n = 0;
   for (const status of ["queued", "in_progress"]) {
     let cursor: string | undefined;
@@ -41,7 +45,7 @@ async function pendingOf(hookId: string): Promise<number> {
   return n;
 }
 
-test("replaying in a loop and in a burst stops at the bound of pending deliveries; other webhooks' delivery ids are 404", async () => {
+async function floodAndBurst(k: TestKiln, machineId: string) {
   rx.respond = () => ({ status: 503, body: "down" });
   const mk = async (path: string) => (await k.call("POST", "/v1/lifecycle/webhooks", { body: { url: `${rx.url}/${path}`, operations: ["update"] } })).body as { id: string };
   const hook = await mk("flood");
@@ -79,8 +83,30 @@ test("replaying in a loop and in a burst stops at the bound of pending deliverie
   assert.ok(refused, "the burst crosses the bound");
   assert.equal(refused.body.code, "rate_limited");
   assert.equal(refused.body.error_detail?.retryable ?? refused.body.retryable ?? true, true);
-  assert.ok((await pendingOf(hook.id)) <= MAX_PENDING_DELIVERIES_PER_WEBHOOK, "never more pending than the bound");
-  assert.equal((await pendingOf(other.id)) <= 1, true, "the other webhook got nothing");
+  assert.ok((await pendingOf(k, hook.id)) <= MAX_PENDING_DELIVERIES_PER_WEBHOOK, "never more pending than the bound");
+  assert.equal((await pendingOf(k, other.id)) <= 1, true, "the other webhook got nothing");
   await k.call("DELETE", `/v1/lifecycle/webhooks/${hook.id}`);
   await k.call("DELETE", `/v1/lifecycle/webhooks/${other.id}`);
+}
+
+test("replaying in a loop and in a burst stops at the bound of pending deliveries; other webhooks' delivery ids are 404", async () => {
+  const k = await startTestKiln({ env });
+  try {
+    await floodAndBurst(k, await withMachine(k));
+  } finally {
+    await k.close();
+  }
+});
+
+test("on PostgreSQL too, a concurrent burst of replays never passes the bound", async () => {
+  let pg: TestPostgres | undefined;
+  let k: TestKiln | undefined;
+  try {
+    pg = await startPostgres();
+    k = await startTestKiln({ env: { ...env, KILN_DATABASE_URL: pg.url } });
+    await floodAndBurst(k, await withMachine(k));
+  } finally {
+    await k?.close();
+    await pg?.stop();
+  }
 });
