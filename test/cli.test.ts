@@ -96,10 +96,10 @@ test("kiln serve finishes an in-flight request on SIGTERM, then exits 0", async 
     stdio: ["ignore", "pipe", "pipe"],
   });
   const exited = new Promise<number | null>((resolve) => server.on("exit", (code) => resolve(code)));
+  let machine: { id: string } | undefined;
   try {
     const url = `http://127.0.0.1:${port}`;
     const auth = { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json" };
-    let machine: { id: string } | undefined;
     for (let i = 0; i < 200 && !machine; i++) {
       await new Promise((r) => setTimeout(r, 100));
       const res = await request(`${url}/v1/machines`, { method: "POST", headers: auth, body: "{}" }).catch(() => undefined);
@@ -114,13 +114,16 @@ test("kiln serve finishes an in-flight request on SIGTERM, then exits 0", async 
     assert.equal(res.statusCode, 200);
     assert.equal(((await res.body.json()) as { stdout: string }).stdout, "done\n");
     assert.equal(await exited, 0);
-    // Machines outlive the control plane (they are adopted at the next start): remove this one as Kiln would, so
-    // its mount, cgroups and slirp4netns go too.
-    const driver = createOciDriver({ dataDir, runtime: "runc", hostAccess: false, log: createLogger({ level: "silent", pretty: false }), guestRuntimeDir: "" });
-    await driver.destroy(machine.id);
-    await driver.close(); // the disk pool it mounted goes with its last machine
   } finally {
     server.kill("SIGKILL");
+    await exited;
+    // Machines outlive the control plane (they are adopted at the next start): remove this one as Kiln would, so
+    // its mount, cgroups and slirp4netns go too — also when an assertion above failed.
+    if (machine) {
+      const driver = createOciDriver({ dataDir, runtime: "runc", hostAccess: false, log: createLogger({ level: "silent", pretty: false }), guestRuntimeDir: "" });
+      await driver.destroy(machine.id);
+      await driver.close(); // the disk pool it mounted goes with its last machine
+    }
     await rm(dataDir, { recursive: true, force: true });
   }
 });
