@@ -128,7 +128,16 @@ export function createMachineLifecycle(ctx: MachineContext, deps: LifecycleDeps)
   async function destroyLocked(row: MachineRow, reason?: string): Promise<MachineRow> {
     if (row.status === "destroyed" || row.status === "failed") return row;
     await agents.detach(row.id);
-    await driver.destroy(row.id);
+    // Unreachable now (processes killed, agent connection closed); the rest of the removal runs behind the caller.
+    // A driver that cannot kill that fast, or a kill that failed, removes it all here.
+    const silenced = driver.silence
+      ? await driver.silence(row.id).then(
+          () => true,
+          (err: unknown) => (ctx.log.warn({ err, machine_id: row.id }, "killing a machine through its cgroup failed; removing it in full"), false),
+        )
+      : false;
+    if (silenced) ctx.teardown.schedule(row.id, row.memory_mb);
+    else await driver.destroy(row.id);
     const set: MachineUpdate = { status: "destroyed", destroyed_at: new Date().toISOString() };
     if (reason) set.failure_reason = reason;
     return records.transition(row.id, set, "destroy");

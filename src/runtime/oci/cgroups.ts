@@ -129,3 +129,87 @@ export function cgroupFreezer(support: CgroupSupport, path: string, root = "/sys
     },
   };
 }
+
+/** How many rounds of SIGKILL a cgroup gets, where it has no freezer to stop forks, before it is left to the runtime. */
+const KILL_ROUNDS = 20;
+
+/**
+ * Kills every process of cgroup `path` at once, without the runtime: v2 `cgroup.kill`; elsewhere frozen first (so
+ * none forks away between the read of its members and their signal), each member sent SIGKILL, then thawed, so the
+ * signals land. The processes never run another instruction of their own; the kernel reaps them a moment later.
+ * Resolves false where the host has no way to (no such cgroup, no freezer or pids hierarchy): then the runtime's kill is
+ * the only one.
+ */
+export async function killCgroup(support: CgroupSupport, path: string, root = "/sys/fs/cgroup"): Promise<boolean> {
+  if (support.version === "none") return false;
+  if (support.version === "v2") {
+    const kill = join(root, path, "cgroup.kill");
+    if (!existsSync(kill)) return false;
+    await writeFile(kill, "1");
+    return true;
+  }
+  const hierarchy = ["freezer", "pids", "memory", "cpu"].find((c) => support.enforced.includes(c) && existsSync(join(root, c, path, "cgroup.procs")));
+  if (!hierarchy) return false;
+  const procs = join(root, hierarchy, path, "cgroup.procs");
+  const killAll = async () => {
+    const pids = (await readFile(procs, "utf8").catch(() => "")).split("\n").filter(Boolean).map(Number);
+    for (const pid of pids) {
+      try {
+        process.kill(pid, "SIGKILL");
+      } catch {
+        // gone meanwhile
+      }
+    }
+    return pids.length;
+  };
+  const freezer = hierarchy === "freezer" ? cgroupFreezer(support, path, root) : undefined;
+  if (freezer) {
+    const frozen = await freezer.freeze().then(
+      () => true,
+      () => false,
+    );
+    await killAll();
+    await freezer.thaw();
+    if (frozen) return true;
+  }
+  // No freezer (or it did not settle): kill what is there until nothing new appears.
+  for (let round = 0; round < KILL_ROUNDS; round++) if ((await killAll()) === 0) return true;
+  return true;
+}
+
+/** A running machine's CPU and memory caps, as its spec sets them at boot (spec.ts). */
+export interface MachineLimits {
+  /** CFS quota per 100 ms period, in µs (vcpus × 100 000). */
+  cpuQuotaUs: number;
+  memoryBytes: number;
+  /** The host accounts swap per cgroup: memory + swap gets the same bound (v1 memsw; v2 no swap at all). */
+  limitSwap: boolean;
+}
+
+const CPU_PERIOD_US = 100_000;
+
+/**
+ * Writes new caps on the running machine's cgroup `path`, what `runc update` would, without its process: the CPU
+ * quota, then memory in the order the kernel accepts (v1's memsw must stay ≥ the memory limit, so it is raised
+ * first and lowered last). Throws when a file refuses (a memory limit below what the machine already uses).
+ */
+export async function setMachineLimits(support: CgroupSupport, path: string, limits: MachineLimits, root = "/sys/fs/cgroup"): Promise<void> {
+  if (support.version === "none") throw new Error("this host has no cgroups to limit machines with");
+  const bytes = String(limits.memoryBytes);
+  if (support.version === "v2") {
+    const dir = join(root, path);
+    await writeFile(join(dir, "cpu.max"), `${limits.cpuQuotaUs} ${CPU_PERIOD_US}`);
+    await writeFile(join(dir, "memory.max"), bytes);
+    if (limits.limitSwap) await writeFile(join(dir, "memory.swap.max"), "0").catch(() => undefined);
+    return;
+  }
+  await writeFile(join(root, "cpu", path, "cpu.cfs_period_us"), String(CPU_PERIOD_US));
+  await writeFile(join(root, "cpu", path, "cpu.cfs_quota_us"), String(limits.cpuQuotaUs));
+  const memory = join(root, "memory", path);
+  const memsw = join(memory, "memory.memsw.limit_in_bytes");
+  const current = Number((await readFile(join(memory, "memory.limit_in_bytes"), "utf8")).trim());
+  const swap = limits.limitSwap && existsSync(memsw);
+  if (swap && limits.memoryBytes > current) await writeFile(memsw, bytes);
+  await writeFile(join(memory, "memory.limit_in_bytes"), bytes);
+  if (swap && limits.memoryBytes <= current) await writeFile(memsw, bytes);
+}
