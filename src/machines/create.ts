@@ -96,7 +96,7 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     const network = egressRules(input.network);
     const hasRules = Boolean(network && (network.allowOut.length || network.denyOut.length));
     await deps.admission?.admit({ vcpus, memoryMb, diskMb });
-    // A machine already booted with exactly this shape answers at once; its id is the one it was booted with.
+    // A machine already booted (any size where the driver resizes live ones) answers at once; its id is the one it was booted with.
     // One with volumes boots fresh: warm machines have no mounts (room: volumes).
     // gVisor: continue the build machine saved once start_cmd was ready, where this machine can take it (same
     // network setting, same guest runtime, image still on disk); otherwise start_cmd starts here and create waits for
@@ -139,6 +139,8 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
         if (warm) {
           const health = await driver.heal(warm.id);
           if (!health.ok) throw new Error(health.reason);
+          // Booted in the pool's size: given this create's (its cgroup caps) before anything runs in it for the caller.
+          await driver.resize?.(warm.id, { vcpus: row.vcpus, memoryMb: row.memory_mb });
         }
         const live =
           warm ??
