@@ -87,7 +87,8 @@ export function createTeardown(deps: { driver: MachineDriver; log: Logger }): Te
       if (pending.has(id)) return;
       pending.set(id, memoryMb);
       queue.push(id);
-      pump();
+      // After the caller's answer is on its way: the first step spawns the runtime, which blocks the event loop a moment.
+      setImmediate(pump);
     },
     pending() {
       let memoryMb = 0;

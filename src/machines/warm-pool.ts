@@ -7,6 +7,7 @@ import { DEFAULT_DISK_MB } from "../runtime/driver.ts";
 import type { LiveMachine, MachineDriver, MachineSpec } from "../runtime/driver.ts";
 import { newId } from "../store/ids.ts";
 import type { Logger } from "../log.ts";
+import type { BootQueue } from "./boot-queue.ts";
 
 export interface PoolShape {
   artifactId: string;
@@ -24,7 +25,13 @@ export interface WarmPool {
   close(): Promise<void>;
 }
 
-export function createWarmPool(deps: { driver: MachineDriver; size: number; log: Logger }): WarmPool {
+export function createWarmPool(deps: {
+  driver: MachineDriver;
+  size: number;
+  log: Logger;
+  /** Refills boot in a slot no create waits for (boot-queue.ts). */
+  boots?: BootQueue;
+}): WarmPool {
   const { driver, size, log } = deps;
   let shape: PoolShape | undefined;
   const ready: { live: LiveMachine; artifactId: string }[] = [];
@@ -42,7 +49,8 @@ export function createWarmPool(deps: { driver: MachineDriver; size: number; log:
       const s = shape;
       const id = newId("mch");
       booting++;
-      const boot = driver.create(specFor(id, s)).then(
+      const spec = specFor(id, s);
+      const boot = (deps.boots ? deps.boots.run("pool", () => driver.create(spec)) : driver.create(spec)).then(
         async (live) => {
           booting--;
           failures = 0;

@@ -6,7 +6,7 @@
 import { execFile, spawn } from "node:child_process";
 import { connect, createServer } from "node:net";
 import { get as httpGet } from "node:http";
-import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync } from "node:fs";
+import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync, writeFileSync } from "node:fs";
 import { chmod, chown, link, mkdir, readdir, readFile, rm, writeFile } from "node:fs/promises";
 import { dirname, join } from "node:path";
 import { promisify } from "node:util";
@@ -550,7 +550,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   async function silence(id: string): Promise<void> {
     const p = paths(id);
     if (!existsSync(p.dir)) return;
-    await writeFile(join(p.dir, GOING_MARKER), "");
+    writeFileSync(join(p.dir, GOING_MARKER), ""); // microseconds: not queued behind the thread pool's slower work
     if (!(await killCgroup(cgroups, `kiln/${id}`))) await cli.remove(id);
   }
 
