@@ -128,7 +128,7 @@ export function createMachineLifecycle(ctx: MachineContext, deps: LifecycleDeps)
   async function destroyLocked(row: MachineRow, reason?: string): Promise<MachineRow> {
     if (row.status === "destroyed" || row.status === "failed") return row;
     const t0 = performance.now();
-    await agents.detach(row.id);
+    agents.drop(row.id);
     const tDetached = performance.now();
     // Unreachable now (processes killed, agent connection closed); the rest of the removal runs behind the caller.
     // A driver that cannot kill that fast, or a kill that failed, removes it all here.
