@@ -19,6 +19,8 @@ export interface Teardown {
   schedule(id: string, memoryMb: number): void;
   /** Machines whose cleanup has not finished, and the memory they were given. */
   pending(): { count: number; memoryMb: number };
+  /** Resolves once none of `ids` is being cleaned (bounded by `timeoutMs`; the caller goes on either way). */
+  cleaned(ids: string[], timeoutMs?: number): Promise<void>;
   /** Resolves once no cleanup is queued or running (false when `timeoutMs` passed first). */
   settled(timeoutMs?: number): Promise<boolean>;
   /** Stops taking new work and waits (bounded) for what runs; what is left is finished by the next start. */
@@ -96,6 +98,10 @@ export function createTeardown(deps: { driver: MachineDriver; log: Logger }): Te
       return { count: pending.size, memoryMb };
     },
     settled,
+    async cleaned(ids, timeoutMs = 60_000) {
+      const deadline = Date.now() + timeoutMs;
+      while (ids.some((id) => pending.has(id)) && Date.now() < deadline) await settled(Math.min(100, deadline - Date.now()));
+    },
     async close(timeoutMs = 30_000) {
       // Queued ones still run (they are quick next to a restart); a cleanup cut off here is the next start's.
       if (!(await settled(timeoutMs))) log.warn({ pending: pending.size }, "server stopping with machine cleanups unfinished; the next start finishes them");

@@ -95,8 +95,9 @@ export function createServices(deps: {
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log, boots });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
-  const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log });
+
   const teardown = createTeardown({ driver, log });
+  const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log, machinesCleaned: (ids) => teardown.cleaned(ids) });
   const admission = createAdmission({ db: store.db, limits: deps.limits, cleaning: () => teardown.pending() });
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, teardown, boots, maxHibernationS: deps.snapshots?.maxHibernationS });
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });

@@ -4,7 +4,7 @@
 
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { spawn } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
 import { readFileSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
 import { createServer } from "node:net";
@@ -81,6 +81,27 @@ test("a destroyed machine still being cleaned counts for admission until its cle
     const after = await admission.capacity();
     assert.equal(after.live_machines, 0);
     assert.equal(after.declared_memory_mb, 0);
+  } finally {
+    await k.close();
+  }
+});
+
+test("a volume deleted right after the machine that mounted it waits for that machine's cleanup; nothing is left", async () => {
+  const k = await startTestKiln({ env: { KILN_WARM_POOL: "0" } });
+  try {
+    const vol = await k.call("POST", "/v1/volumes", { body: { name: "teardown", size_mb: 16 } });
+    assert.equal(vol.status, 201, vol.text);
+    const made = await k.call("POST", "/v1/machines", { body: { volumes: [{ volume_id: vol.body.id, path: "/data" }] } });
+    assert.equal(made.status, 201, made.text);
+    assert.equal((await k.call("POST", `/v1/machines/${made.body.id}/exec`, { body: { cmd: "echo x > /data/f" } })).status, 200);
+    assert.equal((await k.call("DELETE", `/v1/machines/${made.body.id}`, { settle: false })).status, 200);
+    const gone = await k.call("DELETE", `/v1/volumes/${vol.body.id}`);
+    assert.equal(gone.status, 204, gone.text);
+    assert.equal(await k.kiln.services.machines.cleanupsSettled(60_000), true);
+    assert.deepEqual(remainsOf(k.dataDir, made.body.id), []);
+    const volumeDir = join(k.dataDir, "volumes", vol.body.id);
+    assert.ok(!readFileSync("/proc/self/mountinfo", "utf8").includes(volumeDir), "the volume is not mounted anywhere");
+    assert.ok(!execFileSync("losetup", ["-a"], { encoding: "utf8" }).includes(volumeDir), "its loop device is gone");
   } finally {
     await k.close();
   }
