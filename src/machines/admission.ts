@@ -50,7 +50,12 @@ export interface Admission {
   }>;
 }
 
-export function createAdmission(deps: { db: Db; limits: AdmissionLimits }): Admission {
+export function createAdmission(deps: {
+  db: Db;
+  limits: AdmissionLimits;
+  /** Destroyed machines whose remains are still being removed (teardown.ts): they still count as live here. */
+  cleaning?: () => { count: number; memoryMb: number };
+}): Admission {
   const { db, limits } = deps;
   const hostMemoryMb = Math.floor(totalmem() / MIB);
   const hostCores = cpus().length;
@@ -67,7 +72,8 @@ export function createAdmission(deps: { db: Db; limits: AdmissionLimits }): Admi
       .select([sql<number>`count(*)`.as("count"), sql<number>`coalesce(sum(memory_mb), 0)`.as("memory")])
       .where("status", "in", LIVE_STATUSES)
       .executeTakeFirst();
-    return { count: Number(row?.count ?? 0), declaredMemoryMb: Number(row?.memory ?? 0) };
+    const cleaning = deps.cleaning?.() ?? { count: 0, memoryMb: 0 };
+    return { count: Number(row?.count ?? 0) + cleaning.count, declaredMemoryMb: Number(row?.memory ?? 0) + cleaning.memoryMb };
   }
 
   const busy = (message: string, details: Record<string, unknown>) => new KilnError("unavailable", message, { detail: { code: "unavailable", message, retryable: true, details } });

@@ -14,6 +14,7 @@ import { artifactConfig } from "../builder/artifact-config.ts";
 import { runStartCommand } from "../builder/start-command.ts";
 import type { Admission } from "./admission.ts";
 import type { WarmPool } from "./warm-pool.ts";
+import type { BootQueue } from "./boot-queue.ts";
 import { checkEnvs, checkMetadata } from "./input-limits.ts";
 import { MACHINE_DEFAULTS, machineView } from "./records.ts";
 import type { MachineView, OnTimeout } from "./records.ts";
@@ -70,6 +71,8 @@ export interface CreateDeps {
   pool?: WarmPool;
   volumes?: VolumeService;
   admission?: Admission;
+  /** Cold boots a few at a time, creates in arrival order (boot-queue.ts); without it every boot starts at once. */
+  boots?: BootQueue;
 }
 
 export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (input: CreateMachineInput, from?: SnapshotOrigin) => Promise<MachineView> {
@@ -96,7 +99,7 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     const network = egressRules(input.network);
     const hasRules = Boolean(network && (network.allowOut.length || network.denyOut.length));
     await deps.admission?.admit({ vcpus, memoryMb, diskMb });
-    // A machine already booted with exactly this shape answers at once; its id is the one it was booted with.
+    // A machine already booted (any size where the driver resizes live ones) answers at once; its id is the one it was booted with.
     // One with volumes boots fresh: warm machines have no mounts (room: volumes).
     // gVisor: continue the build machine saved once start_cmd was ready, where this machine can take it (same
     // network setting, same guest runtime, image still on disk); otherwise start_cmd starts here and create waits for
@@ -139,10 +142,13 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
         if (warm) {
           const health = await driver.heal(warm.id);
           if (!health.ok) throw new Error(health.reason);
+          // Booted in the pool's size: given this create's (its cgroup caps) before anything runs in it for the caller.
+          await driver.resize?.(warm.id, { vcpus: row.vcpus, memoryMb: row.memory_mb });
         }
+        const boot = (run: () => ReturnType<typeof driver.create>) => (deps.boots ? deps.boots.run("create", run) : run());
         const live =
           warm ??
-          (await driver.create({
+          (await boot(() => driver.create({
           id: row.id,
           layers: resolved.layers,
           hostname: row.id.replaceAll("_", "-"),
@@ -154,7 +160,7 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
           mounts,
           restore,
           fromSnapshot: from ? { disk: from.disk, memory: from.memory } : undefined,
-        }));
+        })));
         const agent = agents.attach(live);
         // The user must exist in the machine's own /etc/passwd; envs live in the agent, never in a record.
         await agent.user(row.user).catch((err: unknown) => {

@@ -20,6 +20,7 @@ import { createMachineLifecycle } from "./lifecycle.ts";
 import type { UpdateMachineInput } from "./lifecycle.ts";
 import { createMachineHealth } from "./health.ts";
 import { createAdoption } from "./adoption.ts";
+import type { Teardown } from "./teardown.ts";
 
 export {
   MACHINE_STATUSES,
@@ -59,6 +60,8 @@ export interface MachineService {
   /** Hears every status change of every machine; answers the function that stops listening. */
   onStatus(listener: (id: string, status: MachineStatus) => void): () => void;
   close(): Promise<void>;
+  /** Resolves once destroyed machines' remains are all removed from the host (false when `timeoutMs` passed first). */
+  cleanupsSettled(timeoutMs?: number): Promise<boolean>;
   /**
    * Runs `fn` under the machine's lock with its record, for work that must not interleave with its lifecycle (a
    * snapshot); a machine that is not running or hibernated is 409.
@@ -76,10 +79,20 @@ export function createMachineService(
     hostId: string;
     /** KILN_MAX_HIBERNATION_S: how long a machine with on_timeout "hibernate" may sleep. */
     maxHibernationS?: number;
+    teardown: Teardown;
   } & CreateDeps,
 ): MachineService {
   const { db } = deps;
-  const ctx: MachineContext = { db, driver: deps.driver, log: deps.log, hostId: deps.hostId, locks: createKeyedLock(), records: new MachineRecords(db), agents: new AgentRegistry() };
+  const ctx: MachineContext = {
+    db,
+    driver: deps.driver,
+    log: deps.log,
+    hostId: deps.hostId,
+    locks: createKeyedLock(),
+    records: new MachineRecords(db),
+    agents: new AgentRegistry(),
+    teardown: deps.teardown,
+  };
   const { records, agents, locks } = ctx;
   const lifecycle = createMachineLifecycle(ctx, { templates: deps.templates, maxHibernationS: deps.maxHibernationS });
   const health = createMachineHealth(ctx, lifecycle);
@@ -120,6 +133,8 @@ export function createMachineService(
     health.stopSweeper();
     await locks.drain();
     for (const id of agents.ids()) await agents.detach(id);
+    // Destroyed machines' remains: waited for (bounded); what is left then is finished by the next start.
+    await ctx.teardown.close();
   }
 
   return {
@@ -138,6 +153,7 @@ export function createMachineService(
     startSweeper: health.startSweeper,
     onStatus: (listener) => records.onStatus(listener),
     close,
+    cleanupsSettled: (timeoutMs) => ctx.teardown.settled(timeoutMs),
     withMachine,
     recordLifecycle: (id, operation, extra) => records.recordLifecycle(id, operation, extra),
   };

@@ -1,11 +1,13 @@
-// A few machines of the base template booted ahead of time with default resources, so a create that asks for
-// exactly that is answered without waiting for a boot. Pooled machines have no record until one is taken;
+// A few machines of the base template booted ahead of time with default resources, so a create of that template is
+// answered without waiting for a boot: in any vcpus/memory where the driver resizes a running machine (runc: its
+// cgroup caps, written at handout), else in exactly the pool's. Pooled machines have no record until one is taken;
 // on shutdown they are destroyed, and after a crash the restart removes them as orphans.
 
 import { DEFAULT_DISK_MB } from "../runtime/driver.ts";
 import type { LiveMachine, MachineDriver, MachineSpec } from "../runtime/driver.ts";
 import { newId } from "../store/ids.ts";
 import type { Logger } from "../log.ts";
+import type { BootQueue } from "./boot-queue.ts";
 
 export interface PoolShape {
   artifactId: string;
@@ -17,13 +19,19 @@ export interface PoolShape {
 export interface WarmPool {
   /** Sets what pooled machines look like (the base template's current artifact); replaces stale ones. */
   configure(next: PoolShape): void;
-  /** A booted machine of exactly this shape, or undefined (then the caller boots one itself). */
+  /** A booted machine for this create (resized by the caller where its size differs), or undefined (then the caller boots one). */
   take(want: { artifactId: string; vcpus: number; memoryMb: number; diskMb: number; internet: boolean; network: boolean }): LiveMachine | undefined;
   stats(): { size: number; ready: number; booting: number; ids: string[] };
   close(): Promise<void>;
 }
 
-export function createWarmPool(deps: { driver: MachineDriver; size: number; log: Logger }): WarmPool {
+export function createWarmPool(deps: {
+  driver: MachineDriver;
+  size: number;
+  log: Logger;
+  /** Refills boot in a slot no create waits for (boot-queue.ts). */
+  boots?: BootQueue;
+}): WarmPool {
   const { driver, size, log } = deps;
   let shape: PoolShape | undefined;
   const ready: { live: LiveMachine; artifactId: string }[] = [];
@@ -41,7 +49,8 @@ export function createWarmPool(deps: { driver: MachineDriver; size: number; log:
       const s = shape;
       const id = newId("mch");
       booting++;
-      const boot = driver.create(specFor(id, s)).then(
+      const spec = specFor(id, s);
+      const boot = (deps.boots ? deps.boots.run("pool", () => driver.create(spec)) : driver.create(spec)).then(
         async (live) => {
           booting--;
           failures = 0;
@@ -72,9 +81,11 @@ export function createWarmPool(deps: { driver: MachineDriver; size: number; log:
       failures = 0;
       fill();
     },
-    /** A booted machine of exactly this shape, or undefined (then the caller boots one itself). */
+    /** A booted machine for this create (resized by the caller where its size differs), or undefined (then the caller boots one). */
     take(want: { artifactId: string; vcpus: number; memoryMb: number; diskMb: number; internet: boolean; network: boolean }): LiveMachine | undefined {
-      if (!shape || want.artifactId !== shape.artifactId || want.vcpus !== shape.vcpus || want.memoryMb !== shape.memoryMb) return undefined;
+      if (!shape || want.artifactId !== shape.artifactId) return undefined;
+      // Any size where the driver can resize a running machine (the caller does, at handout); else exactly the pool's.
+      if (!driver.resize && (want.vcpus !== shape.vcpus || want.memoryMb !== shape.memoryMb)) return undefined;
       // Pooled machines have the default disk and the default egress policy (their slirp4netns is already running).
       if (want.diskMb !== DEFAULT_DISK_MB || !want.internet || want.network) return undefined;
       const i = ready.findIndex((r) => r.artifactId === want.artifactId);

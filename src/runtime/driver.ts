@@ -171,6 +171,19 @@ export interface MachineDriver {
    * knows; its uid range goes back only once no host process runs on it.
    */
   destroy(id: string, opts?: { leftover?: boolean }): Promise<void>;
+  /**
+   * Makes a machine unreachable at once, the first half of a destroy: a marker in its dir says it is going, and its
+   * processes are killed (frozen first, so none forks away). What is left (runtime state, network, cgroups, mounts,
+   * disk, uid range) is destroy's, run behind the request — or by the next start if the server dies first. Absent
+   * where a driver has no faster way than destroy itself.
+   */
+  silence?(id: string): Promise<void>;
+  /**
+   * Gives a running machine new vcpus and memory (its cgroup caps, and its saved spec, so a later boot keeps them):
+   * how a machine booted ahead of time is handed out in any size. Absent where a machine cannot be resized live
+   * so that it sees the new size (runsc sizes the sandbox's kernel at boot).
+   */
+  resize?(id: string, limits: { vcpus: number; memoryMb: number }): Promise<void>;
   /** Machines this driver still has alive on the host (used to adopt them after a restart). */
   listLive(): Promise<LiveMachine[]>;
   /** Ids of every machine this driver has anything of on the host (a dir), alive or not: what a crash may leave. */

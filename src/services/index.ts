@@ -22,6 +22,8 @@ import { createVolumeService } from "../volumes/service.ts";
 import { createDeploymentService } from "../deployments/service.ts";
 import type { DeploymentOptions } from "../deployments/service.ts";
 import { createAdmission } from "../machines/admission.ts";
+import { createTeardown } from "../machines/teardown.ts";
+import { createBootQueue } from "../machines/boot-queue.ts";
 import { createMachineMetrics } from "../machines/metrics.ts";
 import type { AdmissionLimits } from "../machines/admission.ts";
 import type { KeyService } from "../keys/service.ts";
@@ -91,12 +93,15 @@ export function createServices(deps: {
   snapshots?: { maxSnapshots: number; maxHibernationS: number };
 }): Services {
   const { store, driver, log, hostId } = deps;
-  const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
+  const boots = createBootQueue();
+  const pool = createWarmPool({ driver, size: deps.warmPoolSize, log, boots });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
-  const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log });
-  const admission = createAdmission({ db: store.db, limits: deps.limits });
-  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, maxHibernationS: deps.snapshots?.maxHibernationS });
+
+  const teardown = createTeardown({ driver, log });
+  const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log, machinesCleaned: (ids) => teardown.cleaned(ids) });
+  const admission = createAdmission({ db: store.db, limits: deps.limits, cleaning: () => teardown.pending() });
+  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, teardown, boots, maxHibernationS: deps.snapshots?.maxHibernationS });
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
   const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots });
   const templateCatalog = createTemplateCatalog({ db: store.db });

@@ -56,7 +56,16 @@ export interface VolumeService {
   liveMachinesOf(id: string): Promise<string[]>;
 }
 
-export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger }): VolumeService {
+export function createVolumeService(deps: {
+  db: Db;
+  dataDir: string;
+  log: Logger;
+  /**
+   * Resolves once destroyed machines among `ids` have had their remains removed (machines/teardown.ts): a machine's
+   * DELETE answers before its bind of the volume is unmounted, and the volume's storage must not go from under it.
+   */
+  machinesCleaned?: (ids: string[]) => Promise<void>;
+}): VolumeService {
   const { db, dataDir, log } = deps;
   const planes = new Map<string, DataPlane>();
   const locks = createKeyedLock();
@@ -123,6 +132,8 @@ export function createVolumeService(deps: { db: Db; dataDir: string; log: Logger
       if (holders.length > 0) {
         throw new KilnError("conflict", `Volume ${id} is mounted by ${holders.length} live machine(s); destroy them first`, { detail: { details: { machine_ids: holders } } });
       }
+      const mounted = await db.selectFrom("machine_volumes").select("machine_id").where("volume_id", "=", id).execute();
+      await deps.machinesCleaned?.(mounted.map((r) => r.machine_id));
       await db.updateTable("volumes").set({ status: "deleting", updated_at: new Date().toISOString() }).where("id", "=", id).execute();
       await finishDelete(id);
     });

@@ -218,6 +218,8 @@ test("a machine killed from outside Kiln is found and destroyed with a reason, l
   assert.equal(g.body.status, "destroyed");
   assert.equal(g.body.failure_reason, "the machine stopped unexpectedly");
   assert.deepEqual(await events(m.id), ["create", "destroy"]);
+  // Its remains go behind the destroy (teardown.ts).
+  assert.equal(await k.kiln.services.machines.cleanupsSettled(60_000), true);
   assert.equal(existsSync(dir), false);
   assert.ok(!readFileSync("/proc/self/mountinfo", "utf8").includes(m.id), "no mount left");
   assert.ok(!existsSync(`/proc/${slirpPid}/cmdline`) || !readFileSync(`/proc/${slirpPid}/cmdline`, "utf8").startsWith("slirp4netns"), "slirp4netns is gone");

@@ -278,6 +278,8 @@ test("a machine that dies of memory says so: failure_reason is out of memory", a
   }
   assert.equal(view.status, "destroyed");
   assert.equal(view.failure_reason, "out of memory");
+  // The reaper's destroy removes the machine's remains behind it (teardown.ts).
+  assert.equal(await k.kiln.services.machines.cleanupsSettled(60_000), true);
   assertNothingLeft(m.id, slirp);
 });
 

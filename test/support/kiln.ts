@@ -21,7 +21,11 @@ export interface TestKiln {
   dataDir: string;
   /** Every log line the server wrote, for assertions about what is (not) logged. */
   logs: string[];
-  call(method: string, path: string, opts?: { body?: unknown; key?: string | null; headers?: Record<string, string>; raw?: string | Buffer }): Promise<{ status: number; body: any; headers: Record<string, string | string[] | undefined>; text: string }>;
+  /**
+   * One request. A machine's DELETE answers before its remains are removed (teardown.ts): unless `settle` is false,
+   * the call then also waits (bounded) for that cleanup, so a test's look at the host sees it done.
+   */
+  call(method: string, path: string, opts?: { body?: unknown; key?: string | null; headers?: Record<string, string>; raw?: string | Buffer; settle?: boolean }): Promise<{ status: number; body: any; headers: Record<string, string | string[] | undefined>; text: string }>;
   /** Stops the server, leaving machines and data dir alone (to test restart and adoption). */
   stop(): Promise<void>;
   /** Stops the server, destroys its machines and removes its data dir. */
@@ -45,7 +49,7 @@ export async function startTestKiln(opts: { dataDir?: string; env?: Record<strin
   const url = kiln.url;
   let stopped = false;
 
-  async function call(method: string, path: string, o: { body?: unknown; key?: string | null; headers?: Record<string, string>; raw?: string | Buffer } = {}) {
+  async function call(method: string, path: string, o: { body?: unknown; key?: string | null; headers?: Record<string, string>; raw?: string | Buffer; settle?: boolean } = {}) {
     const headers: Record<string, string> = { ...o.headers };
     if (o.key !== null) headers.authorization = `Bearer ${o.key ?? TEST_KEY}`;
     let body: string | Buffer | undefined = o.raw;
@@ -61,6 +65,7 @@ export async function startTestKiln(opts: { dataDir?: string; env?: Record<strin
     } catch {
       parsed = undefined;
     }
+    if (method === "DELETE" && /^\/v1\/machines\/[^/?]+$/.test(path) && o.settle !== false) await kiln.services.machines.cleanupsSettled(60_000);
     return { status: res.statusCode, body: parsed as any, headers: res.headers as Record<string, string | string[] | undefined>, text };
   }
 

@@ -6,7 +6,7 @@
 import { execFile, spawn } from "node:child_process";
 import { connect, createServer } from "node:net";
 import { get as httpGet } from "node:http";
-import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync } from "node:fs";
+import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync, writeFileSync } from "node:fs";
 import { chmod, chown, link, mkdir, readdir, readFile, rm, writeFile } from "node:fs/promises";
 import { dirname, join } from "node:path";
 import { promisify } from "node:util";
@@ -17,7 +17,7 @@ import { guestRuntimeComplete } from "../guest-runtime.ts";
 import { CANONICAL_BASE } from "./idmap.ts";
 import { createMachineIdentities, scratchDir } from "./identity.ts";
 import { AGENT_SOCKET_NAME, machineNofileSoft, machineSpec } from "./spec.ts";
-import { applyHostLimits, cgroupFreezer, defaultHostLimits, detectCgroups, KILN_CGROUP, removeCgroups } from "./cgroups.ts";
+import { applyHostLimits, cgroupFreezer, defaultHostLimits, detectCgroups, KILN_CGROUP, killCgroup, removeCgroups, setMachineLimits } from "./cgroups.ts";
 import type { HostLimits } from "./cgroups.ts";
 import { isMounted } from "./mounts.ts";
 import { machineUsage } from "./usage.ts";
@@ -50,6 +50,11 @@ const SPARE_DISKS = 3;
 const SAFE_ID = /^[A-Za-z0-9][A-Za-z0-9_-]{0,100}$/;
 /** One per host: every Kiln server on it takes machines' uid ranges from the same pool. */
 const DEFAULT_ID_RANGES_DIR = "/var/lib/kiln/id-ranges";
+/**
+ * In a machine's dir: the machine is being destroyed (its processes were killed; the rest is being removed). It goes
+ * with the dir; a start finds it on what a crash cut short and finishes the destroy (the dir has no live record).
+ */
+const GOING_MARKER = "destroying";
 
 export interface OciDriverOptions {
   dataDir: string;
@@ -538,6 +543,28 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     await Promise.all([rm(p.dir, { recursive: true, force: true }), rm(p.layer.image, { force: true })]);
   }
 
+  /**
+   * The first half of a destroy, on the request's path: the marker, then every process of the machine killed through
+   * its cgroup (no runtime process to start). A host where that cannot be done has the runtime kill it instead.
+   */
+  async function silence(id: string): Promise<void> {
+    const p = paths(id);
+    if (!existsSync(p.dir)) return;
+    writeFileSync(join(p.dir, GOING_MARKER), ""); // microseconds: not queued behind the thread pool's slower work
+    if (!(await killCgroup(cgroups, `kiln/${id}`))) await cli.remove(id);
+  }
+
+  /**
+   * runc: new caps written on the machine's cgroup (as its spec would have set them at boot) and into its saved spec,
+   * so a restart or a resume from disk boots it with them.
+   */
+  async function resize(id: string, limits: { vcpus: number; memoryMb: number }): Promise<void> {
+    const spec = await readSpec(id);
+    if (spec.vcpus === limits.vcpus && spec.memoryMb === limits.memoryMb) return;
+    await setMachineLimits(cgroups, `kiln/${id}`, { cpuQuotaUs: Math.round(limits.vcpus * 100_000), memoryBytes: limits.memoryMb * 1024 * 1024, limitSwap });
+    await writeFile(paths(id).spec, JSON.stringify({ ...spec, vcpus: limits.vcpus, memoryMb: limits.memoryMb }));
+  }
+
   /** Stops a machine's processes and takes down its network, cgroups and mounts; its bundle and disk image stay. */
   async function stop(id: string): Promise<void> {
     const p = paths(id);
@@ -766,6 +793,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     canRestore: (saved) => opts.runtime === "runsc" && saved.guestRuntime === opts.guestRuntimeDir && existsSync(saved.imageDir) && existsSync(saved.upperDir),
 
     destroy,
+    silence,
+    resize: opts.runtime === "runc" ? resize : undefined,
     heal,
 
     async usage(id) {
@@ -787,6 +816,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
         if (!SAFE_ID.test(c.id) || !pidAlive(c.pid) || isZombie(c.pid)) continue;
         // A snapshot cut short by a crash left it frozen: thawed, it is the running machine it was.
         const p = paths(c.id);
+        if (existsSync(join(p.dir, GOING_MARKER))) continue;
         if (await thawInterrupted(p.dir, p.layer.mountPoint, () => cli.resume(c.id))) c.status = (await cli.state(c.id))?.status ?? c.status;
         live.push({ id: c.id, state: c.status === "paused" ? "paused" : "running", agentSocket: p.socket, pid: c.pid });
       }
