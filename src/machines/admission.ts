@@ -50,7 +50,7 @@ export interface Admission {
   }>;
 }
 
-export function createAdmission(deps: { db: Db; limits: AdmissionLimits }): Admission {
+export function createAdmission(deps: { db: Db; limits: AdmissionLimits; hostId?: string }): Admission {
   const { db, limits } = deps;
   const hostMemoryMb = Math.floor(totalmem() / MIB);
   const hostCores = cpus().length;
@@ -66,6 +66,8 @@ export function createAdmission(deps: { db: Db; limits: AdmissionLimits }): Admi
       .selectFrom("machines")
       .select([sql<number>`count(*)`.as("count"), sql<number>`coalesce(sum(memory_mb), 0)`.as("memory")])
       .where("status", "in", LIVE_STATUSES)
+      // On a shared store, only this host's machines hold this host's memory.
+      .$if(deps.hostId !== undefined, (q) => q.where((eb) => eb.or([eb("host_id", "=", deps.hostId!), eb("host_id", "is", null)])))
       .executeTakeFirst();
     return { count: Number(row?.count ?? 0), declaredMemoryMb: Number(row?.memory ?? 0) };
   }

@@ -42,6 +42,8 @@ import type { VolumeService } from "../volumes/service.ts";
 import type { DeploymentService } from "../deployments/service.ts";
 import { createSnapshotService } from "../snapshots/service.ts";
 import type { SnapshotService } from "../snapshots/service.ts";
+import { createHostService } from "../hosts/service.ts";
+import type { HostService } from "../hosts/service.ts";
 
 export interface WebhookSettings {
   retryScheduleMs: number[];
@@ -70,6 +72,13 @@ export interface Services {
   code: CodeService;
   volumes: VolumeService;
   deployments: DeploymentService;
+  hosts: HostService;
+}
+
+export interface HostSettings {
+  name: string;
+  lostAfterS: number;
+  heartbeatMs: number;
 }
 
 export function createServices(deps: {
@@ -87,19 +96,43 @@ export function createServices(deps: {
   deployments: DeploymentOptions;
   limits: AdmissionLimits;
   snapshots?: { maxSnapshots: number; maxHibernationS: number };
+  hosts?: HostSettings;
 }): Services {
   const { store, driver, log, hostId } = deps;
   const pool = createWarmPool({ driver, size: deps.warmPoolSize, log });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
   const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log });
-  const admission = createAdmission({ db: store.db, limits: deps.limits });
+  const admission = createAdmission({ db: store.db, limits: deps.limits, hostId });
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, maxHibernationS: deps.snapshots?.maxHibernationS });
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
   const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots });
   const templateCatalog = createTemplateCatalog({ db: store.db });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
   const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });
+  const hostSettings = deps.hosts ?? { name: hostId, lostAfterS: 30, heartbeatMs: 5000 };
+  const hosts = createHostService({
+    db: store.db,
+    log,
+    hostId,
+    name: hostSettings.name,
+    lostAfterS: hostSettings.lostAfterS,
+    heartbeatMs: hostSettings.heartbeatMs,
+    capacity: async () => {
+      const c = await admission.capacity();
+      return {
+        cores: c.host_cores,
+        memory_mb: c.host_memory_mb,
+        mem_available_mb: c.mem_available_mb,
+        min_free_memory_mb: c.min_free_memory_mb,
+        free_disk_mb: c.free_disk_mb,
+        min_free_disk_mb: c.min_free_disk_mb,
+        max_disk_mb: c.max_disk_mb,
+        live_machines: c.live_machines,
+        accepting: c.accepting,
+      };
+    },
+  });
   const deployments = createDeploymentService({ db: store.db, machines, templates, log, options: deps.deployments, hostId });
   return {
     store,
@@ -121,6 +154,7 @@ export function createServices(deps: {
     code: createCodeService(machines),
     volumes,
     deployments,
+    hosts,
   };
 }
 

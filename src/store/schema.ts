@@ -305,6 +305,28 @@ export interface ServiceRestartsTable {
   created_at: string;
 }
 
+/** One Kiln server's host on a shared store (room: hosts). */
+export interface HostsTable {
+  id: string;
+  name: string;
+  advertise_url: string;
+  /** active | draining | lost */
+  status: string;
+  capacity_json: string;
+  heartbeat_at: string;
+  started_at: string;
+  created_at: string;
+  updated_at: string;
+  lost_at: string | null;
+}
+
+/** The cluster's shared secrets by name (one: `forward`, the key of host-to-host HMACs). */
+export interface ClusterSecretsTable {
+  name: string;
+  secret: string;
+  created_at: string;
+}
+
 export interface Database {
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
@@ -326,6 +348,8 @@ export interface Database {
   services: ServicesTable;
   service_restarts: ServiceRestartsTable;
   snapshots: SnapshotsTable;
+  hosts: HostsTable;
+  cluster_secrets: ClusterSecretsTable;
 }
 
 export type Db = Kysely<Database>;
@@ -347,3 +371,4 @@ export type ServiceRow = Selectable<ServicesTable>;
 export type ServiceUpdate = Updateable<ServicesTable>;
 export type SnapshotRow = Selectable<SnapshotsTable>;
 export type SnapshotUpdate = Updateable<SnapshotsTable>;
+export type HostRow = Selectable<HostsTable>;

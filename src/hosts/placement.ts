@@ -1,0 +1,53 @@
+// Placement of new machines across the hosts of one store: active hosts only (draining and lost ones get nothing),
+// whose heartbeat is fresh and whose admission floors still accept, fewest live machines first (counting the
+// creates this server is placing right now), then the most memory above the floor.
+
+import { sql } from "kysely";
+import type { Db, HostRow } from "../store/schema.ts";
+import type { HostCapacity } from "./service.ts";
+
+const LIVE = ["creating", "running", "hibernated"] as const;
+
+export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: number; hosts: () => Promise<Map<string, HostRow>> }) {
+  const { db, hostId } = deps;
+  /** Creates this server forwarded and that have not been answered yet, per host. */
+  const inFlight = new Map<string, number>();
+
+  /** The hosts a create may go to, best first. Empty: no host can take one now. */
+  async function candidates(): Promise<HostRow[]> {
+    const fresh = Date.now() - deps.lostAfterS * 1000;
+    const usable = [...(await deps.hosts()).values()].filter((h) => {
+      if (h.status !== "active") return false;
+      if (h.id !== hostId && Date.parse(h.heartbeat_at) < fresh) return false;
+      return (JSON.parse(h.capacity_json) as HostCapacity).accepting !== false;
+    });
+    if (usable.length <= 1) return usable;
+    const counts = new Map(
+      (await db.selectFrom("machines").select(["host_id", sql<number>`count(*)`.as("n")]).where("status", "in", LIVE).groupBy("host_id").execute()).map((r) => [r.host_id, Number(r.n)]),
+    );
+    const load = (h: HostRow) => (counts.get(h.id) ?? 0) + (inFlight.get(h.id) ?? 0);
+    const headroom = (h: HostRow) => {
+      const c = JSON.parse(h.capacity_json) as HostCapacity;
+      return (c.mem_available_mb ?? 0) - (c.min_free_memory_mb ?? 0);
+    };
+    const tiebreak = new Map(usable.map((h) => [h.id, Math.random()]));
+    return usable.sort((a, b) => load(a) - load(b) || headroom(b) - headroom(a) || tiebreak.get(a.id)! - tiebreak.get(b.id)!);
+  }
+
+  /** Counts a create on its way to `id` until the returned function is called. */
+  function hold(id: string): () => void {
+    inFlight.set(id, (inFlight.get(id) ?? 0) + 1);
+    let released = false;
+    return () => {
+      if (released) return;
+      released = true;
+      const n = (inFlight.get(id) ?? 1) - 1;
+      if (n <= 0) inFlight.delete(id);
+      else inFlight.set(id, n);
+    };
+  }
+
+  return { candidates, hold };
+}
+
+export type Placement = ReturnType<typeof createPlacement>;
