@@ -57,6 +57,8 @@ export interface HostServiceDeps {
   capacity: () => Promise<HostCapacity>;
   lostAfterS: number;
   heartbeatMs: number;
+  /** What else a lost host leaves to end (its builds); called by whoever sweeps, idempotent. */
+  onLost?: (host: { id: string; name: string }, reason: string) => Promise<void>;
 }
 
 export function lostReason(host: { id: string; name: string }, lostAfterS: number): string {
@@ -145,7 +147,10 @@ export function createHostService(deps: HostServiceDeps) {
     }
     let failed = 0;
     const lost = await db.selectFrom("hosts").select(["id", "name"]).where("status", "=", "lost").execute();
-    for (const host of lost) failed += await failMachinesOf(host);
+    for (const host of lost) {
+      failed += await failMachinesOf(host);
+      await deps.onLost?.(host, lostReason(host, lostAfterS));
+    }
     return failed;
   }
 

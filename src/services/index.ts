@@ -106,7 +106,7 @@ export function createServices(deps: {
   const admission = createAdmission({ db: store.db, limits: deps.limits, hostId });
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, maxHibernationS: deps.snapshots?.maxHibernationS });
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
-  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots });
+  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots, hostId });
   const templateCatalog = createTemplateCatalog({ db: store.db });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate });
   const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });
@@ -118,6 +118,10 @@ export function createServices(deps: {
     name: hostSettings.name,
     lostAfterS: hostSettings.lostAfterS,
     heartbeatMs: hostSettings.heartbeatMs,
+    onLost: async (host, reason) => {
+      const ended = await builds.recoverInterrupted([host.id], reason);
+      if (ended > 0) log.warn({ host_id: host.id, builds: ended }, "builds of a lost host marked error");
+    },
     capacity: async () => {
       const c = await admission.capacity();
       return {

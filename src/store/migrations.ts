@@ -372,6 +372,8 @@ function migrations(dialect: Dialect): Record<string, Migration> {
           .addColumn("secret", "text", (c) => c.notNull())
           .addColumn("created_at", "text", (c) => c.notNull())
           .execute();
+        // A build belongs to the host running it: another server's start or a lost host's sweep ends only its own.
+        await db.schema.alterTable("builds").addColumn("host_id", "text").execute();
       },
     },
   };

@@ -1,7 +1,7 @@
 // Table shapes of Kiln's store, shared by the SQLite and PostgreSQL dialects.
 // Portable column types only: text, integer, bigint; timestamps are ISO 8601 UTC text, JSON is text, booleans are 0/1.
 
-import type { Generated, Insertable, Kysely, Selectable, Updateable } from "kysely";
+import type { ColumnType, Generated, Insertable, Kysely, Selectable, Updateable } from "kysely";
 
 export interface ApiKeysTable {
   id: string; // key_…
@@ -156,6 +156,8 @@ export interface BuildsTable {
   retention_expires_at: string | null;
   created_at: string;
   updated_at: string;
+  /** The host whose server runs the build (null: made before hosts were named). */
+  host_id: ColumnType<string | null, string | null | undefined, string | null>;
 }
 
 export interface BuildLogsTable {

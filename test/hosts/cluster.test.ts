@@ -6,6 +6,7 @@
 
 import { test, after } from "node:test";
 import assert from "node:assert/strict";
+import { spawnSync } from "node:child_process";
 import { createHmac } from "node:crypto";
 import { existsSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
@@ -17,6 +18,7 @@ import { WebSocket } from "ws";
 import { startPostgres } from "../support/postgres.ts";
 import { TEST_KEY } from "../support/kiln.ts";
 import { collectFrames } from "../support/frames.ts";
+import { TEST_RUNTIME } from "../support/paths.ts";
 import { startServerProcess } from "../webhooks/server-process.ts";
 import type { ServerProcess } from "../webhooks/server-process.ts";
 import { startReceiver } from "../webhooks/receiver.ts";
@@ -219,9 +221,17 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   assert.equal((await a.call("GET", "/v1/hosts/h-c")).body.status, "active");
   assert.equal((await c2.call("GET", `/v1/machines/${mc}`)).body.status, "failed", "a failed record stays failed");
   assert.equal(existsSync(machineDir), false, "nothing of the failed machine is left on its host");
-  assert.equal(existsSync(join(cDir, "oci-state", process.env.KILN_OCI_RUNTIME ?? "runc", mc)), false, "no runtime state left for it");
+  assert.equal(existsSync(join(cDir, "oci-state", TEST_RUNTIME, mc)), false, "no runtime state left for it");
 
   for (const p of placed) if (p.host !== "h-c") assert.equal((await a.call("DELETE", `/v1/machines/${p.id}`)).status, 200);
+
+  // The cluster secret lives in the store only: not in any server's log, nor in any data dir.
+  const marker = secret.toString("base64url");
+  for (const [id, s] of [...servers, ["h-c (killed)", c] as const]) assert.equal(s.output().includes(marker), false, `the secret is not in ${id}'s log`);
+  for (const d of dirs) {
+    const found = spawnSync("grep", ["-rlF", "--binary-files=text", marker, d], { encoding: "utf8" });
+    assert.equal(found.stdout.trim(), "", `the secret is in no file of ${d}`);
+  }
 });
 
 async function query<T>(url: string, text: string, params: unknown[] = []): Promise<T[]> {
