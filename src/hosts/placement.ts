@@ -47,7 +47,15 @@ export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: numb
     };
   }
 
-  return { candidates, hold };
+  /** The host a snapshot's files are on, when it is not lost (else undefined: the local create answers). */
+  async function snapshotHost(snapshotId: string): Promise<HostRow | undefined> {
+    const row = await db.selectFrom("snapshots").select("host_id").where("id", "=", snapshotId).executeTakeFirst();
+    if (!row) return undefined;
+    const host = (await deps.hosts()).get(row.host_id);
+    return host && host.status !== "lost" ? host : undefined;
+  }
+
+  return { candidates, hold, snapshotHost };
 }
 
 export type Placement = ReturnType<typeof createPlacement>;

@@ -37,6 +37,16 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
   // refuses for now (503); the chosen host validates and admits it as any create.
   app.addHook("preValidation", async (req, reply) => {
     if (req.forwardedBy !== undefined || req.method !== "POST" || req.routeOptions.url !== "/v1/machines") return;
+    const want = (req.body ?? {}) as { snapshot?: unknown; volumes?: unknown[] };
+    // Affinity: a machine from a snapshot goes where the snapshot's files are; one that mounts volumes stays here,
+    // where the caller made them (volumes do not record a host yet: docs/hosts.md).
+    if (Array.isArray(want.volumes) && want.volumes.length > 0) return;
+    if (typeof want.snapshot === "string") {
+      const host = await placement.snapshotHost(want.snapshot);
+      if (!host || host.id === hostId) return;
+      await forwarder.forwardHttp(req, reply, { id: host.id, url: host.advertise_url }, { body: Buffer.from(JSON.stringify(want)) });
+      return reply;
+    }
     const hosts = await placement.candidates();
     if (hosts.length === 0) throw new KilnError("unavailable", "No active host can take a machine now (all are draining, lost or under their admission floors); try again later", { detail: { retryable: true } });
     const body = Buffer.from(JSON.stringify(req.body ?? {}));
