@@ -18,8 +18,10 @@ export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: numb
     const fresh = Date.now() - deps.lostAfterS * 1000;
     const usable = [...(await deps.hosts()).values()].filter((h) => {
       if (h.status !== "active") return false;
-      if (h.id !== hostId && Date.parse(h.heartbeat_at) < fresh) return false;
-      return (JSON.parse(h.capacity_json) as HostCapacity).accepting !== false;
+      // This host stays a candidate whatever its last heartbeat said: its own admission answers live, and says why.
+      if (h.id === hostId) return true;
+      if (Date.parse(h.heartbeat_at) < fresh) return false;
+      return accepting(h);
     });
     if (usable.length <= 1) return usable;
     const counts = new Map(
@@ -31,7 +33,11 @@ export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: numb
       return (c.mem_available_mb ?? 0) - (c.min_free_memory_mb ?? 0);
     };
     const tiebreak = new Map(usable.map((h) => [h.id, Math.random()]));
-    return usable.sort((a, b) => load(a) - load(b) || headroom(b) - headroom(a) || tiebreak.get(a.id)! - tiebreak.get(b.id)!);
+    return usable.sort((a, b) => Number(accepting(b)) - Number(accepting(a)) || load(a) - load(b) || headroom(b) - headroom(a) || tiebreak.get(a.id)! - tiebreak.get(b.id)!);
+  }
+
+  function accepting(h: HostRow): boolean {
+    return (JSON.parse(h.capacity_json) as HostCapacity).accepting !== false;
   }
 
   /** Counts a create on its way to `id` until the returned function is called. */
