@@ -17,6 +17,7 @@ const MACHINE_SUITES = [
   "test/deployments/*.test.ts",
   "test/oci/machines.test.ts",
   "test/snapshots/*.test.ts",
+  "test/hosts/*.test.ts",
   "test/builds/checkpoint.test.ts",
   "test/security/edge-proxy.test.ts",
   "test/security/edge-e2b-ports.test.ts",

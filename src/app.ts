@@ -82,7 +82,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     }),
     nativeTimeouts: { stepMs: config.buildStepTimeoutS * 1000, buildMs: config.buildTimeoutS * 1000 },
   };
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, buildLogMaxBytes: config.buildLogMaxBytes, hostId, webhooks, deployments, limits, buildExtensions, snapshots: { maxSnapshots: config.maxSnapshots, maxHibernationS: config.maxHibernationS } });
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, buildLogMaxBytes: config.buildLogMaxBytes, hostId, webhooks, deployments, limits, buildExtensions, snapshots: { maxSnapshots: config.maxSnapshots, maxHibernationS: config.maxHibernationS }, hosts: { name: config.hostName, lostAfterS: config.hostLostAfterS, heartbeatMs: config.hostHeartbeatMs } });
   templateLayers = async (name) => {
     const resolved = await services.templates.resolve(name).catch(() => undefined);
     return resolved ? templateBaseSource(resolved) : undefined;
@@ -119,17 +119,23 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     });
   services.templates.setPending("the base template is being made (first start); try again in a minute");
 
-  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, volumeWatchQueue: config.volumeWatchQueue, publicUrl: config.publicUrl, edgeLimits: config.edgeLimits, e2b: { dataDir: config.dataDir, publicUrl: config.publicUrl } });
+  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, volumeWatchQueue: config.volumeWatchQueue, publicUrl: config.publicUrl, edgeLimits: config.edgeLimits, e2b: { dataDir: config.dataDir, publicUrl: config.publicUrl }, cluster: { lostAfterS: config.hostLostAfterS } });
   let url = "";
   if (opts.listen !== false) url = await app.listen({ host: config.host, port: config.port });
   // Port 0 means "any free port": public URLs can name the real one only now.
   if (url && new URL(config.publicUrl).port === "0") services.deployments.setPublicUrl(url);
+  // This host joins the store's hosts where its peers can reach it (port 0, too, is only known now).
+  if (url) {
+    await services.hosts.register(config.advertiseUrl ?? advertisedFrom(config.host, url));
+    services.hosts.start();
+  }
 
   let closing: Promise<void> | undefined;
   async function close() {
     closing ??= (async () => {
       // Running builds end first (as `error`: the server stopped), so their log streams close and app.close can finish.
       await services.builds.close();
+      await services.hosts.close();
       await app.close();
       await services.deployments.close();
       await services.pool.close();
@@ -142,4 +148,12 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     return closing;
   }
   return { app, services, log, baseReady, url, close };
+}
+
+/** KILN_ADVERTISE_URL's default: the address the server listens on, with the port it got (0.0.0.0 names no host). */
+function advertisedFrom(host: string, listening: string): string {
+  const port = new URL(listening).port;
+  const wildcard = host === "0.0.0.0" || host === "::" || host === "";
+  const name = wildcard ? "127.0.0.1" : host.includes(":") ? `[${host}]` : host;
+  return `http://${name}:${port}`;
 }

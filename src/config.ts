@@ -1,6 +1,7 @@
 // Kiln's configuration: read from KILN_* environment variables (the CLI maps its flags onto the same names),
 // validated once at start so a bad value stops the server with a message that names the variable.
 
+import { hostname } from "node:os";
 import { resolve } from "node:path";
 import { DEFAULT_IMPORT_LIMITS } from "./builder/oci/limits.ts";
 import type { ImportLimits } from "./builder/oci/limits.ts";
@@ -42,6 +43,14 @@ export interface Config {
   buildLogMaxBytes: number;
   /** This host's id on a shared store; unset → made once into $KILN_DATA_DIR/host-id. */
   hostId: string | undefined;
+  /** This host's name in GET /v1/hosts (KILN_HOST_NAME; default the OS hostname). */
+  hostName: string;
+  /** The URL the other servers on the store reach this one at (KILN_ADVERTISE_URL; default http://$KILN_HOST:$KILN_PORT). */
+  advertiseUrl: string | undefined;
+  /** A host whose heartbeat is older than this is marked lost by a surviving server. */
+  hostLostAfterS: number;
+  /** How often this server writes its heartbeat (and looks for lost hosts). */
+  hostHeartbeatMs: number;
   /** Delay before each webhook delivery attempt (the first is usually 0); its length is the number of attempts. */
   webhookRetryScheduleMs: number[];
   webhookAllowPrivate: boolean;
@@ -116,6 +125,10 @@ export const CONFIG_VARS = [
   ["KILN_BUILD_TIMEOUT_S", "14400", "a build (Dockerfile or steps) running longer than this is killed and fails"],
   ["KILN_BUILD_LOG_MAX_BYTES", "134217728", "bytes of log entries a build keeps; past it, a `log truncated` entry and its last entries"],
   ["KILN_HOST_ID", "(made once into $KILN_DATA_DIR/host-id)", "this host's id when several servers share one store"],
+  ["KILN_HOST_NAME", "(the OS hostname)", "this host's name in GET /v1/hosts"],
+  ["KILN_ADVERTISE_URL", "http://$KILN_HOST:$KILN_PORT", "the URL the other servers on one store reach this one at (docs/hosts.md)"],
+  ["KILN_HOST_LOST_AFTER_S", "30", "a host whose heartbeat is older than this is marked lost and its machines failed"],
+  ["KILN_HOST_HEARTBEAT_MS", "5000", "how often a server writes its host's heartbeat"],
   ["KILN_WEBHOOK_RETRY_SCHEDULE_MS", "0,5000,300000,1800000,7200000,18000000,36000000,36000000", "delay before each webhook delivery attempt, comma-separated"],
   ["KILN_WEBHOOK_ALLOW_PRIVATE", "0", "1 lets webhooks reach private and loopback addresses (link-local never)"],
   ["KILN_WEBHOOK_HISTORY_S", "2592000", "seconds a finished webhook delivery (succeeded or dead-lettered), its attempts and its event are kept (0: forever)"],
@@ -192,6 +205,10 @@ export function loadConfig(env: Env = process.env): Config {
     buildTimeoutS: intVar(env, "KILN_BUILD_TIMEOUT_S", 14_400, 1, 7 * 86_400),
     buildLogMaxBytes: intVar(env, "KILN_BUILD_LOG_MAX_BYTES", 128 * 1024 * 1024, 64 * 1024, 64 * 1024 * 1024 * 1024),
     hostId: hostIdVar(env),
+    hostName: hostNameVar(env),
+    advertiseUrl: advertiseUrlVar(env),
+    hostLostAfterS: intVar(env, "KILN_HOST_LOST_AFTER_S", 30, 2, 86_400),
+    hostHeartbeatMs: intVar(env, "KILN_HOST_HEARTBEAT_MS", 5000, 100, 600_000),
     webhookRetryScheduleMs: scheduleVar(env, "KILN_WEBHOOK_RETRY_SCHEDULE_MS", DEFAULT_WEBHOOK_RETRY_SCHEDULE_MS),
     webhookAllowPrivate: boolVar(env, "KILN_WEBHOOK_ALLOW_PRIVATE"),
     webhookRotationGraceMs: intVar(env, "KILN_WEBHOOK_ROTATION_GRACE_MS", 86_400_000, 0, 30 * 86_400_000),
@@ -238,6 +255,28 @@ function registryList(env: Env, name: string): string[] {
     if (!/^[A-Za-z0-9.-]+(:\d{1,5})?$/.test(h)) throw new ConfigError(`${name} must list registry hosts as host or host:port, got ${JSON.stringify(h)}`);
   }
   return hosts;
+}
+
+function hostNameVar(env: Env): string {
+  const raw = env.KILN_HOST_NAME || hostname();
+  if (!/^[A-Za-z0-9_.-]{1,128}$/.test(raw)) throw new ConfigError(`KILN_HOST_NAME must be 1 to 128 letters, digits, '.', '_' or '-', got ${JSON.stringify(raw.slice(0, 140))}`);
+  return raw;
+}
+
+/** Unset: made from KILN_HOST/KILN_PORT once the server listens (app.ts), since port 0 is only known then. */
+function advertiseUrlVar(env: Env): string | undefined {
+  const raw = env.KILN_ADVERTISE_URL;
+  if (!raw) return undefined;
+  let url: URL;
+  try {
+    url = new URL(raw);
+  } catch {
+    throw new ConfigError(`KILN_ADVERTISE_URL must be an http(s) URL, got ${JSON.stringify(raw.slice(0, 200))}`);
+  }
+  if ((url.protocol !== "http:" && url.protocol !== "https:") || url.username || url.password || (url.pathname !== "/" && url.pathname !== "") || url.search || url.hash) {
+    throw new ConfigError("KILN_ADVERTISE_URL must be a bare http(s)://host:port (no path, query or credentials)");
+  }
+  return url.origin;
 }
 
 function hostIdVar(env: Env): string | undefined {

@@ -15,6 +15,8 @@ declare module "fastify" {
   }
   interface FastifyRequest {
     apiKeyId?: string;
+    /** The host that forwarded this request (a signed cluster request, src/hosts/cluster-auth.ts); unset otherwise. */
+    forwardedBy?: string;
   }
   interface FastifyContextConfig {
     /** How the route is authenticated (auth.ts): every route must say; the server refuses to start otherwise. */

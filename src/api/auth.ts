@@ -9,11 +9,19 @@ import type { WebSocket } from "ws";
 import type { App } from "./app-type.ts";
 import { KilnError } from "../errors.ts";
 import type { KeyService } from "../keys/service.ts";
+import { hasClusterHeaders } from "../hosts/cluster-auth.ts";
+import type { Forwarded } from "../hosts/cluster-auth.ts";
+
+/** Checks a forwarded request's cluster signature (src/hosts/cluster-auth.ts): who sent it for which key, or throws. */
+export type ClusterVerifier = (method: string, path: string, headers: FastifyRequest["headers"]) => Forwarded;
 
 /**
  * DESIGN.md §6. `key`: an API key (Authorization: Bearer, or E2B's X-API-Key); `none`: public; `envd-token`: an E2B
  * sandbox's access token; `edge-token`: a deployment service's signed edge token; `cluster`: host-to-host calls (no
- * route uses it yet, so it refuses everything).
+ * route uses it yet, so it refuses everything). A request forwarded by another host of the store carries a cluster
+ * signature instead of the caller's key: for a `key` route the signed key id stands for the key the first server
+ * checked; for any other kind the route's own credential is checked as usual. Cluster headers that do not verify
+ * are refused (401), whatever the route.
  */
 export const AUTH_KINDS = ["key", "none", "envd-token", "edge-token", "cluster"] as const;
 export type AuthKind = (typeof AUTH_KINDS)[number];
@@ -138,6 +146,12 @@ export function createAuth(keys: KeyService) {
   }
   keys.onRevoked(closeRevoked);
 
+  let clusterVerifier: ClusterVerifier | undefined;
+  /** Lets this server accept requests its peers forward (a server without a store-wide cluster accepts none). */
+  function provideCluster(verifier: ClusterVerifier) {
+    clusterVerifier = verifier;
+  }
+
   /** Every route the server registered, with its declared auth: the route table the hostile-input suite walks. */
   const table: RouteAuth[] = [];
 
@@ -160,8 +174,20 @@ export function createAuth(keys: KeyService) {
       reply.header("x-request-id", req.id);
       // An unmatched path needs a key like any API route, so route existence is not revealed to strangers.
       const kind: AuthKind = req.is404 ? "key" : (req.routeOptions.config as { auth: AuthKind }).auth;
+      let forwardedKey: string | undefined;
+      if (hasClusterHeaders(req.headers)) {
+        // A forged or replayed forward never falls back to other credentials.
+        if (!clusterVerifier) return done(unauthorized("This server accepts no forwarded requests"));
+        try {
+          const forwarded = clusterVerifier(req.method, req.url, req.headers);
+          req.forwardedBy = forwarded.from;
+          forwardedKey = forwarded.keyId;
+        } catch (err) {
+          return done(err as Error);
+        }
+      }
       if (kind === "none") return done();
-      const verifier = verifiers.get(kind);
+      const verifier = req.forwardedBy !== undefined && (kind === "key" || kind === "cluster") ? forwardedVerifier(forwardedKey) : verifiers.get(kind);
       if (!verifier) return done(unauthorized(`This route's credential (${kind}) is not accepted by this server`));
       const accept = (keyId: string | undefined) => {
         if (keyId !== undefined) {
@@ -195,6 +221,15 @@ export function createAuth(keys: KeyService) {
     });
   }
 
+  /** A forwarded request's key: the id the first server authenticated, still active here. */
+  function forwardedVerifier(keyId: string | undefined): Verifier {
+    return async () => {
+      if (!keyId) throw unauthorized("The forwarded request names no API key");
+      if (!(await keys.isActive(keyId))) throw unauthorized("Invalid or revoked API key");
+      return keyId;
+    };
+  }
+
   /** Call once @fastify/websocket is registered: a revoked key's WebSocket is then closed with a close frame. */
   function watchWebSockets(app: App) {
     const wss = (app as unknown as { websocketServer: { on(e: "connection", fn: (ws: WebSocket, req: RawRequest) => void): void } }).websocketServer;
@@ -203,7 +238,7 @@ export function createAuth(keys: KeyService) {
     });
   }
 
-  return { install, provide, watchWebSockets };
+  return { install, provide, provideCluster, watchWebSockets };
 }
 
 export type Auth = ReturnType<typeof createAuth>;

@@ -35,6 +35,12 @@ import { createAuth, WS_BEARER_PREFIX, WS_PROTOCOL } from "./auth.ts";
 import { mcpRoutes } from "../mcp/route.ts";
 import { createMetrics } from "../metrics/registry.ts";
 import { metricsRoutes } from "../metrics/route.ts";
+import { hostRoutes } from "./routes/hosts.ts";
+import { clusterSecret } from "../hosts/service.ts";
+import { createClusterAuth } from "../hosts/cluster-auth.ts";
+import { createForwarder } from "../hosts/forward.ts";
+import { createPlacement } from "../hosts/placement.ts";
+import { installClusterRouting } from "../hosts/routing.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -51,6 +57,8 @@ export interface ServerOptions {
   edgeLimits?: ProxyLimits;
   /** Where the E2B compatibility layer keeps its token secret, and the public URL it reports as `domain`. */
   e2b?: { dataDir: string; publicUrl: string };
+  /** Hosts sharing the store: forwarding of machine-bound requests and placement of creates (src/hosts/). */
+  cluster?: { lostAfterS: number };
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
@@ -91,6 +99,16 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   const auth = createAuth(opts.services.keys);
   auth.install(app);
   auth.provide("edge-token", (req) => edge.verifyUpgrade(req));
+  if (opts.cluster) {
+    // After authentication (its hook is installed first): the caller is known before anything is forwarded.
+    const { hosts } = opts.services;
+    const clusterAuth = createClusterAuth({ secret: await clusterSecret(opts.services.store.db), hostId: hosts.hostId });
+    auth.provideCluster(clusterAuth.verify);
+    const forwarder = createForwarder({ db: opts.services.store.db, hostId: hosts.hostId, auth: clusterAuth, log: opts.log, hosts: hosts.hosts });
+    const placement = createPlacement({ db: opts.services.store.db, hostId: hosts.hostId, lostAfterS: opts.cluster.lostAfterS, hosts: hosts.hosts });
+    installClusterRouting(app, { hostId: hosts.hostId, forwarder, placement });
+    app.addHook("onClose", async () => forwarder.close());
+  }
   const stopRevocationWatch = await opts.services.keys.watchRevocations((err) => opts.log.warn({ err }, "the revocation poll failed: remembered keys are not trusted until it succeeds"));
   app.addHook("onClose", (_app, done) => {
     stopRevocationWatch();
@@ -154,6 +172,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(metricsRoutes, { metrics });
   await app.register(healthRoutes, { services: opts.services });
   await app.register(keyRoutes, { services: opts.services });
+  await app.register(hostRoutes, { services: opts.services });
   await app.register(machineRoutes, { services: opts.services });
   await app.register(snapshotRoutes, { services: opts.services });
   await app.register(fileRoutes, { services: opts.services });

@@ -5,17 +5,31 @@ import type { Db } from "../store/schema.ts";
 import type { LogEntry } from "./log.ts";
 import { INTERRUPTED_REASON, errorDetail } from "./failure.ts";
 
-/** Ends every unfinished build not running here; answers how many there were. */
-export async function recoverInterrupted(db: Db, runningHere: (buildId: string) => boolean): Promise<number> {
-  const rows = await db.selectFrom("builds").selectAll().where("status", "in", ["waiting", "building"]).execute();
+/**
+ * Ends every unfinished build of `hosts` (this host's, or a lost host's) not running here, and those no host owns
+ * (made before hosts were named); another live host's builds are its own. Answers how many there were.
+ */
+export async function recoverInterrupted(db: Db, runningHere: (buildId: string) => boolean, hosts: string[], reason: string = INTERRUPTED_REASON): Promise<number> {
+  const rows = await db
+    .selectFrom("builds")
+    .selectAll()
+    .where("status", "in", ["waiting", "building"])
+    .where((eb) => eb.or([eb("host_id", "is", null), ...(hosts.length ? [eb("host_id", "in", hosts)] : [])]))
+    .execute();
   for (const row of rows) {
     if (runningHere(row.id)) continue;
     const last = await db.selectFrom("build_logs").select(["seq", "entry_json"]).where("build_id", "=", row.id).orderBy("seq", "desc").limit(1).executeTakeFirst();
     const lastEntry = last ? (JSON.parse(last.entry_json) as LogEntry) : undefined;
     const phase = lastEntry?.phase ?? "preparing";
-    const reason = INTERRUPTED_REASON;
     const now = new Date().toISOString();
-    await db.updateTable("builds").set({ status: "error", failure_phase: phase, failure_reason: reason, finished_at: now, updated_at: now, duration_ms: Date.now() - Date.parse(row.started_at ?? row.queued_at) }).where("id", "=", row.id).execute();
+    // Conditional: two servers ending the same lost host's builds end each once, with one log entry.
+    const ended = await db
+      .updateTable("builds")
+      .set({ status: "error", failure_phase: phase, failure_reason: reason, finished_at: now, updated_at: now, duration_ms: Date.now() - Date.parse(row.started_at ?? row.queued_at) })
+      .where("id", "=", row.id)
+      .where("status", "in", ["waiting", "building"])
+      .executeTakeFirst();
+    if (Number(ended.numUpdatedRows) !== 1) continue;
     const entry: LogEntry = {
       kind: "error",
       level: "error",

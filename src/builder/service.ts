@@ -47,8 +47,11 @@ export interface BuildService {
   follow(buildId: string, lastEventId: number, sink: LogSink): ReturnType<ReturnType<typeof createBuildLogs>["follow"]>;
   aliases(ref: string): Promise<{ alias_ref: string; created_at: string }[]>;
   readonly blobs: BlobStore;
-  /** Builds a previous process left running end `error`, with the phase they were in, and their log says so. */
-  recoverInterrupted(): Promise<number>;
+  /**
+   * Builds a previous process of this host left running end `error`, with the phase they were in, and their log
+   * says so; `lostHosts`: also those of hosts marked lost (with `reason`).
+   */
+  recoverInterrupted(lostHosts?: string[], reason?: string): Promise<number>;
   collect: ReturnType<typeof createBuildRetention>["collect"];
   startCollector(intervalMs?: number): void;
   close(): Promise<void>;
@@ -67,6 +70,8 @@ export function createBuildService(deps: {
   extensions?: BuildExtensions;
   /** Snapshots builds may start from (from_snapshot). */
   snapshots?: SnapshotBases;
+  /** The host this server runs builds on (recorded on each build; recovery ends only this host's). */
+  hostId?: string;
 }): BuildService {
   const { db, log } = deps;
   const logs = createBuildLogs({ db, log, maxBytes: deps.logMaxBytes });
@@ -108,6 +113,7 @@ export function createBuildService(deps: {
         failure_reason: null,
         cache_summary_json: JSON.stringify(emptyCacheSummary()),
         artifact_ids_json: "[]",
+        host_id: deps.hostId ?? null,
         retention_expires_at: null,
         created_at: now,
         updated_at: now,
@@ -218,7 +224,8 @@ export function createBuildService(deps: {
     follow: (buildId, lastEventId, sink) => logs.follow(buildId, lastEventId, sink),
     aliases: history.aliases,
     blobs,
-    recoverInterrupted: () => recoverInterrupted(db, (id) => running.has(id)),
+    recoverInterrupted: (lostHosts = [], reason) =>
+      lostHosts.length ? recoverInterrupted(db, () => false, lostHosts, reason) : recoverInterrupted(db, (id) => running.has(id), deps.hostId ? [deps.hostId] : [], reason),
     collect: retention.collect,
     startCollector,
     close,

@@ -55,6 +55,8 @@ export function createAdmission(deps: {
   limits: AdmissionLimits;
   /** Destroyed machines whose remains are still being removed (teardown.ts): they still count as live here. */
   cleaning?: () => { count: number; memoryMb: number };
+  /** On a shared store, only this host's machines count. */
+  hostId?: string;
 }): Admission {
   const { db, limits } = deps;
   const hostMemoryMb = Math.floor(totalmem() / MIB);
@@ -71,6 +73,8 @@ export function createAdmission(deps: {
       .selectFrom("machines")
       .select([sql<number>`count(*)`.as("count"), sql<number>`coalesce(sum(memory_mb), 0)`.as("memory")])
       .where("status", "in", LIVE_STATUSES)
+      // On a shared store, only this host's machines hold this host's memory.
+      .$if(deps.hostId !== undefined, (q) => q.where((eb) => eb.or([eb("host_id", "=", deps.hostId!), eb("host_id", "is", null)])))
       .executeTakeFirst();
     const cleaning = deps.cleaning?.() ?? { count: 0, memoryMb: 0 };
     return { count: Number(row?.count ?? 0) + cleaning.count, declaredMemoryMb: Number(row?.memory ?? 0) + cleaning.memoryMb };

@@ -44,6 +44,8 @@ import type { VolumeService } from "../volumes/service.ts";
 import type { DeploymentService } from "../deployments/service.ts";
 import { createSnapshotService } from "../snapshots/service.ts";
 import type { SnapshotService } from "../snapshots/service.ts";
+import { createHostService } from "../hosts/service.ts";
+import type { HostService } from "../hosts/service.ts";
 
 export interface WebhookSettings {
   retryScheduleMs: number[];
@@ -74,6 +76,13 @@ export interface Services {
   code: CodeService;
   volumes: VolumeService;
   deployments: DeploymentService;
+  hosts: HostService;
+}
+
+export interface HostSettings {
+  name: string;
+  lostAfterS: number;
+  heartbeatMs: number;
 }
 
 export function createServices(deps: {
@@ -91,6 +100,7 @@ export function createServices(deps: {
   deployments: DeploymentOptions;
   limits: AdmissionLimits;
   snapshots?: { maxSnapshots: number; maxHibernationS: number };
+  hosts?: HostSettings;
 }): Services {
   const { store, driver, log, hostId } = deps;
   const boots = createBootQueue();
@@ -100,13 +110,40 @@ export function createServices(deps: {
 
   const teardown = createTeardown({ driver, log });
   const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log, machinesCleaned: (ids) => teardown.cleaned(ids) });
-  const admission = createAdmission({ db: store.db, limits: deps.limits, cleaning: () => teardown.pending() });
+  const admission = createAdmission({ db: store.db, limits: deps.limits, cleaning: () => teardown.pending(), hostId });
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, teardown, boots, maxHibernationS: deps.snapshots?.maxHibernationS });
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
-  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots });
+  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots, hostId });
   const templateCatalog = createTemplateCatalog({ db: store.db });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate, historyS: deps.webhooks.historyS });
   const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });
+  const hostSettings = deps.hosts ?? { name: hostId, lostAfterS: 30, heartbeatMs: 5000 };
+  const hosts = createHostService({
+    db: store.db,
+    log,
+    hostId,
+    name: hostSettings.name,
+    lostAfterS: hostSettings.lostAfterS,
+    heartbeatMs: hostSettings.heartbeatMs,
+    onLost: async (host, reason) => {
+      const ended = await builds.recoverInterrupted([host.id], reason);
+      if (ended > 0) log.warn({ host_id: host.id, builds: ended }, "builds of a lost host marked error");
+    },
+    capacity: async () => {
+      const c = await admission.capacity();
+      return {
+        cores: c.host_cores,
+        memory_mb: c.host_memory_mb,
+        mem_available_mb: c.mem_available_mb,
+        min_free_memory_mb: c.min_free_memory_mb,
+        free_disk_mb: c.free_disk_mb,
+        min_free_disk_mb: c.min_free_disk_mb,
+        max_disk_mb: c.max_disk_mb,
+        live_machines: c.live_machines,
+        accepting: c.accepting,
+      };
+    },
+  });
   const deployments = createDeploymentService({ db: store.db, machines, templates, log, options: deps.deployments, hostId });
   return {
     store,
@@ -128,6 +165,7 @@ export function createServices(deps: {
     code: createCodeService(machines),
     volumes,
     deployments,
+    hosts,
   };
 }
 

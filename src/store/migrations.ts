@@ -350,6 +350,32 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.alterTable("webhooks").addColumn("allow_private", "integer", (c) => c.notNull().defaultTo(0)).execute();
       },
     },
+    // Hosts of servers sharing one store, and the cluster secret that authenticates their calls to each other.
+    "0021_hosts": {
+      async up(db: Kysely<any>) {
+        await db.schema
+          .createTable("hosts")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("name", "text", (c) => c.notNull())
+          .addColumn("advertise_url", "text", (c) => c.notNull())
+          .addColumn("status", "text", (c) => c.notNull())
+          .addColumn("capacity_json", "text", (c) => c.notNull())
+          .addColumn("heartbeat_at", "text", (c) => c.notNull())
+          .addColumn("started_at", "text", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addColumn("updated_at", "text", (c) => c.notNull())
+          .addColumn("lost_at", "text")
+          .execute();
+        await db.schema
+          .createTable("cluster_secrets")
+          .addColumn("name", "text", (c) => c.primaryKey())
+          .addColumn("secret", "text", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .execute();
+        // A build belongs to the host running it: another server's start or a lost host's sweep ends only its own.
+        await db.schema.alterTable("builds").addColumn("host_id", "text").execute();
+      },
+    },
     // The outbox's history is pruned by age: finished deliveries by when they finished, events by when they occurred.
     "0026_webhook_history": {
       async up(db: Kysely<any>) {

@@ -1,7 +1,7 @@
 // Table shapes of Kiln's store, shared by the SQLite and PostgreSQL dialects.
 // Portable column types only: text, integer, bigint; timestamps are ISO 8601 UTC text, JSON is text, booleans are 0/1.
 
-import type { Generated, Insertable, Kysely, Selectable, Updateable } from "kysely";
+import type { ColumnType, Generated, Insertable, Kysely, Selectable, Updateable } from "kysely";
 
 export interface ApiKeysTable {
   id: string; // key_…
@@ -156,6 +156,8 @@ export interface BuildsTable {
   retention_expires_at: string | null;
   created_at: string;
   updated_at: string;
+  /** The host whose server runs the build (null: made before hosts were named). */
+  host_id: ColumnType<string | null, string | null | undefined, string | null>;
 }
 
 export interface BuildLogsTable {
@@ -305,6 +307,28 @@ export interface ServiceRestartsTable {
   created_at: string;
 }
 
+/** One Kiln server's host on a shared store (room: hosts). */
+export interface HostsTable {
+  id: string;
+  name: string;
+  advertise_url: string;
+  /** active | draining | lost */
+  status: string;
+  capacity_json: string;
+  heartbeat_at: string;
+  started_at: string;
+  created_at: string;
+  updated_at: string;
+  lost_at: string | null;
+}
+
+/** The cluster's shared secrets by name (one: `forward`, the key of host-to-host HMACs). */
+export interface ClusterSecretsTable {
+  name: string;
+  secret: string;
+  created_at: string;
+}
+
 export interface Database {
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
@@ -326,6 +350,8 @@ export interface Database {
   services: ServicesTable;
   service_restarts: ServiceRestartsTable;
   snapshots: SnapshotsTable;
+  hosts: HostsTable;
+  cluster_secrets: ClusterSecretsTable;
 }
 
 export type Db = Kysely<Database>;
@@ -347,3 +373,4 @@ export type ServiceRow = Selectable<ServicesTable>;
 export type ServiceUpdate = Updateable<ServicesTable>;
 export type SnapshotRow = Selectable<SnapshotsTable>;
 export type SnapshotUpdate = Updateable<SnapshotsTable>;
+export type HostRow = Selectable<HostsTable>;

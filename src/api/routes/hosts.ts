@@ -1,0 +1,69 @@
+// Hosts: the servers sharing this store, their status and capacity; draining one stops new machines going there.
+// Any key lists and reads hosts; draining and activating take the operator's key (docs/hosts.md, docs/SECURITY.md).
+
+import { Type } from "typebox";
+import type { App } from "../app-type.ts";
+import type { Services } from "../../services/index.ts";
+import { KilnError } from "../../errors.ts";
+import { errors } from "../schemas.ts";
+
+const tags = ["Hosts"];
+const HostId = Type.String({ pattern: "^[A-Za-z0-9_.-]{1,64}$", description: "a host's id (KILN_HOST_ID, or made once per data dir)" });
+const Params = Type.Object({ id: HostId });
+
+const Capacity = Type.Object(
+  {
+    cores: Type.Integer(),
+    memory_mb: Type.Integer(),
+    mem_available_mb: Type.Integer(),
+    min_free_memory_mb: Type.Integer(),
+    free_disk_mb: Type.Union([Type.Integer(), Type.Null()]),
+    min_free_disk_mb: Type.Integer(),
+    max_disk_mb: Type.Integer(),
+    live_machines: Type.Integer(),
+    accepting: Type.Boolean({ description: "whether the host's admission floors let a create in at its last heartbeat" }),
+  },
+  { description: "what the host's admission enforces, as of its last heartbeat" },
+);
+
+const Host = Type.Object({
+  id: Type.String(),
+  name: Type.String(),
+  advertise_url: Type.String({ description: "where the other servers reach this host (KILN_ADVERTISE_URL)" }),
+  status: Type.Union([Type.Literal("active"), Type.Literal("draining"), Type.Literal("lost")]),
+  capacity: Capacity,
+  heartbeat_at: Type.String(),
+  started_at: Type.String(),
+  created_at: Type.String(),
+  lost_at: Type.Union([Type.String(), Type.Null()]),
+  self: Type.Boolean({ description: "true for the host of the server that answered" }),
+});
+
+export async function hostRoutes(app: App, opts: { services: Services }) {
+  const { hosts, keys } = opts.services;
+
+  async function operatorOnly(keyId: string | undefined) {
+    if (!(await keys.isOperator(keyId))) throw new KilnError("forbidden", "Draining and activating hosts takes the operator's key (KILN_API_KEY or the first-start key)");
+  }
+
+  app.get("/v1/hosts", { config: { auth: "key" }, schema: { tags, summary: "List the hosts sharing this store", response: { 200: Type.Object({ hosts: Type.Array(Host) }), ...errors() } } }, async () => ({
+    hosts: await hosts.list(),
+  }));
+  app.get("/v1/hosts/:id", { config: { auth: "key" }, schema: { tags, summary: "Get a host", params: Params, response: { 200: Host, ...errors(404) } } }, async (req) => hosts.get(req.params.id));
+  app.post(
+    "/v1/hosts/:id/drain",
+    { config: { auth: "key" }, schema: { tags, summary: "Drain a host: no new machines go there; its machines keep running", params: Params, response: { 200: Host, ...errors(403, 404, 409) } } },
+    async (req) => {
+      await operatorOnly(req.apiKeyId);
+      return hosts.drain(req.params.id);
+    },
+  );
+  app.post(
+    "/v1/hosts/:id/activate",
+    { config: { auth: "key" }, schema: { tags, summary: "Activate a drained host: new machines may go there again", params: Params, response: { 200: Host, ...errors(403, 404, 409) } } },
+    async (req) => {
+      await operatorOnly(req.apiKeyId);
+      return hosts.activate(req.params.id);
+    },
+  );
+}

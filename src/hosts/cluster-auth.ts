@@ -1,0 +1,98 @@
+// Host-to-host authentication: a request one server forwards to another carries an HMAC, keyed by the cluster secret
+// in the store, over the method, the path with its query, the time, the caller's key id and both hosts' ids. A peer
+// accepts it only within a short window, only addressed to itself, and only once (a replayed signature is refused).
+
+import { createHmac, timingSafeEqual } from "node:crypto";
+import type { IncomingHttpHeaders } from "node:http";
+import { KilnError } from "../errors.ts";
+
+export const CLUSTER_HEADERS = {
+  from: "x-kiln-cluster-from",
+  to: "x-kiln-cluster-to",
+  ts: "x-kiln-cluster-ts",
+  key: "x-kiln-cluster-key",
+  sig: "x-kiln-cluster-sig",
+} as const;
+const NAMES = Object.values(CLUSTER_HEADERS);
+
+/** A forwarded request older (or newer: clock skew) than this is refused. */
+export const CLUSTER_AUTH_WINDOW_MS = 30_000;
+/** Signatures remembered to refuse replays (within the window); past this many, the oldest are forgotten early. */
+const SEEN_MAX = 200_000;
+
+export interface Forwarded {
+  from: string;
+  /** The API key id the first server authenticated (empty: the route needs no key). */
+  keyId: string | undefined;
+}
+
+export function hasClusterHeaders(headers: IncomingHttpHeaders): boolean {
+  for (const name of NAMES) if (headers[name] !== undefined) return true;
+  return false;
+}
+
+function mac(secret: Buffer, parts: string[]): string {
+  const h = createHmac("sha256", secret);
+  for (const p of parts) h.update(`${p.length}:${p}\n`);
+  return h.digest("base64url");
+}
+
+export function createClusterAuth(opts: { secret: Buffer; hostId: string; now?: () => number }) {
+  const { secret, hostId } = opts;
+  const now = opts.now ?? Date.now;
+  const seen = new Map<string, number>();
+
+  /** Headers for a request this server forwards to host `to` for key `keyId`. */
+  function sign(method: string, path: string, to: string, keyId: string | undefined): Record<string, string> {
+    const ts = String(now());
+    const key = keyId ?? "";
+    return {
+      [CLUSTER_HEADERS.from]: hostId,
+      [CLUSTER_HEADERS.to]: to,
+      [CLUSTER_HEADERS.ts]: ts,
+      [CLUSTER_HEADERS.key]: key,
+      [CLUSTER_HEADERS.sig]: mac(secret, [method.toUpperCase(), path, ts, key, hostId, to]),
+    };
+  }
+
+  function refuse(why: string): never {
+    throw new KilnError("unauthorized", `Cluster authentication failed: ${why}`, { detail: { code: "unauthorized", phase: "cluster-auth" } });
+  }
+
+  /** Checks a forwarded request's headers: who sent it and for which key, or a 401 (never a fallback to other credentials). */
+  function verify(method: string, path: string, headers: IncomingHttpHeaders): Forwarded {
+    const get = (name: string) => {
+      const v = headers[name];
+      return typeof v === "string" && v.length <= 512 ? v : undefined;
+    };
+    const from = get(CLUSTER_HEADERS.from);
+    const to = get(CLUSTER_HEADERS.to);
+    const ts = get(CLUSTER_HEADERS.ts);
+    const key = get(CLUSTER_HEADERS.key);
+    const sig = get(CLUSTER_HEADERS.sig);
+    if (!from || !to || !ts || key === undefined || !sig) refuse("incomplete cluster headers");
+    if (to !== hostId) refuse("the request is addressed to another host");
+    const t = Number(ts);
+    if (!/^\d{1,16}$/.test(ts) || Math.abs(now() - t) > CLUSTER_AUTH_WINDOW_MS) refuse("the signature is outside its validity window");
+    const expected = Buffer.from(mac(secret, [method.toUpperCase(), path, ts, key, from, to]));
+    const given = Buffer.from(sig);
+    if (given.length !== expected.length || !timingSafeEqual(given, expected)) refuse("bad signature");
+    if (seen.has(sig)) refuse("the signature was already used");
+    remember(sig, t + CLUSTER_AUTH_WINDOW_MS);
+    return { from, keyId: key || undefined };
+  }
+
+  function remember(sig: string, until: number) {
+    const t = now();
+    // Oldest first (insertion order): expired ones go, and past the cap the oldest too.
+    for (const [s, exp] of seen) {
+      if (exp >= t && seen.size < SEEN_MAX) break;
+      seen.delete(s);
+    }
+    seen.set(sig, until);
+  }
+
+  return { sign, verify };
+}
+
+export type ClusterAuth = ReturnType<typeof createClusterAuth>;

@@ -1,0 +1,216 @@
+// Any server answers for any machine: a machine-bound request (REST or the machine WebSocket) whose machine runs on
+// another active host is forwarded there once this server has authenticated the caller, streaming both ways (the
+// request body as it arrives, the answer as it comes; a WebSocket spliced byte for byte), signed with the cluster
+// secret. Placement forwards a create the same way, to the host it chose.
+
+import { request as httpRequest } from "node:http";
+import type { IncomingMessage, OutgoingHttpHeaders } from "node:http";
+import type { Duplex } from "node:stream";
+import { pipeline } from "node:stream/promises";
+import { Agent, request } from "undici";
+import type { Dispatcher } from "undici";
+import type { FastifyReply, FastifyRequest } from "fastify";
+import { KilnError, toEnvelope } from "../errors.ts";
+import type { Logger } from "../log.ts";
+import type { Db, HostRow } from "../store/schema.ts";
+import type { ClusterAuth } from "./cluster-auth.ts";
+import { CLUSTER_HEADERS } from "./cluster-auth.ts";
+
+/** Headers that belong to one hop, and the caller's credentials (the peer trusts the signed key id instead). */
+const NOT_FORWARDED = new Set([
+  "connection",
+  "keep-alive",
+  "proxy-connection",
+  "proxy-authenticate",
+  "proxy-authorization",
+  "te",
+  "trailer",
+  "transfer-encoding",
+  "upgrade",
+  "host",
+  "expect",
+  ...Object.values(CLUSTER_HEADERS),
+]);
+const HOP_BY_HOP_ANSWER = new Set(["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "trailer"]);
+/** Machine ids → their host, remembered (a machine never moves); bounded. */
+const OWNERS_MAX = 50_000;
+/** How long a peer may take to accept a connection, and to answer an upgrade. */
+const CONNECT_TIMEOUT_MS = 5_000;
+const UPGRADE_ANSWER_MS = 30_000;
+
+export interface ForwardTarget {
+  id: string;
+  url: string;
+}
+
+/** Routes bound to one machine (its `:id`): served where the machine runs. A machine's record is any server's. */
+export function isMachineBound(method: string, routeUrl: string | undefined): boolean {
+  if (!routeUrl) return false;
+  if (routeUrl.startsWith("/v1/machines/:id/")) return true;
+  return routeUrl === "/v1/machines/:id" && method === "DELETE";
+}
+
+export function createForwarder(deps: { db: Db; hostId: string; auth: ClusterAuth; log: Logger; hosts: () => Promise<Map<string, HostRow>> }) {
+  const { db, hostId, auth, log } = deps;
+  const owners = new Map<string, string>();
+  // Peers are trusted and bound their own requests: no header or body timeouts here (a long exec may be silent).
+  const agent = new Agent({ keepAliveTimeout: 30_000, headersTimeout: 0, bodyTimeout: 0, connect: { timeout: CONNECT_TIMEOUT_MS } });
+
+  /** The host a machine runs on, when it is another one; undefined: serve it here (ours, unknown, or no host). */
+  async function ownerOf(machineId: string): Promise<HostRow | undefined> {
+    let owner = owners.get(machineId);
+    if (owner === undefined) {
+      const row = await db.selectFrom("machines").select("host_id").where("id", "=", machineId).executeTakeFirst();
+      if (!row?.host_id) return undefined;
+      owner = row.host_id;
+      if (owners.size >= OWNERS_MAX) owners.delete(owners.keys().next().value!);
+      owners.set(machineId, owner);
+    }
+    if (owner === hostId) return undefined;
+    const host = (await deps.hosts()).get(owner);
+    // A lost host's machines are failed: this server answers for their records.
+    return host && host.status !== "lost" ? host : undefined;
+  }
+
+  function outgoingHeaders(req: FastifyRequest, to: string, body: boolean): OutgoingHttpHeaders {
+    const out: OutgoingHttpHeaders = {};
+    const keyed = req.apiKeyId !== undefined;
+    for (const [name, value] of Object.entries(req.headers)) {
+      if (value === undefined || NOT_FORWARDED.has(name)) continue;
+      if (keyed && (name === "authorization" || name === "x-api-key")) continue;
+      out[name] = value;
+    }
+    if (!body) delete out["content-length"];
+    out["x-forwarded-for"] = req.headers["x-forwarded-for"] ? `${req.headers["x-forwarded-for"]}, ${req.ip}` : req.ip;
+    return { ...out, ...auth.sign(req.method, req.url, to, req.apiKeyId) };
+  }
+
+  /**
+   * Streams the request to the peer and its answer back. `body`: a buffered body to send instead of the request's
+   * own stream (placement, which may try several hosts); `accept`: whether to relay this status (false: the caller
+   * tries another host, nothing was written).
+   */
+  async function forwardHttp(req: FastifyRequest, reply: FastifyReply, target: ForwardTarget, opts: { body?: Buffer; accept?: (status: number) => boolean } = {}): Promise<boolean> {
+    const streamed = opts.body === undefined && (req.headers["content-length"] !== undefined || req.headers["transfer-encoding"] !== undefined);
+    const headers = outgoingHeaders(req, target.id, streamed || opts.body !== undefined);
+    if (opts.body !== undefined) headers["content-length"] = String(opts.body.length);
+    const abort = new AbortController();
+    const gone = () => abort.abort();
+    reply.raw.once("close", gone);
+    let res: Dispatcher.ResponseData;
+    try {
+      res = await request(target.url + req.url, {
+        method: req.method as Dispatcher.HttpMethod,
+        headers: headers as Record<string, string>,
+        body: opts.body ?? (streamed ? req.raw : undefined),
+        dispatcher: agent,
+        signal: abort.signal,
+      });
+    } catch (err) {
+      reply.raw.off("close", gone);
+      if (opts.accept) return false;
+      throw unreachable(target, err);
+    }
+    if (opts.accept && !opts.accept(res.statusCode)) {
+      reply.raw.off("close", gone);
+      await res.body.dump().catch(() => undefined);
+      return false;
+    }
+    reply.hijack();
+    const raw = reply.raw;
+    const answer: OutgoingHttpHeaders = {};
+    for (const [name, value] of Object.entries(res.headers)) if (value !== undefined && !HOP_BY_HOP_ANSWER.has(name)) answer[name] = value;
+    raw.writeHead(res.statusCode, answer);
+    raw.flushHeaders();
+    try {
+      await pipeline(res.body, raw);
+    } catch (err) {
+      if (!abort.signal.aborted) log.info({ err, host_id: target.id }, "a forwarded answer was cut");
+      raw.destroy();
+    } finally {
+      raw.off("close", gone);
+    }
+    req.log.info({ method: req.method, status: res.statusCode, host_id: target.id, ms: Math.round(reply.elapsedTime * 100) / 100 }, "request forwarded");
+    return true;
+  }
+
+  /** A WebSocket upgrade replayed on the peer; its 101 splices the two connections, any other answer is relayed. */
+  function forwardUpgrade(req: FastifyRequest, reply: FastifyReply, target: ForwardTarget): void {
+    reply.hijack();
+    const client = req.raw.socket as Duplex;
+    const head = upgradeHead(req);
+    const headers = outgoingHeaders(req, target.id, false);
+    headers.connection = "Upgrade";
+    headers.upgrade = req.headers.upgrade;
+    const url = new URL(target.url);
+    const up = httpRequest({ host: url.hostname, port: url.port || 80, method: req.method, path: req.url, headers, timeout: UPGRADE_ANSWER_MS });
+    let settled = false;
+    const fail = (status: number, err?: unknown) => {
+      if (settled) return;
+      settled = true;
+      if (err) log.info({ err, host_id: target.id }, "forwarding an upgrade failed");
+      const { body } = toEnvelope(unreachable(target, err), req.id);
+      const text = JSON.stringify(body);
+      client.end(`HTTP/1.1 ${status} Service Unavailable\r\ncontent-type: application/json; charset=utf-8\r\ncontent-length: ${Buffer.byteLength(text)}\r\nconnection: close\r\n\r\n${text}`);
+    };
+    client.once("close", () => up.destroy());
+    up.on("timeout", () => {
+      up.destroy();
+      fail(503, new Error("no answer to the upgrade"));
+    });
+    up.on("error", (err) => fail(503, err));
+    up.on("upgrade", (res, socket, upHead) => {
+      settled = true;
+      up.setTimeout(0);
+      client.write(responseHead(res));
+      if (upHead.length) client.write(upHead);
+      if (head.length) socket.write(head);
+      socket.setNoDelay(true);
+      const end = () => {
+        socket.destroy();
+        client.destroy();
+      };
+      socket.on("error", end).on("close", end);
+      client.on("error", end).on("close", end);
+      socket.pipe(client);
+      client.pipe(socket);
+      req.log.info({ method: req.method, status: 101, host_id: target.id }, "upgrade forwarded");
+    });
+    up.on("response", (res) => {
+      settled = true;
+      client.write(responseHead(res, ["connection: close"]));
+      res.pipe(client);
+    });
+    up.end();
+  }
+
+  return {
+    ownerOf,
+    forwardHttp,
+    forwardUpgrade,
+    close: () => agent.close(),
+  };
+}
+
+export type Forwarder = ReturnType<typeof createForwarder>;
+
+function unreachable(target: ForwardTarget, err: unknown): KilnError {
+  const why = err instanceof Error ? err.message.slice(0, 200) : "no answer";
+  return new KilnError("unavailable", `The host running this machine (${target.id}) could not be reached: ${why}`, { detail: { retryable: true } });
+}
+
+function responseHead(res: IncomingMessage, extra: string[] = []): string {
+  const lines = [`HTTP/1.1 ${res.statusCode} ${res.statusMessage ?? ""}`];
+  const raw = res.rawHeaders;
+  const skip = new Set(extra.length ? ["connection", "keep-alive", "transfer-encoding"] : []);
+  for (let i = 0; i < raw.length; i += 2) if (!skip.has(raw[i].toLowerCase())) lines.push(`${raw[i]}: ${raw[i + 1]}`);
+  return [...lines, ...extra, "", ""].join("\r\n");
+}
+
+/** The head buffer @fastify/websocket kept for an upgrade request (empty for every normal client). */
+function upgradeHead(req: FastifyRequest): Buffer {
+  const raw = req.raw as unknown as Record<symbol, unknown>;
+  const sym = Object.getOwnPropertySymbols(raw).find((s) => s.description === "ws-head");
+  const head = sym ? raw[sym] : undefined;
+  return Buffer.isBuffer(head) ? head : Buffer.alloc(0);
+}

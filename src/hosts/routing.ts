@@ -1,0 +1,67 @@
+// The cluster's hooks on the HTTP server: after authentication (the matched route decided who the caller is), a
+// machine-bound request whose machine runs on another host is forwarded there, and a create is placed on a host
+// and forwarded when that host is another. A request that came from a peer is always served here, never forwarded on.
+
+import type { App } from "../api/app-type.ts";
+import { KilnError } from "../errors.ts";
+import type { Forwarder } from "./forward.ts";
+import { isMachineBound } from "./forward.ts";
+import type { Placement } from "./placement.ts";
+
+/** A create body placement may hold to try another host; creates are small JSON documents. */
+const CREATE_BODY_MAX = 1024 * 1024;
+
+export function installClusterRouting(app: App, deps: { hostId: string; forwarder: Forwarder; placement: Placement }) {
+  const { forwarder, placement, hostId } = deps;
+
+  app.addHook("onRequest", (req, reply, done) => {
+    if (req.is404 || req.forwardedBy !== undefined || !isMachineBound(req.method, req.routeOptions.url)) return done();
+    const id = (req.params as { id?: string }).id;
+    if (!id) return done();
+    forwarder.ownerOf(id).then(
+      (host) => {
+        if (!host) return done();
+        const target = { id: host.id, url: host.advertise_url };
+        if (req.headers.upgrade) return forwarder.forwardUpgrade(req, reply, target);
+        forwarder.forwardHttp(req, reply, target).catch((err: Error) => {
+          // Nothing was written yet (forwardHttp throws only before the answer starts): the envelope goes out.
+          if (!reply.sent) return reply.send(err);
+          req.log.warn({ err }, "forwarding failed after the answer started");
+        });
+      },
+      (err: Error) => done(err),
+    );
+  });
+
+  // Placement sees the parsed body (before validation), so it can send the same create to another host if the first
+  // refuses for now (503); the chosen host validates and admits it as any create.
+  app.addHook("preValidation", async (req, reply) => {
+    if (req.forwardedBy !== undefined || req.method !== "POST" || req.routeOptions.url !== "/v1/machines") return;
+    const want = (req.body ?? {}) as { snapshot?: unknown; volumes?: unknown[] };
+    // Affinity: a machine from a snapshot goes where the snapshot's files are; one that mounts volumes stays here,
+    // where the caller made them (volumes do not record a host yet: docs/hosts.md).
+    if (Array.isArray(want.volumes) && want.volumes.length > 0) return;
+    if (typeof want.snapshot === "string") {
+      const host = await placement.snapshotHost(want.snapshot);
+      if (!host || host.id === hostId) return;
+      await forwarder.forwardHttp(req, reply, { id: host.id, url: host.advertise_url }, { body: Buffer.from(JSON.stringify(want)) });
+      return reply;
+    }
+    const hosts = await placement.candidates();
+    if (hosts.length === 0) throw new KilnError("unavailable", "No active host can take a machine now (all are draining, lost or under their admission floors); try again later", { detail: { retryable: true } });
+    const body = Buffer.from(JSON.stringify(req.body ?? {}));
+    if (body.length > CREATE_BODY_MAX) throw new KilnError("payload_too_large", `A create body is at most ${CREATE_BODY_MAX} bytes`);
+    for (const host of hosts) {
+      if (host.id === hostId) return; // served here, by the route
+      const release = placement.hold(host.id);
+      try {
+        const relayed = await forwarder.forwardHttp(req, reply, { id: host.id, url: host.advertise_url }, { body, accept: (status) => status !== 503 });
+        if (relayed) return reply;
+      } finally {
+        release();
+      }
+      req.log.info({ host_id: host.id }, "a host refused a create for now (503 or unreachable); placing it on the next");
+    }
+    throw new KilnError("unavailable", "Every active host refused the create for now (503); try again later", { detail: { retryable: true } });
+  });
+}

@@ -1,0 +1,269 @@
+// Many hosts, one platform: three real servers (their own processes, ports and data dirs) on one real PostgreSQL.
+// The hosts list, placement spread across hosts, exec / files / the machine WebSocket through a server that does not
+// run the machine, drain and activate, forged and absent cluster authentication refused, and a host killed with
+// SIGKILL: marked lost within the bound, its machine failed with the reason and its webhook delivered once, the other
+// hosts unaffected, and nothing of it left running once its server starts again.
+
+import { test, after } from "node:test";
+import assert from "node:assert/strict";
+import { spawnSync } from "node:child_process";
+import { createHmac } from "node:crypto";
+import { existsSync } from "node:fs";
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import pg from "pg";
+import { request } from "undici";
+import { WebSocket } from "ws";
+import { startPostgres } from "../support/postgres.ts";
+import { TEST_KEY } from "../support/kiln.ts";
+import { collectFrames } from "../support/frames.ts";
+import { TEST_RUNTIME } from "../support/paths.ts";
+import { startServerProcess } from "../webhooks/server-process.ts";
+import type { ServerProcess } from "../webhooks/server-process.ts";
+import { startReceiver } from "../webhooks/receiver.ts";
+
+const LOST_AFTER_S = 4;
+const HEARTBEAT_MS = 500;
+
+const cleanups: (() => Promise<unknown>)[] = [];
+after(async () => {
+  for (const fn of cleanups.reverse()) await fn().catch((err: unknown) => console.error("cleanup failed:", err));
+});
+
+async function until<T>(what: string, check: () => Promise<T | undefined | false>, timeoutMs = 30_000): Promise<T> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const v = await check();
+    if (v) return v;
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
+
+async function raw(url: string, method: string, headers: Record<string, string>, body?: string) {
+  const res = await request(url, { method: method as "GET", headers, body });
+  const text = await res.body.text();
+  return { status: res.statusCode, body: text ? JSON.parse(text) : undefined };
+}
+
+/** A create through `via`, waiting out the moment after start when the base template is still being registered. */
+async function create(via: ServerProcess, body: Record<string, unknown> = {}): Promise<{ id: string; host_id?: string }> {
+  for (let i = 0; ; i++) {
+    const res = await via.call("POST", "/v1/machines", body);
+    if (res.status === 201) return res.body;
+    if (res.status !== 503 || i > 300) throw new Error(`machine create answered ${res.status}: ${JSON.stringify(res.body)}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
+
+test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, cluster auth and a lost host", async () => {
+  const db = await startPostgres();
+  cleanups.push(() => db.stop());
+  const rx = await startReceiver();
+  cleanups.push(() => rx.close());
+  const dirs: string[] = [];
+  const servers = new Map<string, ServerProcess>();
+  const start = async (id: string, dir?: string) => {
+    const dataDir = dir ?? (await mkdtemp(join(tmpdir(), `kiln-host-${id}-`)));
+    if (!dir) dirs.push(dataDir);
+    const s = await startServerProcess(dataDir, {
+      KILN_DATABASE_URL: db.url,
+      KILN_HOST_ID: id,
+      KILN_HOST_NAME: `name-${id}`,
+      KILN_HOST_LOST_AFTER_S: String(LOST_AFTER_S),
+      KILN_HOST_HEARTBEAT_MS: String(HEARTBEAT_MS),
+      KILN_WEBHOOK_ALLOW_PRIVATE: "1",
+      KILN_LOG_LEVEL: "info",
+    });
+    servers.set(id, s);
+    dirOf.set(id, dataDir);
+    return { s, dataDir };
+  };
+  const dirOf = new Map<string, string>();
+  cleanups.push(async () => {
+    // Whatever happened above: every host's server runs again (a killed one adopts and removes what it left), every
+    // machine still live is destroyed through any server, and only then do the servers stop and their dirs go.
+    for (const [id, dir] of dirOf) if (!servers.has(id)) await start(id, dir).catch(() => undefined);
+    const any = [...servers.values()][0];
+    const live: { id: string }[] = any ? await any.call("GET", "/v1/machines?limit=100").then((r) => r.body?.machines ?? [], () => []) : [];
+    for (const m of live) await any!.call("DELETE", `/v1/machines/${m.id}`).catch(() => undefined);
+    for (const s of servers.values()) await s.stop().catch(() => undefined);
+    for (const d of dirs) await rm(d, { recursive: true, force: true });
+  });
+  // One after the other: each registers the shared base template in turn.
+  const { s: a } = await start("h-a");
+  await create(a).then((m) => a.call("DELETE", `/v1/machines/${m.id}`));
+  const { s: b } = await start("h-b");
+  const { s: c, dataDir: cDir } = await start("h-c");
+
+  // Hosts: every server lists all three, each advertising its own loopback URL.
+  const hosts = (await b.call("GET", "/v1/hosts")).body.hosts as any[];
+  assert.deepEqual(hosts.map((h) => h.id).sort(), ["h-a", "h-b", "h-c"]);
+  for (const h of hosts) {
+    assert.equal(h.status, "active");
+    assert.equal(h.advertise_url, servers.get(h.id)!.url);
+    assert.equal(h.name, `name-${h.id}`);
+    assert.ok(h.capacity.cores >= 1 && h.capacity.memory_mb > 0, "capacity reported");
+    assert.equal(h.self, h.id === "h-b");
+  }
+  assert.equal((await a.call("GET", "/v1/hosts/h-c")).body.advertise_url, c.url);
+  assert.equal((await a.call("GET", "/v1/hosts/nope")).status, 404);
+
+  const hook = await a.call("POST", "/v1/lifecycle/webhooks", { url: `${rx.url}/lost`, operations: ["destroy"] });
+  assert.equal(hook.status, 201);
+
+  // Placement: three creates through one server land on three hosts.
+  const placed: { id: string; host: string }[] = [];
+  for (let i = 0; i < 3; i++) {
+    const m = await create(a);
+    const rec = await a.call("GET", `/v1/machines/${m.id}`);
+    placed.push({ id: m.id, host: rec.body.host_id ?? (await hostOf(db.url, m.id)) });
+  }
+  assert.deepEqual(placed.map((p) => p.host).sort(), ["h-a", "h-b", "h-c"], "one machine on each host");
+  const on = (h: string) => placed.find((p) => p.host === h)!.id;
+
+  // Any server answers for any machine: exec, files and the machine WebSocket through a server that does not run it.
+  const mb = on("h-b");
+  for (const via of [a, c]) {
+    const ex = await via.call("POST", `/v1/machines/${mb}/exec`, { cmd: "cat /etc/hostname; echo ok" });
+    assert.equal(ex.status, 200, JSON.stringify(ex.body));
+    assert.match(ex.body.stdout, /ok\n$/);
+  }
+  const payload = Buffer.alloc(3 * 1024 * 1024, 7);
+  const put = await request(`${a.url}/v1/machines/${mb}/files?path=/tmp/big`, { method: "PUT", headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/octet-stream" }, body: payload });
+  assert.equal(put.statusCode, 200, await put.body.text());
+  const got = await request(`${c.url}/v1/machines/${mb}/files?path=/tmp/big`, { headers: { authorization: `Bearer ${TEST_KEY}` } });
+  assert.equal(got.statusCode, 200);
+  assert.ok(Buffer.from(await got.body.arrayBuffer()).equals(payload), "the file read through host c is the one written through host a");
+  const ws = new WebSocket(`${a.url.replace("http", "ws")}/v1/machines/${mb}/ws`, { headers: { authorization: `Bearer ${TEST_KEY}` } });
+  const frames = collectFrames(ws);
+  await new Promise((resolve, reject) => ws.once("open", resolve).once("error", reject));
+  frames.send({ type: "exec.start", request_id: "r1", cmd: "cat", stdin: true });
+  const started = await frames.next((f) => f.type === "exec.started");
+  frames.send({ type: "exec.stdin", pid: started.pid, data_base64: Buffer.from("through a peer").toString("base64"), eof: true });
+  const out = await frames.next((f) => f.type === "exec.stdout");
+  assert.equal(Buffer.from(out.data_base64, "base64").toString(), "through a peer");
+  assert.equal((await frames.next((f) => f.type === "exec.exit")).exit_code, 0);
+  ws.close();
+
+  // The caller is authenticated by the first server: no key, or a revoked one, never reaches the owner.
+  assert.equal((await raw(`${a.url}/v1/machines/${mb}/exec`, "POST", { "content-type": "application/json" }, JSON.stringify({ cmd: "true" }))).status, 401);
+  const other = await a.call("POST", "/v1/keys", { name: "not-operator" });
+  assert.equal((await raw(`${a.url}/v1/machines/${mb}/exec`, "POST", { authorization: `Bearer ${other.body.key}`, "content-type": "application/json" }, JSON.stringify({ cmd: "true" }))).status, 200);
+  assert.equal((await a.call("DELETE", `/v1/keys/${other.body.id}`)).status, 200);
+  assert.equal((await raw(`${a.url}/v1/machines/${mb}/exec`, "POST", { authorization: `Bearer ${other.body.key}`, "content-type": "application/json" }, JSON.stringify({ cmd: "true" }))).status, 401);
+
+  // Forged cluster authentication is refused by the owner, whatever else the request carries.
+  const path = `/v1/machines/${mb}/exec`;
+  const body = JSON.stringify({ cmd: "id" });
+  const json = { "content-type": "application/json" };
+  const forged = { ...json, "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": "h-b", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-sig": "AAAA" };
+  assert.equal((await raw(b.url + path, "POST", forged, body)).status, 401, "a made-up signature");
+  assert.equal((await raw(b.url + path, "POST", { ...forged, authorization: `Bearer ${TEST_KEY}` }, body)).status, 401, "a bad signature is not rescued by a good key");
+  // With the real secret (what only the store holds): a signature for another host, an old one, and a replay.
+  const secret = await clusterSecret(db.url);
+  const keyId = await operatorKeyId(db.url);
+  const sign = (to: string, ts: number) => {
+    const h = createHmac("sha256", secret);
+    for (const p of ["POST", path, String(ts), keyId, "h-a", to]) h.update(`${p.length}:${p}\n`);
+    return { ...json, "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": to, "x-kiln-cluster-ts": String(ts), "x-kiln-cluster-key": keyId, "x-kiln-cluster-sig": h.digest("base64url") };
+  };
+  assert.equal((await raw(b.url + path, "POST", sign("h-c", Date.now()), body)).status, 401, "addressed to another host");
+  assert.equal((await raw(b.url + path, "POST", sign("h-b", Date.now() - 120_000), body)).status, 401, "outside the window");
+  const good = sign("h-b", Date.now());
+  assert.equal((await raw(b.url + path, "POST", good, body)).status, 200, "a genuine signature works once");
+  assert.equal((await raw(b.url + path, "POST", good, body)).status, 401, "and is refused when replayed");
+  // Absent cluster headers: a direct request to the owner still needs its key like any request.
+  assert.equal((await raw(b.url + path, "POST", json, body)).status, 401);
+
+  // Drain: only the operator's key; a draining host gets no new machines; activate brings it back.
+  const plain = await a.call("POST", "/v1/keys", { name: "plain" });
+  assert.equal((await raw(`${a.url}/v1/hosts/h-c/drain`, "POST", { authorization: `Bearer ${plain.body.key}` })).status, 403);
+  const drained = await b.call("POST", "/v1/hosts/h-c/drain");
+  assert.equal(drained.status, 200);
+  assert.equal(drained.body.status, "draining");
+  const during: string[] = [];
+  for (let i = 0; i < 3; i++) {
+    const m = await create(c);
+    during.push(m.id);
+    assert.notEqual(await hostOf(db.url, m.id), "h-c", "nothing placed on a draining host, even through it");
+  }
+  for (const id of during) assert.equal((await c.call("DELETE", `/v1/machines/${id}`)).status, 200);
+  assert.equal((await a.call("POST", "/v1/hosts/h-c/activate")).body.status, "active");
+
+  // A host killed with SIGKILL: lost within the bound, its machine failed with the reason, its webhook once.
+  const mc = on("h-c");
+  const killedAt = Date.now();
+  c.child.kill("SIGKILL");
+  await c.exited;
+  servers.delete("h-c");
+  const lost = await until("host h-c to be marked lost", async () => {
+    const h = (await a.call("GET", "/v1/hosts/h-c")).body;
+    return h.status === "lost" ? h : undefined;
+  }, (LOST_AFTER_S + 20) * 1000);
+  // Marking the host and failing its machines are two steps of one sweep: the machine follows within moments.
+  const failed = await until("the lost host's machine to be failed", async () => {
+    const m = (await b.call("GET", `/v1/machines/${mc}`)).body;
+    return m.status === "failed" ? m : undefined;
+  }, 20_000);
+  const failedAfterMs = Date.now() - killedAt;
+  assert.ok(failedAfterMs < (LOST_AFTER_S + 10) * 1000, `its machine failed ${failedAfterMs} ms after the kill`);
+  assert.match(failed.failure_reason, /host name-h-c \(h-c\) was lost/);
+  assert.ok(lost.lost_at);
+  const delivery = await rx.waitFor((r) => r.path === "/lost" && JSON.parse(r.body).machine?.id === mc, 30_000);
+  assert.equal(JSON.parse(delivery.body).machine.status, "failed");
+  // Several more heartbeats of both survivors later, still exactly one delivery for it.
+  await new Promise((r) => setTimeout(r, HEARTBEAT_MS * 6));
+  assert.equal(rx.received.filter((r) => r.path === "/lost" && JSON.parse(r.body).machine?.id === mc).length, 1, "the lost machine's webhook is delivered once");
+  // The others are unaffected, and answer through either survivor.
+  for (const [h, via] of [["h-a", b], ["h-b", a]] as const) {
+    const ex = await via.call("POST", `/v1/machines/${on(h)}/exec`, { cmd: "echo alive" });
+    assert.equal(ex.body.stdout, "alive\n");
+  }
+  // Creates skip the lost host.
+  const afterLoss = await create(a);
+  assert.notEqual(await hostOf(db.url, afterLoss.id), "h-c");
+  assert.equal((await a.call("DELETE", `/v1/machines/${afterLoss.id}`)).status, 200);
+
+  // The lost host comes back: active again, and the container of its failed machine is gone.
+  const machineDir = join(cDir, "machines", mc);
+  const { s: c2 } = await start("h-c", cDir);
+  assert.equal((await a.call("GET", "/v1/hosts/h-c")).body.status, "active");
+  assert.equal((await c2.call("GET", `/v1/machines/${mc}`)).body.status, "failed", "a failed record stays failed");
+  assert.equal(existsSync(machineDir), false, "nothing of the failed machine is left on its host");
+  assert.equal(existsSync(join(cDir, "oci-state", TEST_RUNTIME, mc)), false, "no runtime state left for it");
+
+  for (const p of placed) if (p.host !== "h-c") assert.equal((await a.call("DELETE", `/v1/machines/${p.id}`)).status, 200);
+
+  // The cluster secret lives in the store only: not in any server's log, nor in any data dir.
+  const marker = secret.toString("base64url");
+  for (const [id, s] of [...servers, ["h-c (killed)", c] as const]) assert.equal(s.output().includes(marker), false, `the secret is not in ${id}'s log`);
+  for (const d of dirs) {
+    // The store's files, keys and logs; not machine disk images and pools (large, and machines never see the store).
+    const found = spawnSync("sh", ["-c", 'find "$1" -xdev -type f -size -64M ! -name "*.img" ! -name "*.xfs" -print0 | xargs -0r grep -lF --binary-files=text -e "$2"', "sh", d, marker], { encoding: "utf8" });
+    assert.equal(found.stdout.trim(), "", `the secret is in no file of ${d}`);
+  }
+});
+
+async function query<T>(url: string, text: string, params: unknown[] = []): Promise<T[]> {
+  const client = new pg.Client({ connectionString: url });
+  await client.connect();
+  try {
+    return (await client.query(text, params)).rows as T[];
+  } finally {
+    await client.end();
+  }
+}
+
+async function hostOf(url: string, machineId: string): Promise<string> {
+  return (await query<{ host_id: string }>(url, "select host_id from machines where id = $1", [machineId]))[0].host_id;
+}
+
+async function clusterSecret(url: string): Promise<Buffer> {
+  return Buffer.from((await query<{ secret: string }>(url, "select secret from cluster_secrets where name = 'forward'"))[0].secret, "base64url");
+}
+
+async function operatorKeyId(url: string): Promise<string> {
+  return (await query<{ id: string }>(url, "select id from api_keys where revoked_at is null order by created_at limit 1"))[0].id;
+}
