@@ -72,7 +72,8 @@ const row = (name: string, times: number[], baselineName: string, baseline: numb
 export async function run(ctx: BenchContext): Promise<BenchResult[]> {
   const results: BenchResult[] = [];
   const call = (method: string, path: string, body?: unknown) => api(ctx.kiln.url, ctx.key, method, path, body);
-  const m = await call("POST", "/v1/machines", {});
+  // Long enough for every step below on a loaded host (the default 300 s is not).
+  const m = await call("POST", "/v1/machines", { timeout_s: 3600 });
   const exec = (body: Record<string, unknown>) => call("POST", `/v1/machines/${m.id}/exec`, body);
 
   // Execute round trip in a warm Python context.
