@@ -332,3 +332,25 @@ test("envs given through the MCP tools reach the machine but neither the logs no
     await call(http, "destroy_machine", { machine_id: id });
   }
 });
+
+test("each POST's tools act with that POST's key: after a key is revoked, calls of another key on the servers it used all succeed, and its own are refused", async () => {
+  const made = await k.call("POST", "/v1/keys", { body: { name: "mcp-first" } });
+  assert.equal(made.status, 201, made.text);
+  const second = await k.call("POST", "/v1/keys", { body: { name: "mcp-second" } });
+  const first = await httpClient(made.body.key);
+  const other = await httpClient(second.body.key);
+  try {
+    // Concurrent calls of the first key: every server they held goes back for reuse.
+    const listed = await Promise.all(Array.from({ length: 12 }, () => call(first, "list_machines", {})));
+    for (const r of listed) assert.equal(r.isError, undefined, text(r));
+    assert.equal((await k.call("DELETE", `/v1/keys/${made.body.id}`)).status, 200);
+    // The other key's calls run on those servers: a tool still holding the revoked key would answer unauthorized.
+    const after = await Promise.all(Array.from({ length: 12 }, () => call(other, "list_machines", {})));
+    for (const r of after) assert.equal(r.isError, undefined, text(r));
+    await assert.rejects(call(first, "list_machines", {}), /401|unauthorized/i);
+  } finally {
+    await first.close().catch(() => undefined);
+    await other.close();
+    await k.call("DELETE", `/v1/keys/${second.body.id}`);
+  }
+});

@@ -9,8 +9,7 @@ import { request } from "undici";
 import { loadConfig } from "../../src/config.ts";
 import { startKiln } from "../../src/app.ts";
 import type { Kiln } from "../../src/app.ts";
-import { createLogger } from "../../src/log.ts";
-import pino from "pino";
+import { bufferedDestination, createLogger } from "../../src/log.ts";
 import { TEST_CACHE_DIR, TEST_RUNTIME } from "./paths.ts";
 
 export const TEST_KEY = "kiln_test_0123456789abcdefghijklmnopqrstuv";
@@ -43,7 +42,7 @@ export async function startTestKiln(opts: { dataDir?: string; env?: Record<strin
     },
   });
   // Benchmarks log as a real server does (info, to a file descriptor), not into an array at debug level.
-  const log = opts.captureLogs === false ? createLogger({ level: config.logLevel, destination: pino.destination({ dest: "/dev/null", sync: false }) }) : createLogger({ level: "debug", destination });
+  const log = opts.captureLogs === false ? createLogger({ level: config.logLevel, destination: bufferedDestination("/dev/null") }) : createLogger({ level: "debug", destination });
   const kiln = await startKiln(config, { log });
   if (opts.waitForBase !== false) await kiln.baseReady;
   const url = kiln.url;

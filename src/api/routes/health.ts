@@ -5,6 +5,10 @@ import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { errors } from "../schemas.ts";
+import { coalesce } from "../coalesce.ts";
+
+/** Under a burst of probes, the readiness report is measured at most this often (each probe still gets a fresh one). */
+const REPORT_EVERY_MS = 3;
 
 const ReadyBody = Type.Object({
   status: Type.Union([Type.Literal("ready"), Type.Literal("not_ready")]),
@@ -57,6 +61,27 @@ export async function healthRoutes(app: App, opts: { services: Services }) {
     return error;
   }
 
+  /** The readiness report: the store, the driver, the base template and what machines use of the host. */
+  async function measure() {
+    const error = await storeError();
+    const [readiness, admitted, held] = await Promise.all([driver.readiness(), admission.capacity(), snapshots.held()]);
+    const capacity = { ...admitted, snapshots: held };
+    const baseReason = templates.pendingReason();
+    const ready = error === undefined && readiness.ready && baseReason === null;
+    const body = {
+      status: ready ? ("ready" as const) : ("not_ready" as const),
+      base_template: { ready: baseReason === null, ...(baseReason ? { reason: baseReason } : {}) },
+      store: { dialect: store.dialect, ok: error === undefined, ...(error ? { error } : {}) },
+      driver: readiness as unknown as Record<string, unknown>,
+      capacity,
+    };
+    const why = error ? `the store is not reachable: ${error}` : baseReason ?? "the machine driver is not ready";
+    return { ready, body, why };
+  }
+  // Probes that arrive together share one report (its file reads, statfs and store counts), begun after each of them
+  // arrived, never an older one; under load a report is begun at most every REPORT_EVERY_MS.
+  const report = coalesce(measure, REPORT_EVERY_MS);
+
   app.get(
     "/health",
     { config: { auth: "none" }, schema: { tags: ["Health"], summary: "Process liveness", security: [], response: { 200: Type.Object({ status: Type.Literal("ok") }) } } },
@@ -67,20 +92,8 @@ export async function healthRoutes(app: App, opts: { services: Services }) {
     "/v1/ready",
     { config: { auth: "key" }, schema: { tags: ["Health"], summary: "Store, driver and base-template readiness, and what the host enforces (503 unavailable until ready)", response: { 200: ReadyBody, 503: ReadyBody, ...errors() } } },
     async (req, reply) => {
-      const error = await storeError();
-      const [readiness, admitted, held] = await Promise.all([driver.readiness(), admission.capacity(), snapshots.held()]);
-      const capacity = { ...admitted, snapshots: held };
-      const baseReason = templates.pendingReason();
-      const ready = error === undefined && readiness.ready && baseReason === null;
-      const body = {
-        status: ready ? ("ready" as const) : ("not_ready" as const),
-        base_template: { ready: baseReason === null, ...(baseReason ? { reason: baseReason } : {}) },
-        store: { dialect: store.dialect, ok: error === undefined, ...(error ? { error } : {}) },
-        driver: readiness as unknown as Record<string, unknown>,
-        capacity,
-      };
+      const { ready, body, why } = await report();
       if (ready) return reply.code(200).send(body);
-      const why = error ? `the store is not reachable: ${error}` : baseReason ?? "the machine driver is not ready";
       return reply.code(503).send({ ...body, error: `Not ready: ${why}`, code: "unavailable" as const, request_id: req.id, error_detail: { retryable: true, request_id: req.id } });
     },
   );
