@@ -27,7 +27,7 @@ test("getMetrics returns the sandbox's CPU, memory and disk now", async () => {
   const [m, ...rest] = await sbx.getMetrics();
   assert.equal(rest.length, 0);
   assert.ok(m.timestamp instanceof Date && Math.abs(m.timestamp.getTime() - Date.now()) < 60_000);
-  const machine = (await k.call("GET", `/v1/machines/${sbx.sandboxId}`)).body;
+  const machine = (await k.call("GET", `/v1/machines/mch_${sbx.sandboxId}`)).body;
   assert.equal(m.cpuCount, machine.vcpus);
   assert.equal(m.memTotal, machine.memory_mb * 1024 * 1024);
   assert.ok(m.memUsed > 0 && m.memUsed < m.memTotal);
@@ -35,11 +35,11 @@ test("getMetrics returns the sandbox's CPU, memory and disk now", async () => {
   assert.ok(m.cpuUsedPct >= 0 && m.cpuUsedPct <= 100);
   // A range that ends before now holds no point (Kiln keeps no history).
   assert.deepEqual(await Sandbox.getMetrics(sbx.sandboxId, { ...opts, end: new Date(Date.now() - 3_600_000) }), []);
-  await assert.rejects(Sandbox.getMetrics("mch_00000000000000000000000000", opts), SandboxNotFoundError);
+  await assert.rejects(Sandbox.getMetrics("00000000000000000000000000", opts), SandboxNotFoundError);
 });
 
 test("GET /sandboxes/metrics answers the running sandboxes among those asked", async () => {
-  const res = await request(`${k.url}/sandboxes/metrics?sandbox_ids=${sbx.sandboxId},mch_00000000000000000000000000`, { headers: { "x-api-key": key } });
+  const res = await request(`${k.url}/sandboxes/metrics?sandbox_ids=${sbx.sandboxId},00000000000000000000000000`, { headers: { "x-api-key": key } });
   assert.equal(res.statusCode, 200);
   const body = (await res.body.json()) as { sandboxes: Record<string, { cpuCount: number; memTotal: number }> };
   assert.deepEqual(Object.keys(body.sandboxes), [sbx.sandboxId]);

@@ -31,7 +31,9 @@ test("kiln issues keys in the shape the E2B SDK checks", () => {
 });
 
 test("Sandbox.create returns a sandbox with an id, and getInfo describes it as running", async () => {
-  assert.match(sbx.sandboxId, /^mch_/);
+  // Hostname-safe, as E2B's: lowercase letters and digits, the machine id's body (1:1 with Kiln's `mch_` id).
+  assert.match(sbx.sandboxId, /^[0-9a-z]{26}$/);
+  assert.equal((await k.call("GET", `/v1/machines/mch_${sbx.sandboxId}`)).status, 200);
   const info = await Sandbox.getInfo(sbx.sandboxId, opts);
   assert.equal(info.sandboxId, sbx.sandboxId);
   assert.equal(info.state, "running");
@@ -201,7 +203,7 @@ test("kill removes the sandbox; an unknown sandbox is SandboxNotFoundError", asy
   assert.equal(await Sandbox.kill(s.sandboxId, opts), true);
   await assert.rejects(Sandbox.getInfo(s.sandboxId, opts), (err: unknown) => err instanceof SandboxNotFoundError);
   assert.equal(await Sandbox.kill(s.sandboxId, opts), false);
-  await assert.rejects(Sandbox.connect("mch_00000000000000000000000000", opts), (err: unknown) => err instanceof SandboxNotFoundError);
+  await assert.rejects(Sandbox.connect("00000000000000000000000000", opts), (err: unknown) => err instanceof SandboxNotFoundError);
 });
 
 test("a wrong API key is refused with AuthenticationError", async () => {

@@ -10,6 +10,7 @@ import type { MachineView } from "../../machines/service.ts";
 import { KilnError } from "../../errors.ts";
 import { ENVD_VERSION } from "./envd.ts";
 import { E2bUnserved } from "./errors.ts";
+import { machineIdOf, sandboxIdOf } from "./ids.ts";
 
 export interface ControlDeps {
   services: Services;
@@ -81,7 +82,9 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
 
   /** A machine that is gone (destroyed, failed) is, to E2B clients, a sandbox that does not exist. */
   async function live(id: string): Promise<MachineView> {
-    const m = await machines.get(id).catch((err: unknown) => {
+    const machineId = machineIdOf(id);
+    if (!machineId) throw new KilnError("not_found", `sandbox "${id}" not found`);
+    const m = await machines.get(machineId).catch((err: unknown) => {
       if (err instanceof KilnError && err.code === "not_found") throw new KilnError("not_found", `sandbox "${id}" not found`);
       throw err;
     });
@@ -96,17 +99,17 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   // E2B hands out a traffic token for a sandbox's non-public ports (getHost). Kiln's port route takes the sandbox's
   // envd token there, so both fields carry it: the SDK's `sbx.trafficAccessToken` is set as E2B sets it.
   const tokens = (m: MachineView, req: FastifyRequest) => {
-    const token = deps.tokenOf(m.id, req.apiKeyId!);
+    const token = deps.tokenOf(m.id, req.apiKeyId!); // of the machine id: the same token for either spelling
     return { envdAccessToken: token, trafficAccessToken: token };
   };
 
   function created(m: MachineView, req: FastifyRequest) {
-    return { sandboxID: m.id, templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, ...tokens(m, req), domain: domainFor(req) };
+    return { sandboxID: sandboxIdOf(m.id), templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, ...tokens(m, req), domain: domainFor(req) };
   }
 
   function listed(m: MachineView) {
     return {
-      sandboxID: m.id,
+      sandboxID: sandboxIdOf(m.id),
       templateID: m.template_id,
       ...(m.name ? { alias: m.name } : {}),
       clientID: "kiln",
@@ -176,7 +179,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
 
   app.post("/sandboxes/:id/pause", withBody(PauseBody), async (req, reply) => {
     const m = await live((req.params as { id: string }).id);
-    if (m.status === "hibernated") throw new KilnError("conflict", `sandbox "${m.id}" is already paused`);
+    if (m.status === "hibernated") throw new KilnError("conflict", `sandbox "${sandboxIdOf(m.id)}" is already paused`);
     await machines.hibernate(m.id);
     // E2B keeps a paused sandbox until it is resumed; Kiln's clock runs on through hibernation, so a paused
     // sandbox gets Kiln's longest timeout (connect sets the caller's again).
@@ -194,7 +197,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
       deps.sandboxReady(m.id);
       status = 201;
     } else if (opts.mustBePaused) {
-      throw new KilnError("conflict", `sandbox "${m.id}" is already running`);
+      throw new KilnError("conflict", `sandbox "${sandboxIdOf(m.id)}" is already running`);
     }
     // E2B's connect only ever lengthens a running sandbox's life (setTimeout is the call that can shorten it);
     // a resumed sandbox gets the asked timeout, as a new start does.

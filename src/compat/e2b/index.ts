@@ -13,6 +13,7 @@ import { sendUnaryError } from "./connect.ts";
 import { createProcessRegistry } from "./processes.ts";
 import { createTokens, loadTokenSecret } from "./token.ts";
 import { installPortProxy, SANDBOX_HOST_RE } from "./ports.ts";
+import { machineIdOf } from "./ids.ts";
 import { codeInterpreterRoutes, JUPYTER_PORT } from "./code-interpreter.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import type { Auth } from "../../api/auth.ts";
@@ -40,13 +41,16 @@ function sandboxPortOf(req: { headers: Record<string, string | string[] | undefi
   return m ? Number(m[1]) : undefined;
 }
 
-/** The sandbox an envd or code-interpreter request is for, or undefined when the request is neither. */
+/**
+ * The machine an envd or code-interpreter request is for, or undefined when the request is neither. A header naming
+ * no sandbox id is kept as it is: the request is still envd's, and its machine is not found.
+ */
 export function sandboxIdOf(req: { headers: Record<string, string | string[] | undefined> }): string | undefined {
   const header = req.headers["e2b-sandbox-id"];
-  if (typeof header === "string" && header) return header;
+  if (typeof header === "string" && header) return machineIdOf(header) ?? header;
   const host = req.headers.host;
   const m = typeof host === "string" ? SANDBOX_HOST_RE.exec(host) : null;
-  return m && (Number(m[1]) === ENVD_PORT || Number(m[1]) === JUPYTER_PORT) ? m[2] : undefined;
+  return m && (Number(m[1]) === ENVD_PORT || Number(m[1]) === JUPYTER_PORT) ? machineIdOf(m[2]) : undefined;
 }
 
 /** Which in-sandbox server a request is for: the code interpreter (port 49999) or envd (any other). */
