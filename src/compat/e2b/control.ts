@@ -6,11 +6,12 @@ import type { Static } from "typebox";
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import type { Services } from "../../services/index.ts";
 import { MACHINE_LIMITS } from "../../machines/service.ts";
-import type { MachineView } from "../../machines/service.ts";
+import type { CreateMachineInput, MachineView } from "../../machines/service.ts";
 import { KilnError } from "../../errors.ts";
 import { ENVD_VERSION } from "./envd.ts";
 import { E2bUnserved } from "./errors.ts";
 import { machineIdOf, sandboxIdOf } from "./ids.ts";
+import { keepsMemory, snapshotOfTemplateId, snapshotRoutes } from "./snapshots.ts";
 
 export interface ControlDeps {
   services: Services;
@@ -126,7 +127,17 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   }
 
   function detail(m: MachineView, req: FastifyRequest) {
-    return { ...listed(m), allowInternetAccess: m.internet, ...tokens(m, req), domain: domainFor(req) };
+    return { ...listed(m), allowInternetAccess: m.internet, lifecycle: { onTimeout: m.on_timeout === "hibernate" ? "pause" : "kill", autoResume: m.auto_resume }, ...tokens(m, req), domain: domainFor(req) };
+  }
+
+  /** E2B's lifecycle (`onTimeout: "pause"`, `autoResume`) onto Kiln's `on_timeout` and `auto_resume`. */
+  function lifecycleOf(body: Static<typeof NewSandbox>): Pick<CreateMachineInput, "on_timeout" | "auto_resume"> {
+    const autoResume = body.autoResume as { enabled?: unknown } | null | undefined;
+    if (autoResume !== undefined && autoResume !== null && (typeof autoResume !== "object" || typeof autoResume.enabled !== "boolean")) bad("autoResume must be {enabled: boolean}");
+    if (autoResume?.enabled && body.autoPause !== true) bad("autoResume needs autoPause (onTimeout: pause)");
+    // Kiln hibernates at the timeout with memory where the runtime can, else the disk: there is no per-sandbox choice.
+    if (body.autoPauseMemory === false) bad("autoPauseMemory false (a filesystem-only pause at the timeout) is not supported by Kiln: a timed-out sandbox keeps its memory where the runtime can");
+    return { on_timeout: body.autoPause ? "hibernate" : undefined, auto_resume: autoResume ? autoResume.enabled === true : undefined };
   }
 
   async function create(req: FastifyRequest) {
@@ -134,18 +145,22 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     let template = body.templateID;
     // The templateID a sandbox reports (a tpl_ id) is accepted back, as E2B's are.
     if (template.startsWith("tpl_")) template = (await deps.services.templateCatalog.get(template)).canonical_ref;
-    if (body.autoPause === true || body.autoPauseMemory !== undefined || body.autoResume !== undefined) bad("autoPause/autoResume are not supported by Kiln yet: a sandbox is killed when its timeout ends");
+    const lifecycle = lifecycleOf(body);
     if (body.volumeMounts !== undefined && body.volumeMounts.length > 0) bad("volumeMounts are not supported by Kiln's E2B API yet");
     if (body.network !== undefined && body.network !== null && !(typeof body.network === "object" && Object.keys(body.network).length === 0)) bad("network rules are not supported by Kiln's E2B API yet; use allow_internet_access");
     if (body.mcp !== undefined && body.mcp !== null) bad("mcp is not supported by Kiln");
     if (body.iam !== undefined && body.iam !== null) bad("iam is not supported by Kiln");
-    const m = await machines
-      .create({
-        template,
-        metadata: body.metadata,
-        envs: body.envVars,
-        timeout_s: body.timeout ?? E2B_DEFAULT_TIMEOUT_S,
-        internet: body.allow_internet_access,
+    const input: CreateMachineInput = { metadata: body.metadata, envs: body.envVars, timeout_s: body.timeout ?? E2B_DEFAULT_TIMEOUT_S, internet: body.allow_internet_access, ...lifecycle };
+    // A snapshot is an E2B templateID too: by its `snp_` id, or by its name when no template has that name.
+    const fromSnapshot = (s: { id: string }) => deps.services.snapshots.createMachine(s.id, input);
+    const snapshot = template.startsWith("snp_") ? await snapshotOfTemplateId(deps.services, template) : undefined;
+    const m = await (snapshot ? fromSnapshot(snapshot) : machines.create({ ...input, template }))
+      .catch(async (err: unknown) => {
+        if (!snapshot && err instanceof KilnError && err.code === "not_found") {
+          const named = await snapshotOfTemplateId(deps.services, template);
+          if (named) return fromSnapshot(named);
+        }
+        throw err;
       })
       .catch((err: unknown) => {
         // @e2b/code-interpreter's default template: Kiln does not make it (yet); any template with python3 and
@@ -180,7 +195,10 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   app.post("/sandboxes/:id/pause", withBody(PauseBody), async (req, reply) => {
     const m = await live((req.params as { id: string }).id);
     if (m.status === "hibernated") throw new KilnError("conflict", `sandbox "${sandboxIdOf(m.id)}" is already paused`);
-    await machines.hibernate(m.id);
+    // keepMemory (the default) saves the processes and releases their memory where the runtime can (gVisor), else
+    // freezes them in place; keepMemory false stops them and keeps the disk (connect boots it again).
+    const memory = (req.body as Static<typeof PauseBody>)?.memory;
+    await machines.hibernate(m.id, memory === false ? "disk" : keepsMemory(deps.services) ? "memory" : "freeze");
     // E2B keeps a paused sandbox until it is resumed; Kiln's clock runs on through hibernation, so a paused
     // sandbox gets Kiln's longest timeout (connect sets the caller's again).
     await machines.update(m.id, { timeout_s: MACHINE_LIMITS.maxTimeoutS });
@@ -190,9 +208,11 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   /** connect: 200 with a running sandbox, 201 after resuming a paused one; the timeout is renewed either way. */
   async function connect(req: FastifyRequest, opts: { mustBePaused: boolean }) {
     const m = await live((req.params as { id: string }).id);
-    const timeout = (req.body as Static<typeof ConnectBody> | undefined)?.timeout;
+    const { timeout, memory } = (req.body as Static<typeof ConnectBody> | undefined) ?? {};
     let status = 200;
     if (m.status === "hibernated") {
+      // onResume "reboot": Kiln resumes a sandbox as it was paused; only a disk pause comes back as a fresh boot.
+      if (memory === false && m.hibernate_mode !== "disk") bad(`sandbox "${sandboxIdOf(m.id)}" was paused with its memory; Kiln resumes it as it was (onResume "reboot" needs pause({keepMemory: false}))`);
       await machines.resume(m.id);
       deps.sandboxReady(m.id);
       status = 201;
@@ -316,9 +336,11 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     );
     return { sandboxes };
   });
-  app.route({ method: ["GET", "POST"], url: "/sandboxes/:id/snapshots", ...unserved, handler: notYet("snapshots") });
-  app.get("/snapshots", unserved, notYet("snapshots"));
-  app.post("/sandboxes/:id/fork", unserved, notYet("fork"));
+  const { deleteSnapshot } = await snapshotRoutes(app, { services: deps.services, live, created, sandboxReady: deps.sandboxReady, defaultTimeoutS: E2B_DEFAULT_TIMEOUT_S });
+  // E2B deletes a snapshot as a template: DELETE /templates/{id}; any other template call is unserved (below).
+  app.delete("/templates/:id", { ...unserved, schema: { hide: true, params: Type.Object({ id: Type.String({ minLength: 1, maxLength: 256 }) }) } }, async (req, reply) =>
+    deleteSnapshot(req, reply, notYet("/templates (E2B's template, volume and secret APIs)")),
+  );
   app.route({ method: ["PUT", "POST", "PATCH"], url: "/sandboxes/:id/network", ...unserved, handler: notYet("network updates") });
   for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/volumes", "/volumecontent", "/secrets"]) {
     app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(`${prefix.replace(/^\/v\d/, "")} (E2B's template, volume and secret APIs)`) });
