@@ -12,6 +12,8 @@ import { ENVD_VERSION } from "./envd.ts";
 import { E2bUnserved } from "./errors.ts";
 import { machineIdOf, sandboxIdOf } from "./ids.ts";
 import { keepsMemory, snapshotOfTemplateId, snapshotRoutes } from "./snapshots.ts";
+import { E2bNetwork, egressOf } from "./network.ts";
+import { E2bVolumeMount, volumeMountsOf, volumeRoutes } from "./volumes.ts";
 
 export interface ControlDeps {
   services: Services;
@@ -52,8 +54,8 @@ const NewSandbox = Type.Object(
     autoPause: Type.Optional(Type.Boolean()),
     autoPauseMemory: Type.Optional(Type.Boolean()),
     autoResume: Type.Optional(Type.Unknown()),
-    network: Type.Optional(Type.Unknown()),
-    volumeMounts: Type.Optional(Type.Array(Type.Unknown())),
+    network: Type.Optional(Type.Union([E2bNetwork, Type.Null()])),
+    volumeMounts: Type.Optional(Type.Array(E2bVolumeMount, { maxItems: 16 })),
     mcp: Type.Optional(Type.Unknown()),
     iam: Type.Optional(Type.Unknown()),
   },
@@ -146,11 +148,9 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     // The templateID a sandbox reports (a tpl_ id) is accepted back, as E2B's are.
     if (template.startsWith("tpl_")) template = (await deps.services.templateCatalog.get(template)).canonical_ref;
     const lifecycle = lifecycleOf(body);
-    if (body.volumeMounts !== undefined && body.volumeMounts.length > 0) bad("volumeMounts are not supported by Kiln's E2B API yet");
-    if (body.network !== undefined && body.network !== null && !(typeof body.network === "object" && Object.keys(body.network).length === 0)) bad("network rules are not supported by Kiln's E2B API yet; use allow_internet_access");
     if (body.mcp !== undefined && body.mcp !== null) bad("mcp is not supported by Kiln");
     if (body.iam !== undefined && body.iam !== null) bad("iam is not supported by Kiln");
-    const input: CreateMachineInput = { metadata: body.metadata, envs: body.envVars, timeout_s: body.timeout ?? E2B_DEFAULT_TIMEOUT_S, internet: body.allow_internet_access, ...lifecycle };
+    const input: CreateMachineInput = { metadata: body.metadata, envs: body.envVars, timeout_s: body.timeout ?? E2B_DEFAULT_TIMEOUT_S, internet: body.allow_internet_access, network: egressOf(body.network), volumes: await volumeMountsOf(deps.services, body.volumeMounts), ...lifecycle };
     // A snapshot is an E2B templateID too: by its `snp_` id, or by its name when no template has that name.
     const fromSnapshot = (s: { id: string }) => deps.services.snapshots.createMachine(s.id, input);
     const snapshot = template.startsWith("snp_") ? await snapshotOfTemplateId(deps.services, template) : undefined;
@@ -342,7 +342,12 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     deleteSnapshot(req, reply, notYet("/templates (E2B's template, volume and secret APIs)")),
   );
   app.route({ method: ["PUT", "POST", "PATCH"], url: "/sandboxes/:id/network", ...unserved, handler: notYet("network updates") });
-  for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/volumes", "/volumecontent", "/secrets"]) {
+  await volumeRoutes(app, deps.services);
+  // The volume content API authenticates with a volume token Kiln does not issue: answered unserved before any check.
+  const contentUnserved = { config: { e2b: "control", auth: "none" as const }, schema: { hide: true } };
+  const noContent = notYet("E2B's volume content API (/volumecontent: read and write a volume's files through a sandbox that mounts it)");
+  app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: "/volumecontent/*", ...contentUnserved, handler: noContent });
+  for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/secrets"]) {
     app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(`${prefix.replace(/^\/v\d/, "")} (E2B's template, volume and secret APIs)`) });
     app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: `${prefix}/*`, ...unserved, handler: notYet(`${prefix.replace(/^\/v\d/, "")} (E2B's template, volume and secret APIs)`) });
   }
