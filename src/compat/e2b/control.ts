@@ -7,6 +7,7 @@ import type { FastifyInstance, FastifyRequest } from "fastify";
 import type { Services } from "../../services/index.ts";
 import { MACHINE_LIMITS } from "../../machines/service.ts";
 import type { CreateMachineInput, MachineView } from "../../machines/service.ts";
+import type { MachineMetrics } from "../../machines/metrics.ts";
 import { KilnError } from "../../errors.ts";
 import { ENVD_VERSION } from "./envd.ts";
 import { E2bUnserved } from "./errors.ts";
@@ -292,10 +293,12 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   const notYet = (what: string) => async () => {
     throw new E2bUnserved(`${what} is not supported by Kiln's E2B API yet (see docs/e2b.md)`);
   };
-  // Metrics: Kiln keeps no history, so a sandbox's series is one point, now — when the asked range holds now.
+  // Metrics: a sandbox's series is its machine's ring of samples (src/machines/metrics.ts: every 5 s, the last hour).
   // A paused sandbox has no running counters: an empty series (E2B reports none while paused either).
   async function metricOf(m: MachineView) {
-    const x = await deps.services.machineMetrics.get(m.id);
+    return e2bMetric(await deps.services.machineMetrics.get(m.id));
+  }
+  function e2bMetric(x: MachineMetrics) {
     const at = new Date(x.timestamp);
     return {
       timestamp: x.timestamp,
@@ -313,6 +316,11 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   app.get("/sandboxes/:id/metrics", { config: { e2b: "control", auth: "key" as const }, schema: { hide: true, params: Params, querystring: MetricsQuery } }, async (req) => {
     const m = await live((req.params as { id: string }).id);
     const { start, end } = req.query as Static<typeof MetricsQuery>;
+    if (start !== undefined && end !== undefined && start > end) bad("start is after end");
+    // The machine's ring of samples (every 5 s, the last hour), oldest first; a sandbox too young for its first
+    // sample gets one taken now when the range holds now.
+    const kept = deps.services.machineMetrics.history(m.id, { start: start === undefined ? undefined : start * 1000, end: end === undefined ? undefined : end * 1000 + 999 });
+    if (kept.length > 0) return kept.map(e2bMetric);
     const nowS = Date.now() / 1000;
     if (m.status !== "running" || (start !== undefined && start > nowS) || (end !== undefined && end < Math.floor(nowS))) return [];
     return [await metricOf(m)];
