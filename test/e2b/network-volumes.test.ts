@@ -8,7 +8,7 @@ import { execFileSync } from "node:child_process";
 import { createServer } from "node:net";
 import type { AddressInfo, Server } from "node:net";
 import { request } from "undici";
-import { Sandbox, Volume, SandboxError } from "e2b";
+import { Sandbox, Volume, SandboxError, SandboxNotFoundError } from "e2b";
 import type { SandboxOpts } from "e2b";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
@@ -76,6 +76,37 @@ test("network allowOut opens what Kiln's egress closes; denyOut closes a public 
     for (const s of sandboxes) await s.kill().catch(() => undefined);
     l.server.close();
   }
+});
+
+test("updateNetwork (PUT …/network) replaces a running sandbox's egress lists at once, also while it is paused; omitted fields clear them", async () => {
+  const addr = hostAddress();
+  const l = await listen(addr);
+  const s = await Sandbox.create("base", opts);
+  try {
+    assert.equal(await connectFrom(s, addr, l.port), "refused");
+    await s.updateNetwork({ allowOut: [addr] });
+    assert.equal(await connectFrom(s, addr, l.port), "ok", "opened without a restart");
+    assert.deepEqual((await s.getInfo()).network?.allowOut, [`${addr}/32`]);
+    const mirror = (await s.commands.run("getent hosts deb.debian.org")).stdout.trim().split(/\s+/)[0];
+    await s.updateNetwork({ allowInternetAccess: false, allowOut: [addr] });
+    assert.equal(await connectFrom(s, mirror, 80), "refused", "allowInternetAccess false denies everything else");
+    assert.equal(await connectFrom(s, addr, l.port), "ok", "allowOut still wins");
+    await s.updateNetwork({});
+    assert.equal(await connectFrom(s, addr, l.port), "refused", "an empty update clears the lists");
+    assert.equal(await connectFrom(s, mirror, 80), "ok");
+    assert.equal((await s.getInfo()).network, undefined);
+
+    await s.pause();
+    await s.updateNetwork({ allowOut: [addr] });
+    await Sandbox.connect(s.sandboxId, opts);
+    assert.equal(await connectFrom(s, addr, l.port), "ok", "lists set while paused hold after connect");
+    await assert.rejects(s.updateNetwork({ allowOut: ["example.com"] }), /domain names/);
+    assert.equal(await connectFrom(s, addr, l.port), "ok", "a refused update changes nothing");
+  } finally {
+    await s.kill();
+    l.server.close();
+  }
+  await assert.rejects(Sandbox.updateNetwork("00000000000000000000000000", {}, opts), SandboxNotFoundError);
 });
 
 test("network settings Kiln cannot serve are refused with the reason, and create nothing", async () => {

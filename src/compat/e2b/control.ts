@@ -14,6 +14,7 @@ import { E2bUnserved } from "./errors.ts";
 import { machineIdOf, sandboxIdOf } from "./ids.ts";
 import { keepsMemory, snapshotOfTemplateId, snapshotRoutes } from "./snapshots.ts";
 import { E2bNetwork, egressOf } from "./network.ts";
+import type { E2bNetworkBody } from "./network.ts";
 import { E2bVolumeMount, volumeMountsOf, volumeRoutes } from "./volumes.ts";
 
 export interface ControlDeps {
@@ -130,7 +131,8 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   }
 
   function detail(m: MachineView, req: FastifyRequest) {
-    return { ...listed(m), allowInternetAccess: m.internet, lifecycle: { onTimeout: m.on_timeout === "hibernate" ? "pause" : "kill", autoResume: m.auto_resume }, ...tokens(m, req), domain: domainFor(req) };
+    const network = m.network.allow_out.length + m.network.deny_out.length > 0 ? { network: { allowOut: m.network.allow_out, denyOut: m.network.deny_out } } : {};
+    return { ...listed(m), allowInternetAccess: m.internet, ...network, lifecycle: { onTimeout: m.on_timeout === "hibernate" ? "pause" : "kill", autoResume: m.auto_resume }, ...tokens(m, req), domain: domainFor(req) };
   }
 
   /** E2B's lifecycle (`onTimeout: "pause"`, `autoResume`) onto Kiln's `on_timeout` and `auto_resume`. */
@@ -349,7 +351,12 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   app.delete("/templates/:id", { ...unserved, schema: { hide: true, params: Type.Object({ id: Type.String({ minLength: 1, maxLength: 256 }) }) } }, async (req, reply) =>
     deleteSnapshot(req, reply, notYet("/templates (E2B's template, volume and secret APIs)")),
   );
-  app.route({ method: ["PUT", "POST", "PATCH"], url: "/sandboxes/:id/network", ...unserved, handler: notYet("network updates") });
+  // E2B replaces the whole egress config: omitted fields are cleared.
+  app.put("/sandboxes/:id/network", withBody(E2bNetwork), async (req, reply) => {
+    const m = await live((req.params as { id: string }).id);
+    await machines.updateNetwork(m.id, egressOf(req.body as E2bNetworkBody) ?? { allow_out: [], deny_out: [] });
+    return reply.code(204).send();
+  });
   await volumeRoutes(app, deps.services);
   // The volume content API authenticates with a volume token Kiln does not issue: answered unserved before any check.
   const contentUnserved = { config: { e2b: "control", auth: "none" as const }, schema: { hide: true } };

@@ -1,4 +1,4 @@
-// E2B's sandbox network rules onto Kiln's egress policy (docs/networking: allow_out / deny_out CIDR lists on top of
+// E2B's sandbox network rules onto Kiln's egress policy (allow_out / deny_out CIDR lists, docs/DESIGN-NOTES.md, on top of
 // the default that closes the host, link-local and private ranges). E2B's order holds in Kiln's chain: an allowed
 // destination wins over a denied one. What Kiln's egress has no counterpart for is refused, never ignored.
 
