@@ -107,10 +107,14 @@ class Ring {
 
 export function createMachineMetrics(deps: { machines: MachineService; driver: MachineDriver }): MachineMetricsService {
   /** Per machine, the CPU samples a later call measures from: the newest (`cur`) and the one before it. */
-  const samples = new Map<string, { cur: CpuSample; prev?: CpuSample }>();
+  const apiSamples = new Map<string, { cur: CpuSample; prev?: CpuSample }>();
+  const ringSamples = new Map<string, { cur: CpuSample; prev?: CpuSample }>();
   const rings = new Map<string, Ring>();
   deps.machines.onStatus((id, status) => {
-    if (status !== "running") samples.delete(id);
+    if (status !== "running") {
+      apiSamples.delete(id);
+      ringSamples.delete(id);
+    }
     if (status === "destroyed" || status === "failed") rings.delete(id);
   });
   let timer: NodeJS.Timeout | undefined;
@@ -122,7 +126,7 @@ export function createMachineMetrics(deps: { machines: MachineService; driver: M
   }
 
   /** The sample to measure from: `cur` when old enough, else the one before it (quick repeated calls wait for none). */
-  function baseFor(id: string, at: number, cpuNs: number): CpuSample | undefined {
+  function baseFor(samples: Map<string, { cur: CpuSample; prev?: CpuSample }>, id: string, at: number, cpuNs: number): CpuSample | undefined {
     const s = samples.get(id);
     const usable = (x: CpuSample | undefined) => x && at - x.at >= MIN_WINDOW_MS && at - x.at <= REUSE_SAMPLE_MS && x.cpuNs <= cpuNs;
     const base = usable(s?.cur) ? s!.cur : usable(s?.prev) ? s!.prev : undefined;
@@ -139,7 +143,7 @@ export function createMachineMetrics(deps: { machines: MachineService; driver: M
       const { machines } = await deps.machines.list({ limit: HISTORY.maxMachines, status: "running" });
       for (const m of machines) {
         if (!timer) return;
-        const x = await get(m.id).catch(() => undefined);
+        const x = await get(m.id, ringSamples).catch(() => undefined);
         if (!x) continue;
         let ring = rings.get(m.id);
         if (!ring) rings.set(m.id, (ring = new Ring()));
@@ -152,15 +156,16 @@ export function createMachineMetrics(deps: { machines: MachineService; driver: M
     }
   }
 
-  async function get(id: string): Promise<MachineMetrics> {
+  /** `samples`: the CPU baselines this caller measures from (the API's, or the sampler's own, so neither moves the other's window). */
+  async function get(id: string, samples = apiSamples): Promise<MachineMetrics> {
     const { row } = await deps.machines.agentOf(id, { wake: false }); // not found / not running answer here
     let now = await sample(id);
-    let prev = now.u.cpuNs === null ? undefined : baseFor(id, now.at, now.u.cpuNs);
+    let prev = now.u.cpuNs === null ? undefined : baseFor(samples, id, now.at, now.u.cpuNs);
     if (!prev && now.u.cpuNs !== null) {
       prev = { at: now.at, cpuNs: now.u.cpuNs };
       await new Promise((r) => setTimeout(r, FRESH_WINDOW_MS));
       now = await sample(id);
-      if (now.u.cpuNs !== null) baseFor(id, now.at, now.u.cpuNs);
+      if (now.u.cpuNs !== null) baseFor(samples, id, now.at, now.u.cpuNs);
     }
     const windowMs = prev ? now.at - prev.at : 0;
     const cpuPct = prev && now.u.cpuNs !== null && windowMs > 0 ? Math.min(100, ((now.u.cpuNs - prev.cpuNs) / 1e6 / windowMs / row.vcpus) * 100) : null;
@@ -181,7 +186,7 @@ export function createMachineMetrics(deps: { machines: MachineService; driver: M
   }
 
   return {
-    get,
+    get: (id) => get(id),
     history(id, range) {
       return rings.get(id)?.between(id, range.start ?? 0, range.end ?? Number.MAX_SAFE_INTEGER) ?? [];
     },

@@ -19,7 +19,7 @@ before(async () => {
   k = await startTestKiln();
   key = (await k.kiln.services.keys.create("e2b-metrics", generateKeyIn("e2b"))).key;
   opts = { apiKey: key, apiUrl: k.url, sandboxUrl: k.url, requestTimeoutMs: 30_000 };
-  sbx = await Sandbox.create("base", opts);
+  sbx = await Sandbox.create("base", { ...opts, timeoutMs: 300_000 }); // outlives the range test's wait
 });
 after(async () => k?.close());
 

@@ -110,10 +110,12 @@ test("bad control-plane requests get E2B's {code, message} and create nothing", 
     ["[]", 400],
     ['{"templateID":"base","timeout":-1}', 400],
     ['{"templateID":"base","bogus":1}', 400],
-    ['{"templateID":"base","autoPause":true}', 400],
+    ['{"templateID":"base","autoPause":true,"autoPauseMemory":false}', 400],
     ['{"templateID":"no-such-template"}', 404],
     ['{"templateID":"base","metadata":{"a":{"b":1}}}', 400],
-    ['{"templateID":"base","network":{"allowOut":["1.1.1.1"]}}', 400],
+    ['{"templateID":"base","network":{"allowOut":["example.com"]}}', 400],
+    ['{"templateID":"base","network":{"rules":{"api.example.com":[{"transform":{"headers":{"x":"y"}}}]}}}', 400],
+    ['{"templateID":"base","volumeMounts":[{"name":"no-such-volume","path":"/mnt"}]}', 404],
   ];
   for (const [body, status] of cases) {
     const res = await post(body);
@@ -125,7 +127,7 @@ test("bad control-plane requests get E2B's {code, message} and create nothing", 
   const unauth = await post('{"templateID":"base"}', "e2b_ffff");
   assert.equal(unauth.statusCode, 401);
   assert.deepEqual(((await unauth.body.json()) as { code: number }).code, 401);
-  for (const path of ["/sandboxes/mch_00000000000000000000000000/snapshots", "/templates", "/v3/templates", "/volumes/vol_x"]) {
+  for (const path of ["/sandboxes/00000000000000000000000000/logs", "/v2/sandboxes/00000000000000000000000000/logs", "/teams", "/templates", "/v3/templates", "/secrets"]) {
     const res = await request(`${k.url}${path}`, { headers: { "x-api-key": TEST_KEY } });
     assert.equal(res.statusCode, 501, path);
     assert.match(((await res.body.json()) as { message: string }).message, /not supported by Kiln/);

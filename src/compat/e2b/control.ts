@@ -362,8 +362,13 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   const contentUnserved = { config: { e2b: "control", auth: "none" as const }, schema: { hide: true } };
   const noContent = notYet("E2B's volume content API (/volumecontent: read and write a volume's files through a sandbox that mounts it)");
   app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: "/volumecontent/*", ...contentUnserved, handler: noContent });
-  for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/secrets"]) {
-    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(`${prefix.replace(/^\/v\d/, "")} (E2B's template, volume and secret APIs)`) });
-    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: `${prefix}/*`, ...unserved, handler: notYet(`${prefix.replace(/^\/v\d/, "")} (E2B's template, volume and secret APIs)`) });
+  // Sandbox logs, refreshes and teams: Kiln keeps no sandbox log stream and has no teams (the SDK calls none of them).
+  for (const url of ["/sandboxes/:id/logs", "/v2/sandboxes/:id/logs", "/sandboxes/:id/refreshes"]) {
+    app.route({ method: ["GET", "POST"], url, ...unserved, handler: notYet(`${url.replace("/:id", "/{id}")} (Kiln keeps no sandbox log stream; use setTimeout to extend a sandbox)`) });
+  }
+  for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/secrets", "/teams"]) {
+    const what = `${prefix.replace(/^\/v\d/, "")} (E2B's template builder, secrets and teams APIs)`;
+    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(what) });
+    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: `${prefix}/*`, ...unserved, handler: notYet(what) });
   }
 }

@@ -9,6 +9,7 @@ import type { FastifyRequest } from "fastify";
 import { KilnError } from "../../errors.ts";
 import type { EnvdKit } from "./envd-wire.ts";
 import { sandboxIdOf as e2bIdOf } from "./ids.ts";
+import { E2bUnserved } from "./errors.ts";
 
 // File metadata travels as `X-Metadata-<key>: <value>` upload headers (envd ≥ 0.6.2); keys and values as the SDK
 // checks them. Header names are case-insensitive (fetch sends them lowercased), so keys are stored lowercased.
@@ -60,6 +61,14 @@ export function filesRoutes(kit: EnvdKit): void {
     const sandboxId = e2bIdOf(id);
     return reply.code(502).type("application/json").send({ code: 502, message: `The sandbox ${sandboxId} is not running`, sandboxId });
   });
+
+  // envd routes the SDK never calls: answered unserved, in envd's shape, not as an unknown path.
+  const unserved = (what: string) => async () => {
+    throw new E2bUnserved(`envd's ${what} is not served by Kiln (see docs/e2b.md)`);
+  };
+  app.get("/envs", envdRoute, unserved("/envs"));
+  app.get("/metrics", envdRoute, unserved("/metrics (use the control plane's GET /sandboxes/{id}/metrics)"));
+  app.post("/files/compose", envdRoute, unserved("/files/compose"));
 
   app.get("/files", envdRoute, async (req, reply) => {
     const { id, user, home } = await context(req);
