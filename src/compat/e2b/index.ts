@@ -105,6 +105,20 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
     return keyId;
   });
 
+  // The active keys' ids, read from the store at most once a second: signed requests come from anyone holding a URL
+  // (or guessing), so each must not cost a store query. A key revoked meanwhile is refused by isActive below.
+  // A miss reads them again if the list is older than a quarter second (a key made just now), so bad signatures cost
+  // at most four store queries a second.
+  let activeKeys: { at: number; ids: Promise<string[]> } | undefined;
+  function activeKeyIds(maxAgeMs = 1000): Promise<string[]> {
+    if (!activeKeys || Date.now() - activeKeys.at > maxAgeMs) {
+      const ids = services.keys.list().then((all) => all.filter((k) => k.revoked_at === null).slice(0, MAX_SIGNING_KEYS).map((k) => k.id));
+      ids.catch(() => (activeKeys = undefined));
+      activeKeys = { at: Date.now(), ids };
+    }
+    return activeKeys.ids;
+  }
+
   /**
    * The key whose sandbox token signed this /files URL. The signature hides which key's token it used, so each
    * active key's token for the sandbox is tried (at most MAX_SIGNING_KEYS, in id order; a hash and an HMAC each).
@@ -123,8 +137,8 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
     const path = typeof q.path === "string" ? q.path : "";
     const user = typeof q.username === "string" ? q.username : "";
     const operation = req.method === "GET" ? "read" : "write";
-    const active = (await services.keys.list()).filter((k) => k.revoked_at === null).slice(0, MAX_SIGNING_KEYS);
-    const keyId = active.find((k) => sameText(fileUrlSignature(tokens.tokenOf(sandboxId, k.id), path, operation, user, expiration), signature))?.id;
+    const signedBy = (ids: string[]) => ids.find((id) => sameText(fileUrlSignature(tokens.tokenOf(sandboxId, id), path, operation, user, expiration), signature));
+    const keyId = signedBy(await activeKeyIds()) ?? signedBy(await activeKeyIds(250));
     if (keyId === undefined || !(await services.keys.isActive(keyId))) throw unauthorized("invalid signature");
     if (expiration !== undefined && expiration < Math.floor(Date.now() / 1000)) throw unauthorized("signature is already expired");
     return keyId;
