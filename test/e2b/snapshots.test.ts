@@ -100,8 +100,10 @@ test("pause() keeps the processes (memory where the runtime can, else frozen); p
   try {
     // A process of the machine's own (the layer's background commands end with its stream socket at any pause).
     await s.commands.run("setsid -f sleep 3600 >/dev/null 2>&1 </dev/null");
-    await s.files.write("/tmp/kept.txt", "kept");
-    assert.equal(await s.pause(), true);
+    await s.files.write("/home/user/kept.txt", "kept");
+    assert.equal(await s.pause().catch((err: unknown) => {
+      throw new Error(`pause failed: ${String(err)}; server errors: ${k.logs.filter((l) => /"level":50/.test(l)).join("").slice(-3000)}`);
+    }), true);
     const machine = (await k.call("GET", `/v1/machines/mch_${s.sandboxId}`)).body;
     assert.equal(machine.hibernate_mode, memoryRuntime ? "memory" : "freeze");
     await Sandbox.connect(s.sandboxId, opts);
@@ -111,7 +113,7 @@ test("pause() keeps the processes (memory where the runtime can, else frozen); p
     assert.equal((await k.call("GET", `/v1/machines/mch_${s.sandboxId}`)).body.hibernate_mode, "disk");
     await Sandbox.connect(s.sandboxId, { ...opts, onResume: "reboot" });
     assert.equal((await s.commands.run("pgrep -x sleep || true")).stdout, "", "a disk pause boots again");
-    assert.equal(await s.files.read("/tmp/kept.txt"), "kept");
+    assert.equal(await s.files.read("/home/user/kept.txt"), "kept");
 
     // onResume "reboot" of a sandbox paused with its memory: Kiln resumes as paused, so it says so.
     await s.pause();
