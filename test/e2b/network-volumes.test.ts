@@ -78,26 +78,33 @@ test("network allowOut opens what Kiln's egress closes; denyOut closes a public 
   }
 });
 
+/** Sandbox.updateNetwork, with the server's logged errors when it fails. */
+async function updateNetwork(s: Sandbox, network: Parameters<Sandbox["updateNetwork"]>[0]) {
+  await s.updateNetwork(network).catch((err: unknown) => {
+    throw new Error(`updateNetwork failed: ${String(err)}; server errors: ${k.logs.filter((l) => /"level":50/.test(l)).join("").slice(-3000)}`);
+  });
+}
+
 test("updateNetwork (PUT …/network) replaces a running sandbox's egress lists at once, also while it is paused; omitted fields clear them", async () => {
   const addr = hostAddress();
   const l = await listen(addr);
   const s = await Sandbox.create("base", opts);
   try {
     assert.equal(await connectFrom(s, addr, l.port), "refused");
-    await s.updateNetwork({ allowOut: [addr] });
+    await updateNetwork(s, { allowOut: [addr] });
     assert.equal(await connectFrom(s, addr, l.port), "ok", "opened without a restart");
     assert.deepEqual((await s.getInfo()).network?.allowOut, [`${addr}/32`]);
     const mirror = (await s.commands.run("getent hosts deb.debian.org")).stdout.trim().split(/\s+/)[0];
-    await s.updateNetwork({ allowInternetAccess: false, allowOut: [addr] });
+    await updateNetwork(s, { allowInternetAccess: false, allowOut: [addr] });
     assert.equal(await connectFrom(s, mirror, 80), "refused", "allowInternetAccess false denies everything else");
     assert.equal(await connectFrom(s, addr, l.port), "ok", "allowOut still wins");
-    await s.updateNetwork({});
+    await updateNetwork(s, {});
     assert.equal(await connectFrom(s, addr, l.port), "refused", "an empty update clears the lists");
     assert.equal(await connectFrom(s, mirror, 80), "ok");
     assert.equal((await s.getInfo()).network, undefined);
 
     await s.pause();
-    await s.updateNetwork({ allowOut: [addr] });
+    await updateNetwork(s, { allowOut: [addr] });
     await Sandbox.connect(s.sandboxId, opts);
     assert.equal(await connectFrom(s, addr, l.port), "ok", "lists set while paused hold after connect");
     await assert.rejects(s.updateNetwork({ allowOut: ["example.com"] }), /domain names/);

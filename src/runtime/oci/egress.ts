@@ -240,7 +240,10 @@ export function createEgress(): Egress {
     if (rules) {
       const name = nftName(id);
       const lines = [`delete element inet ${TABLE} machines { ${nftCgroup(group, id)} }`, `delete chain inet ${TABLE} ${name}`, ...["allow4", "allow6", "deny4", "deny6"].map((x) => `delete set inet ${TABLE} ${name}_${x}`)];
-      await nft(lines.join("\n") + "\n");
+      // One transaction; if part of it was already gone, each piece on its own (as release does).
+      await nft(lines.join("\n") + "\n").catch(async () => {
+        for (const line of lines) await nft(line + "\n").catch(() => undefined);
+      });
     }
     await writeFile(marker, JSON.stringify({ group, rules: false }));
     return true;
