@@ -43,7 +43,7 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
 
   const sbx = await Sandbox.create("base", opts);
   for (let i = 0; i < 10; i++) await sbx.runCode("1+1"); // warm-up: the default context, connection pools
-  for (let i = 0; i < 10; i++) await nativeExecute(ctx.kiln.url, ctx.key, sbx.sandboxId, "1+1");
+  for (let i = 0; i < 10; i++) await nativeExecute(ctx.kiln.url, ctx.key, `mch_${sbx.sandboxId}`, "1+1");
   const sdkRun: number[] = [];
   const nativeRun: number[] = [];
   for (let i = 0; i < RUNS; i++) {
@@ -51,7 +51,7 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
     await sbx.runCode("1+1");
     sdkRun.push(performance.now() - t0);
     t0 = performance.now();
-    await nativeExecute(ctx.kiln.url, ctx.key, sbx.sandboxId, "1+1");
+    await nativeExecute(ctx.kiln.url, ctx.key, `mch_${sbx.sandboxId}`, "1+1");
     nativeRun.push(performance.now() - t0);
   }
   await sbx.kill();

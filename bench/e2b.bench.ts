@@ -44,13 +44,13 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
   const sdkRun: number[] = [];
   const nativeRun: number[] = [];
   for (let i = 0; i < 10; i++) await sbx.commands.run("true"); // warm-up: the agent stream socket, undici pools
-  for (let i = 0; i < 10; i++) await native("POST", `/v1/machines/${sbx.sandboxId}/exec`, BASH_TRUE);
+  for (let i = 0; i < 10; i++) await native("POST", `/v1/machines/mch_${sbx.sandboxId}/exec`, BASH_TRUE);
   for (let i = 0; i < RUNS; i++) {
     let t0 = performance.now();
     await sbx.commands.run("true");
     sdkRun.push(performance.now() - t0);
     t0 = performance.now();
-    await native("POST", `/v1/machines/${sbx.sandboxId}/exec`, BASH_TRUE);
+    await native("POST", `/v1/machines/mch_${sbx.sandboxId}/exec`, BASH_TRUE);
     nativeRun.push(performance.now() - t0);
   }
   await sbx.kill();

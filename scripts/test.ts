@@ -36,6 +36,10 @@ const MACHINE_SUITES = [
   "test/security/attack-files.test.ts",
   "test/security/attack-deployments.test.ts",
   "test/security/attack-kernels.test.ts",
+  "test/e2b/snapshots.test.ts",
+  "test/e2b/signed-urls.test.ts",
+  "test/e2b/network-volumes.test.ts",
+  "test/e2b/metrics.test.ts",
 ];
 
 const started = Date.now();

@@ -95,6 +95,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   const snapshotCleanup = await services.snapshots.reconcile();
   if (snapshotCleanup.failed + snapshotCleanup.removed > 0) log.info(snapshotCleanup, "snapshots reconciled after start");
   services.machines.startSweeper();
+  services.machineMetrics.startSampling(); // metrics over a time range: a short ring per running machine
   // Builds a previous process left running end `error` (their build machines went with adoption above); what a
   // Dockerfile build of a dead process left running or mounted is killed and removed first.
   const swept = await buildExtensions.buildkit.sweep().catch((err: unknown) => (log.error({ err }, "sweeping dead Dockerfile builds failed"), 0));
@@ -136,6 +137,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
       // Running builds end first (as `error`: the server stopped), so their log streams close and app.close can finish.
       await services.builds.close();
       await services.hosts.close();
+      services.machineMetrics.stopSampling();
       await app.close();
       await services.deployments.close();
       await services.pool.close();

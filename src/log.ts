@@ -1,5 +1,5 @@
 // The one logger factory: JSON lines by default, pretty on a TTY, and secrets redacted before anything is written.
-// Redaction covers header/body fields by name and the edge_token query parameter inside logged URLs.
+// Redaction covers header/body fields by name and the edge_token and signature query parameters inside logged URLs.
 
 import pino from "pino";
 import type { Logger } from "pino";
@@ -61,9 +61,9 @@ export function redactDeep(value: unknown, depth = 0): unknown {
   return out ?? value;
 }
 
-/** Removes the value of edge_token (and any *token*) query parameters from a URL or path. */
+/** Removes the value of edge_token (and any *token*) and signature (E2B's signed file URLs) query parameters from a URL or path. */
 export function scrubUrl(url: string): string {
-  return url.replace(/([?&][^=&#]*token[^=&#]*=)[^&#]*/gi, "$1[Redacted]");
+  return url.replace(/([?&][^=&#]*(?:token|signature)[^=&#]*=)[^&#]*/gi, "$1[Redacted]");
 }
 
 export function createLogger(opts: { level?: string; pretty?: boolean; destination?: pino.DestinationStream } = {}): Logger {

@@ -54,7 +54,7 @@ export interface SnapshotOrigin {
 }
 
 /** Validated CIDR lists in canonical form; 400 naming the first bad entry. */
-function egressRules(network: CreateMachineInput["network"]): EgressRules | undefined {
+export function egressRules(network: CreateMachineInput["network"]): EgressRules | undefined {
   if (!network) return undefined;
   const canonical = (field: "allow_out" | "deny_out") =>
     (network[field] ?? []).map((text, i) => {

@@ -14,7 +14,7 @@ import { MachineRecords, machineView } from "./records.ts";
 import type { LifecycleOperation, MachineStatus, MachineView } from "./records.ts";
 import { AgentRegistry } from "./agents.ts";
 import type { MachineContext } from "./context.ts";
-import { createMachineCreator } from "./create.ts";
+import { createMachineCreator, egressRules } from "./create.ts";
 import type { CreateDeps, CreateMachineInput, SnapshotOrigin } from "./create.ts";
 import { createMachineLifecycle } from "./lifecycle.ts";
 import type { UpdateMachineInput } from "./lifecycle.ts";
@@ -69,6 +69,11 @@ export interface MachineService {
   withMachine<T>(id: string, fn: (row: MachineRow) => Promise<T>): Promise<T>;
   /** Records a lifecycle event of a machine that changes no field of it (snapshot, fork). */
   recordLifecycle(id: string, operation: LifecycleOperation, extra: Record<string, unknown>): Promise<void>;
+  /**
+   * Replaces a running or hibernated machine's egress lists (the create's `network`), at once while it runs; an
+   * empty or absent list clears it. 400 naming a bad entry; 409 for a machine of another host.
+   */
+  updateNetwork(id: string, network: CreateMachineInput["network"]): Promise<MachineView>;
 }
 
 export function createMachineService(
@@ -129,6 +134,19 @@ export function createMachineService(
     });
   }
 
+  async function updateNetwork(id: string, network: CreateMachineInput["network"]): Promise<MachineView> {
+    const rules = egressRules(network);
+    const hasRules = Boolean(rules && (rules.allowOut.length || rules.denyOut.length));
+    return withMachine(id, async (row) => {
+      if (row.host_id !== null && row.host_id !== deps.hostId) throw new KilnError("conflict", `Machine ${id} runs on another host (${row.host_id})`);
+      if (!deps.driver.updateNetwork) throw new KilnError("invalid_request", "This host's machine driver cannot change a machine's network");
+      await deps.driver.updateNetwork(id, hasRules ? rules : undefined);
+      const network_json = hasRules ? JSON.stringify(rules) : null;
+      await db.updateTable("machines").set({ network_json, updated_at: new Date().toISOString() }).where("id", "=", id).execute();
+      return machineView(await records.load(id));
+    });
+  }
+
   async function close() {
     health.stopSweeper();
     await locks.drain();
@@ -155,6 +173,7 @@ export function createMachineService(
     close,
     cleanupsSettled: (timeoutMs) => ctx.teardown.settled(timeoutMs),
     withMachine,
+    updateNetwork,
     recordLifecycle: (id, operation, extra) => records.recordLifecycle(id, operation, extra),
   };
 }

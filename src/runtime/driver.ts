@@ -164,6 +164,11 @@ export interface MachineDriver {
    * writes) and repairs what it can. Called every few seconds for every running or hibernated machine, and at start.
    */
   heal(id: string): Promise<MachineHealth>;
+  /**
+   * Replaces a machine's egress lists, kept for its next boots and applied at once while it runs (a machine without
+   * internet keeps them for nothing: it has no network to filter).
+   */
+  updateNetwork?(id: string, network: EgressRules | undefined): Promise<void>;
   /** Reads the machine's resource use now (cgroup counters and its disk). */
   usage(id: string): Promise<MachineUsage>;
   /**

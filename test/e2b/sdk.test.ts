@@ -22,7 +22,8 @@ before(async () => {
   key = (await k.kiln.services.keys.create("e2b-sdk", generateKeyIn("e2b"))).key;
   // The SDK's defaults otherwise: its key check (^e2b_[0-9a-f]+$) stays on; plain http to Kiln for both planes.
   opts = { apiKey: key, apiUrl: k.url, sandboxUrl: k.url, requestTimeoutMs: 30_000 };
-  sbx = await Sandbox.create("base", { ...opts, metadata: { suite: "e2b-sdk" } });
+  // Longer than E2B's 15 s default: on a loaded host the suite takes longer than that to reach its last tests.
+  sbx = await Sandbox.create("base", { ...opts, metadata: { suite: "e2b-sdk" }, timeoutMs: 600_000 });
 });
 after(async () => k?.close());
 
@@ -31,7 +32,9 @@ test("kiln issues keys in the shape the E2B SDK checks", () => {
 });
 
 test("Sandbox.create returns a sandbox with an id, and getInfo describes it as running", async () => {
-  assert.match(sbx.sandboxId, /^mch_/);
+  // Hostname-safe, as E2B's: lowercase letters and digits, the machine id's body (1:1 with Kiln's `mch_` id).
+  assert.match(sbx.sandboxId, /^[0-9a-z]{26}$/);
+  assert.equal((await k.call("GET", `/v1/machines/mch_${sbx.sandboxId}`)).status, 200);
   const info = await Sandbox.getInfo(sbx.sandboxId, opts);
   assert.equal(info.sandboxId, sbx.sandboxId);
   assert.equal(info.state, "running");
@@ -201,7 +204,7 @@ test("kill removes the sandbox; an unknown sandbox is SandboxNotFoundError", asy
   assert.equal(await Sandbox.kill(s.sandboxId, opts), true);
   await assert.rejects(Sandbox.getInfo(s.sandboxId, opts), (err: unknown) => err instanceof SandboxNotFoundError);
   assert.equal(await Sandbox.kill(s.sandboxId, opts), false);
-  await assert.rejects(Sandbox.connect("mch_00000000000000000000000000", opts), (err: unknown) => err instanceof SandboxNotFoundError);
+  await assert.rejects(Sandbox.connect("00000000000000000000000000", opts), (err: unknown) => err instanceof SandboxNotFoundError);
 });
 
 test("a wrong API key is refused with AuthenticationError", async () => {
@@ -224,6 +227,10 @@ test("envd refuses a request without the sandbox's access token, and Kiln's /hea
   const envdHealth = await request(`${k.url}/health`, { headers: { "e2b-sandbox-id": sbx.sandboxId, "x-access-token": token } });
   assert.equal(envdHealth.statusCode, 204);
   await envdHealth.body.dump();
+  // envd routes the SDK never calls answer 501 in envd's shape, not as an unknown path.
+  const envs = await request(`${k.url}/envs`, { headers: { "e2b-sandbox-id": sbx.sandboxId, "x-access-token": token } });
+  assert.equal(envs.statusCode, 501);
+  assert.match(((await envs.body.json()) as { message: string }).message, /not served by Kiln/);
   // The same sandbox by Host name, as sandbox.getHost(49983) names it.
   const byHost = await request(`${k.url}/filesystem.Filesystem/Stat`, { method: "POST", headers: { host: `49983-${sbx.sandboxId}.kiln.test`, "content-type": "application/json", "x-access-token": token }, body: '{"path":"/home/user"}' });
   assert.equal(byHost.statusCode, 200);

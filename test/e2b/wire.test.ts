@@ -9,6 +9,7 @@ import { promisify } from "node:util";
 import { request } from "undici";
 import { envelope, parseEnvelopedRequest, ConnectFailure, connectError } from "../../src/compat/e2b/connect.ts";
 import { sandboxIdOf } from "../../src/compat/e2b/index.ts";
+import { machineIdOf, sandboxIdOf as e2bIdOf } from "../../src/compat/e2b/ids.ts";
 import { portTargetOf } from "../../src/compat/e2b/ports.ts";
 import { createTokens } from "../../src/compat/e2b/token.ts";
 import { generateKeyIn } from "../../src/keys/service.ts";
@@ -32,17 +33,26 @@ test("Kiln errors become the Connect codes the SDK branches on; internal ones sa
   assert.deepEqual(connectError(new Error("secret detail")), { code: "internal", message: "internal error" });
 });
 
-test("an envd request names its sandbox by header or by a 49983-<machine id>. host; other ports are port requests", () => {
-  const id = "mch_01m8278fg8qnyqh9sw8rwsfk2b";
-  assert.equal(sandboxIdOf({ headers: { "e2b-sandbox-id": "mch_a" } }), "mch_a");
+test("an envd request names its sandbox by header or by a 49983-<sandbox id>. host; other ports are port requests", () => {
+  const body = "01m8278fg8qnyqh9sw8rwsfk2b";
+  const id = `mch_${body}`;
+  // Sandbox ids are the machine id's body: a DNS label. Inside, the layer works on the machine id.
+  assert.equal(e2bIdOf(id), body);
+  assert.equal(machineIdOf(body), id);
+  assert.equal(machineIdOf(id), id, "the mch_ spelling is taken too");
+  assert.equal(machineIdOf("01M8278FG8QNYQH9SW8RWSFK2B"), undefined);
+  assert.equal(machineIdOf("short"), undefined);
+  assert.equal(sandboxIdOf({ headers: { "e2b-sandbox-id": body } }), id);
+  assert.equal(sandboxIdOf({ headers: { "e2b-sandbox-id": "mch_a" } }), "mch_a", "a bad header id stays envd's, and is not found");
+  assert.equal(sandboxIdOf({ headers: { host: `49983-${body}.kiln.example:8080` } }), id);
   assert.equal(sandboxIdOf({ headers: { host: `49983-${id}.kiln.example:8080` } }), id);
-  assert.equal(sandboxIdOf({ headers: { host: `3000-${id}.kiln.example` } }), undefined);
+  assert.equal(sandboxIdOf({ headers: { host: `3000-${body}.kiln.example` } }), undefined);
   assert.equal(sandboxIdOf({ headers: { host: "127.0.0.1:8080" } }), undefined);
   // The code interpreter's port is Kiln's too: named by Host, never proxied into the machine.
-  assert.equal(sandboxIdOf({ headers: { host: `49999-${id}.kiln.example` } }), id);
-  assert.equal(portTargetOf(`49999-${id}.kiln.example`, [49983, 49999]), undefined);
-  assert.deepEqual(portTargetOf(`3000-${id}.kiln.example`, [49983, 49999]), { port: 3000, sandboxId: id });
-  assert.equal(portTargetOf(`49983-${id}.kiln.example`, [49983, 49999]), undefined);
+  assert.equal(sandboxIdOf({ headers: { host: `49999-${body}.kiln.example` } }), id);
+  assert.equal(portTargetOf(`49999-${body}.kiln.example`, [49983, 49999]), undefined);
+  assert.deepEqual(portTargetOf(`3000-${body}.kiln.example`, [49983, 49999]), { port: 3000, sandboxId: id });
+  assert.equal(portTargetOf(`49983-${body}.kiln.example`, [49983, 49999]), undefined);
   // A Kiln host that merely starts with digits and a dash is still Kiln's.
   assert.equal(portTargetOf("8080-kiln.example.com", [49983, 49999]), undefined);
   assert.equal(portTargetOf("70000-mch_01m8278fg8qnyqh9sw8rwsfk2b.x", [49983, 49999]), undefined);
@@ -100,10 +110,12 @@ test("bad control-plane requests get E2B's {code, message} and create nothing", 
     ["[]", 400],
     ['{"templateID":"base","timeout":-1}', 400],
     ['{"templateID":"base","bogus":1}', 400],
-    ['{"templateID":"base","autoPause":true}', 400],
+    ['{"templateID":"base","autoPause":true,"autoPauseMemory":false}', 400],
     ['{"templateID":"no-such-template"}', 404],
     ['{"templateID":"base","metadata":{"a":{"b":1}}}', 400],
-    ['{"templateID":"base","network":{"allowOut":["1.1.1.1"]}}', 400],
+    ['{"templateID":"base","network":{"allowOut":["example.com"]}}', 400],
+    ['{"templateID":"base","network":{"rules":{"api.example.com":[{"transform":{"headers":{"x":"y"}}}]}}}', 400],
+    ['{"templateID":"base","volumeMounts":[{"name":"no-such-volume","path":"/mnt"}]}', 404],
   ];
   for (const [body, status] of cases) {
     const res = await post(body);
@@ -115,7 +127,7 @@ test("bad control-plane requests get E2B's {code, message} and create nothing", 
   const unauth = await post('{"templateID":"base"}', "e2b_ffff");
   assert.equal(unauth.statusCode, 401);
   assert.deepEqual(((await unauth.body.json()) as { code: number }).code, 401);
-  for (const path of ["/sandboxes/mch_00000000000000000000000000/snapshots", "/templates", "/v3/templates", "/volumes/vol_x"]) {
+  for (const path of ["/sandboxes/00000000000000000000000000/logs", "/v2/sandboxes/00000000000000000000000000/logs", "/teams", "/templates", "/v3/templates", "/secrets"]) {
     const res = await request(`${k.url}${path}`, { headers: { "x-api-key": TEST_KEY } });
     assert.equal(res.statusCode, 501, path);
     assert.match(((await res.body.json()) as { message: string }).message, /not supported by Kiln/);

@@ -111,6 +111,6 @@ test("an E2B sandbox port's WebSocket pipe and request in flight close within se
     await after.body.dump();
     assert.equal(after.statusCode, 401, "the revoked key's token opens nothing more");
   } finally {
-    await k.kiln.services.machines.destroy(sbx.sandboxId).catch(() => undefined);
+    await k.kiln.services.machines.destroy(`mch_${sbx.sandboxId}`).catch(() => undefined);
   }
 });

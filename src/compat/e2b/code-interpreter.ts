@@ -14,6 +14,7 @@ import type { Services } from "../../services/index.ts";
 import type { CodeFrame, CodeLanguage } from "../../agent/protocol.ts";
 import { KilnError } from "../../errors.ts";
 import { e2bError } from "./errors.ts";
+import { sandboxIdOf as e2bIdOf } from "./ids.ts";
 
 export const JUPYTER_PORT = 49999;
 
@@ -109,7 +110,7 @@ export async function codeInterpreterRoutes(parent: FastifyInstance, deps: CodeI
   async function runningSandbox(req: FastifyRequest): Promise<string> {
     const id = deps.sandboxIdOf(req);
     const m = await services.machines.get(id).catch(() => undefined);
-    if (m?.status !== "running") throw new SandboxNotRunning(`The sandbox ${id} is not running`);
+    if (m?.status !== "running") throw new SandboxNotRunning(`The sandbox ${e2bIdOf(id)} is not running`);
     return id;
   }
 

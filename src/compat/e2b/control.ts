@@ -6,10 +6,16 @@ import type { Static } from "typebox";
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import type { Services } from "../../services/index.ts";
 import { MACHINE_LIMITS } from "../../machines/service.ts";
-import type { MachineView } from "../../machines/service.ts";
+import type { CreateMachineInput, MachineView } from "../../machines/service.ts";
+import type { MachineMetrics } from "../../machines/metrics.ts";
 import { KilnError } from "../../errors.ts";
 import { ENVD_VERSION } from "./envd.ts";
 import { E2bUnserved } from "./errors.ts";
+import { machineIdOf, sandboxIdOf } from "./ids.ts";
+import { keepsMemory, snapshotOfTemplateId, snapshotRoutes } from "./snapshots.ts";
+import { E2bNetwork, egressOf } from "./network.ts";
+import type { E2bNetworkBody } from "./network.ts";
+import { E2bVolumeMount, volumeMountsOf, volumeRoutes } from "./volumes.ts";
 
 export interface ControlDeps {
   services: Services;
@@ -50,8 +56,8 @@ const NewSandbox = Type.Object(
     autoPause: Type.Optional(Type.Boolean()),
     autoPauseMemory: Type.Optional(Type.Boolean()),
     autoResume: Type.Optional(Type.Unknown()),
-    network: Type.Optional(Type.Unknown()),
-    volumeMounts: Type.Optional(Type.Array(Type.Unknown())),
+    network: Type.Optional(Type.Union([E2bNetwork, Type.Null()])),
+    volumeMounts: Type.Optional(Type.Array(E2bVolumeMount, { maxItems: 16 })),
     mcp: Type.Optional(Type.Unknown()),
     iam: Type.Optional(Type.Unknown()),
   },
@@ -81,7 +87,9 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
 
   /** A machine that is gone (destroyed, failed) is, to E2B clients, a sandbox that does not exist. */
   async function live(id: string): Promise<MachineView> {
-    const m = await machines.get(id).catch((err: unknown) => {
+    const machineId = machineIdOf(id);
+    if (!machineId) throw new KilnError("not_found", `sandbox "${id}" not found`);
+    const m = await machines.get(machineId).catch((err: unknown) => {
       if (err instanceof KilnError && err.code === "not_found") throw new KilnError("not_found", `sandbox "${id}" not found`);
       throw err;
     });
@@ -96,17 +104,17 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   // E2B hands out a traffic token for a sandbox's non-public ports (getHost). Kiln's port route takes the sandbox's
   // envd token there, so both fields carry it: the SDK's `sbx.trafficAccessToken` is set as E2B sets it.
   const tokens = (m: MachineView, req: FastifyRequest) => {
-    const token = deps.tokenOf(m.id, req.apiKeyId!);
+    const token = deps.tokenOf(m.id, req.apiKeyId!); // of the machine id: the same token for either spelling
     return { envdAccessToken: token, trafficAccessToken: token };
   };
 
   function created(m: MachineView, req: FastifyRequest) {
-    return { sandboxID: m.id, templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, ...tokens(m, req), domain: domainFor(req) };
+    return { sandboxID: sandboxIdOf(m.id), templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, ...tokens(m, req), domain: domainFor(req) };
   }
 
   function listed(m: MachineView) {
     return {
-      sandboxID: m.id,
+      sandboxID: sandboxIdOf(m.id),
       templateID: m.template_id,
       ...(m.name ? { alias: m.name } : {}),
       clientID: "kiln",
@@ -123,7 +131,18 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   }
 
   function detail(m: MachineView, req: FastifyRequest) {
-    return { ...listed(m), allowInternetAccess: m.internet, ...tokens(m, req), domain: domainFor(req) };
+    const network = m.network.allow_out.length + m.network.deny_out.length > 0 ? { network: { allowOut: m.network.allow_out, denyOut: m.network.deny_out } } : {};
+    return { ...listed(m), allowInternetAccess: m.internet, ...network, lifecycle: { onTimeout: m.on_timeout === "hibernate" ? "pause" : "kill", autoResume: m.auto_resume }, ...tokens(m, req), domain: domainFor(req) };
+  }
+
+  /** E2B's lifecycle (`onTimeout: "pause"`, `autoResume`) onto Kiln's `on_timeout` and `auto_resume`. */
+  function lifecycleOf(body: Static<typeof NewSandbox>): Pick<CreateMachineInput, "on_timeout" | "auto_resume"> {
+    const autoResume = body.autoResume as { enabled?: unknown } | null | undefined;
+    if (autoResume !== undefined && autoResume !== null && (typeof autoResume !== "object" || typeof autoResume.enabled !== "boolean")) bad("autoResume must be {enabled: boolean}");
+    if (autoResume?.enabled && body.autoPause !== true) bad("autoResume needs autoPause (onTimeout: pause)");
+    // Kiln hibernates at the timeout with memory where the runtime can, else the disk: there is no per-sandbox choice.
+    if (body.autoPauseMemory === false) bad("autoPauseMemory false (a filesystem-only pause at the timeout) is not supported by Kiln: a timed-out sandbox keeps its memory where the runtime can");
+    return { on_timeout: body.autoPause ? "hibernate" : undefined, auto_resume: autoResume ? autoResume.enabled === true : undefined };
   }
 
   async function create(req: FastifyRequest) {
@@ -131,18 +150,20 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     let template = body.templateID;
     // The templateID a sandbox reports (a tpl_ id) is accepted back, as E2B's are.
     if (template.startsWith("tpl_")) template = (await deps.services.templateCatalog.get(template)).canonical_ref;
-    if (body.autoPause === true || body.autoPauseMemory !== undefined || body.autoResume !== undefined) bad("autoPause/autoResume are not supported by Kiln yet: a sandbox is killed when its timeout ends");
-    if (body.volumeMounts !== undefined && body.volumeMounts.length > 0) bad("volumeMounts are not supported by Kiln's E2B API yet");
-    if (body.network !== undefined && body.network !== null && !(typeof body.network === "object" && Object.keys(body.network).length === 0)) bad("network rules are not supported by Kiln's E2B API yet; use allow_internet_access");
+    const lifecycle = lifecycleOf(body);
     if (body.mcp !== undefined && body.mcp !== null) bad("mcp is not supported by Kiln");
     if (body.iam !== undefined && body.iam !== null) bad("iam is not supported by Kiln");
-    const m = await machines
-      .create({
-        template,
-        metadata: body.metadata,
-        envs: body.envVars,
-        timeout_s: body.timeout ?? E2B_DEFAULT_TIMEOUT_S,
-        internet: body.allow_internet_access,
+    const input: CreateMachineInput = { metadata: body.metadata, envs: body.envVars, timeout_s: body.timeout ?? E2B_DEFAULT_TIMEOUT_S, internet: body.allow_internet_access, network: egressOf(body.network), volumes: await volumeMountsOf(deps.services, body.volumeMounts), ...lifecycle };
+    // A snapshot is an E2B templateID too: by its `snp_` id, or by its name when no template has that name.
+    const fromSnapshot = (s: { id: string }) => deps.services.snapshots.createMachine(s.id, input);
+    const snapshot = template.startsWith("snp_") ? await snapshotOfTemplateId(deps.services, template) : undefined;
+    const m = await (snapshot ? fromSnapshot(snapshot) : machines.create({ ...input, template }))
+      .catch(async (err: unknown) => {
+        if (!snapshot && err instanceof KilnError && err.code === "not_found") {
+          const named = await snapshotOfTemplateId(deps.services, template);
+          if (named) return fromSnapshot(named);
+        }
+        throw err;
       })
       .catch((err: unknown) => {
         // @e2b/code-interpreter's default template: Kiln does not make it (yet); any template with python3 and
@@ -176,8 +197,11 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
 
   app.post("/sandboxes/:id/pause", withBody(PauseBody), async (req, reply) => {
     const m = await live((req.params as { id: string }).id);
-    if (m.status === "hibernated") throw new KilnError("conflict", `sandbox "${m.id}" is already paused`);
-    await machines.hibernate(m.id);
+    if (m.status === "hibernated") throw new KilnError("conflict", `sandbox "${sandboxIdOf(m.id)}" is already paused`);
+    // keepMemory (the default) saves the processes and releases their memory where the runtime can (gVisor), else
+    // freezes them in place; keepMemory false stops them and keeps the disk (connect boots it again).
+    const memory = (req.body as Static<typeof PauseBody>)?.memory;
+    await machines.hibernate(m.id, memory === false ? "disk" : keepsMemory(deps.services) ? "memory" : "freeze");
     // E2B keeps a paused sandbox until it is resumed; Kiln's clock runs on through hibernation, so a paused
     // sandbox gets Kiln's longest timeout (connect sets the caller's again).
     await machines.update(m.id, { timeout_s: MACHINE_LIMITS.maxTimeoutS });
@@ -187,14 +211,16 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   /** connect: 200 with a running sandbox, 201 after resuming a paused one; the timeout is renewed either way. */
   async function connect(req: FastifyRequest, opts: { mustBePaused: boolean }) {
     const m = await live((req.params as { id: string }).id);
-    const timeout = (req.body as Static<typeof ConnectBody> | undefined)?.timeout;
+    const { timeout, memory } = (req.body as Static<typeof ConnectBody> | undefined) ?? {};
     let status = 200;
     if (m.status === "hibernated") {
+      // onResume "reboot": Kiln resumes a sandbox as it was paused; only a disk pause comes back as a fresh boot.
+      if (memory === false && m.hibernate_mode !== "disk") bad(`sandbox "${sandboxIdOf(m.id)}" was paused with its memory; Kiln resumes it as it was (onResume "reboot" needs pause({keepMemory: false}))`);
       await machines.resume(m.id);
       deps.sandboxReady(m.id);
       status = 201;
     } else if (opts.mustBePaused) {
-      throw new KilnError("conflict", `sandbox "${m.id}" is already running`);
+      throw new KilnError("conflict", `sandbox "${sandboxIdOf(m.id)}" is already running`);
     }
     // E2B's connect only ever lengthens a running sandbox's life (setTimeout is the call that can shorten it);
     // a resumed sandbox gets the asked timeout, as a new start does.
@@ -269,10 +295,12 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   const notYet = (what: string) => async () => {
     throw new E2bUnserved(`${what} is not supported by Kiln's E2B API yet (see docs/e2b.md)`);
   };
-  // Metrics: Kiln keeps no history, so a sandbox's series is one point, now — when the asked range holds now.
+  // Metrics: a sandbox's series is its machine's ring of samples (src/machines/metrics.ts: every 5 s, the last hour).
   // A paused sandbox has no running counters: an empty series (E2B reports none while paused either).
   async function metricOf(m: MachineView) {
-    const x = await deps.services.machineMetrics.get(m.id);
+    return e2bMetric(await deps.services.machineMetrics.get(m.id));
+  }
+  function e2bMetric(x: MachineMetrics) {
     const at = new Date(x.timestamp);
     return {
       timestamp: x.timestamp,
@@ -290,6 +318,11 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   app.get("/sandboxes/:id/metrics", { config: { e2b: "control", auth: "key" as const }, schema: { hide: true, params: Params, querystring: MetricsQuery } }, async (req) => {
     const m = await live((req.params as { id: string }).id);
     const { start, end } = req.query as Static<typeof MetricsQuery>;
+    if (start !== undefined && end !== undefined && start > end) bad("start is after end");
+    // The machine's ring of samples (every 5 s, the last hour), oldest first; a sandbox too young for its first
+    // sample gets one taken now when the range holds now.
+    const kept = deps.services.machineMetrics.history(m.id, { start: start === undefined ? undefined : start * 1000, end: end === undefined ? undefined : end * 1000 + 999 });
+    if (kept.length > 0) return kept.map(e2bMetric);
     const nowS = Date.now() / 1000;
     if (m.status !== "running" || (start !== undefined && start > nowS) || (end !== undefined && end < Math.floor(nowS))) return [];
     return [await metricOf(m)];
@@ -313,12 +346,29 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     );
     return { sandboxes };
   });
-  app.route({ method: ["GET", "POST"], url: "/sandboxes/:id/snapshots", ...unserved, handler: notYet("snapshots") });
-  app.get("/snapshots", unserved, notYet("snapshots"));
-  app.post("/sandboxes/:id/fork", unserved, notYet("fork"));
-  app.route({ method: ["PUT", "POST", "PATCH"], url: "/sandboxes/:id/network", ...unserved, handler: notYet("network updates") });
-  for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/volumes", "/volumecontent", "/secrets"]) {
-    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(`${prefix.replace(/^\/v\d/, "")} (E2B's template, volume and secret APIs)`) });
-    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: `${prefix}/*`, ...unserved, handler: notYet(`${prefix.replace(/^\/v\d/, "")} (E2B's template, volume and secret APIs)`) });
+  const { deleteSnapshot } = await snapshotRoutes(app, { services: deps.services, live, created, sandboxReady: deps.sandboxReady, defaultTimeoutS: E2B_DEFAULT_TIMEOUT_S });
+  // E2B deletes a snapshot as a template: DELETE /templates/{id}; any other template call is unserved (below).
+  app.delete("/templates/:id", { ...unserved, schema: { hide: true, params: Type.Object({ id: Type.String({ minLength: 1, maxLength: 256 }) }) } }, async (req, reply) =>
+    deleteSnapshot(req, reply, notYet("/templates (E2B's template, volume and secret APIs)")),
+  );
+  // E2B replaces the whole egress config: omitted fields are cleared.
+  app.put("/sandboxes/:id/network", withBody(E2bNetwork), async (req, reply) => {
+    const m = await live((req.params as { id: string }).id);
+    await machines.updateNetwork(m.id, egressOf(req.body as E2bNetworkBody) ?? { allow_out: [], deny_out: [] });
+    return reply.code(204).send();
+  });
+  await volumeRoutes(app, deps.services);
+  // The volume content API authenticates with a volume token Kiln does not issue: answered unserved before any check.
+  const contentUnserved = { config: { e2b: "control", auth: "none" as const }, schema: { hide: true } };
+  const noContent = notYet("E2B's volume content API (/volumecontent: read and write a volume's files through a sandbox that mounts it)");
+  app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: "/volumecontent/*", ...contentUnserved, handler: noContent });
+  // Sandbox logs, refreshes and teams: Kiln keeps no sandbox log stream and has no teams (the SDK calls none of them).
+  for (const url of ["/sandboxes/:id/logs", "/v2/sandboxes/:id/logs", "/sandboxes/:id/refreshes"]) {
+    app.route({ method: ["GET", "POST"], url, ...unserved, handler: notYet(`${url.replace("/:id", "/{id}")} (Kiln keeps no sandbox log stream; use setTimeout to extend a sandbox)`) });
+  }
+  for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/secrets", "/teams"]) {
+    const what = `${prefix.replace(/^\/v\d/, "")} (E2B's template builder, secrets and teams APIs)`;
+    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(what) });
+    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: `${prefix}/*`, ...unserved, handler: notYet(what) });
   }
 }

@@ -8,6 +8,8 @@ import { createGunzip } from "node:zlib";
 import type { FastifyRequest } from "fastify";
 import { KilnError } from "../../errors.ts";
 import type { EnvdKit } from "./envd-wire.ts";
+import { sandboxIdOf as e2bIdOf } from "./ids.ts";
+import { E2bUnserved } from "./errors.ts";
 
 // File metadata travels as `X-Metadata-<key>: <value>` upload headers (envd ≥ 0.6.2); keys and values as the SDK
 // checks them. Header names are case-insensitive (fetch sends them lowercased), so keys are stored lowercased.
@@ -56,8 +58,17 @@ export function filesRoutes(kit: EnvdKit): void {
     const id = kit.sandboxIdOf(req);
     const m = await services.machines.get(id).catch(() => undefined);
     if (m?.status === "running") return reply.code(204).send();
-    return reply.code(502).type("application/json").send({ code: 502, message: `The sandbox ${id} is not running`, sandboxId: id });
+    const sandboxId = e2bIdOf(id);
+    return reply.code(502).type("application/json").send({ code: 502, message: `The sandbox ${sandboxId} is not running`, sandboxId });
   });
+
+  // envd routes the SDK never calls: answered unserved, in envd's shape, not as an unknown path.
+  const unserved = (what: string) => async () => {
+    throw new E2bUnserved(`envd's ${what} is not served by Kiln (see docs/e2b.md)`);
+  };
+  app.get("/envs", envdRoute, unserved("/envs"));
+  app.get("/metrics", envdRoute, unserved("/metrics (use the control plane's GET /sandboxes/{id}/metrics)"));
+  app.post("/files/compose", envdRoute, unserved("/files/compose"));
 
   app.get("/files", envdRoute, async (req, reply) => {
     const { id, user, home } = await context(req);

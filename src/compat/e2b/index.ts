@@ -11,14 +11,17 @@ import { envdRoutes } from "./envd.ts";
 import { e2bError } from "./errors.ts";
 import { sendUnaryError } from "./connect.ts";
 import { createProcessRegistry } from "./processes.ts";
-import { createTokens, loadTokenSecret } from "./token.ts";
+import { createTokens, fileUrlSignature, loadTokenSecret, sameText } from "./token.ts";
 import { installPortProxy, SANDBOX_HOST_RE } from "./ports.ts";
+import { machineIdOf } from "./ids.ts";
 import { codeInterpreterRoutes, JUPYTER_PORT } from "./code-interpreter.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import type { Auth } from "../../api/auth.ts";
 import { unauthorized } from "../../api/auth.ts";
 
 export const ENVD_PORT = 49983;
+/** Active keys whose tokens a signed /files URL is checked against (the signature does not say which). */
+const MAX_SIGNING_KEYS = 1000;
 
 export interface E2bOptions {
   services: Services;
@@ -40,13 +43,16 @@ function sandboxPortOf(req: { headers: Record<string, string | string[] | undefi
   return m ? Number(m[1]) : undefined;
 }
 
-/** The sandbox an envd or code-interpreter request is for, or undefined when the request is neither. */
+/**
+ * The machine an envd or code-interpreter request is for, or undefined when the request is neither. A header naming
+ * no sandbox id is kept as it is: the request is still envd's, and its machine is not found.
+ */
 export function sandboxIdOf(req: { headers: Record<string, string | string[] | undefined> }): string | undefined {
   const header = req.headers["e2b-sandbox-id"];
-  if (typeof header === "string" && header) return header;
+  if (typeof header === "string" && header) return machineIdOf(header) ?? header;
   const host = req.headers.host;
   const m = typeof host === "string" ? SANDBOX_HOST_RE.exec(host) : null;
-  return m && (Number(m[1]) === ENVD_PORT || Number(m[1]) === JUPYTER_PORT) ? m[2] : undefined;
+  return m && (Number(m[1]) === ENVD_PORT || Number(m[1]) === JUPYTER_PORT) ? machineIdOf(m[2]) : undefined;
 }
 
 /** Which in-sandbox server a request is for: the code interpreter (port 49999) or envd (any other). */
@@ -90,11 +96,53 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
     return keyId !== undefined && (await services.keys.isActive(keyId)) ? keyId : undefined;
   };
   // The code interpreter's calls carry the sandbox's traffic token (Kiln's is the envd token), some only that one.
+  // envd's /files also takes a signed URL instead of the token (`secure: true` downloadUrl/uploadUrl), as envd does.
   opts.auth.provide("envd-token", async (req) => {
-    const keyId = await envdKeyOf(sandboxIdOf(req), req.headers["x-access-token"] ?? req.headers["e2b-traffic-access-token"]);
+    const presented = req.headers["x-access-token"] ?? req.headers["e2b-traffic-access-token"];
+    if (presented === undefined && req.routeOptions.url === "/files") return signedKeyOf(req);
+    const keyId = await envdKeyOf(sandboxIdOf(req), presented);
     if (keyId === undefined) throw unauthorized("invalid or missing X-Access-Token for this sandbox");
     return keyId;
   });
+
+  // The active keys' ids, read from the store at most once a second: signed requests come from anyone holding a URL
+  // (or guessing), so each must not cost a store query. A key revoked meanwhile is refused by isActive below.
+  // A miss reads them again if the list is older than a quarter second (a key made just now), so bad signatures cost
+  // at most four store queries a second.
+  let activeKeys: { at: number; ids: Promise<string[]> } | undefined;
+  function activeKeyIds(maxAgeMs = 1000): Promise<string[]> {
+    if (!activeKeys || Date.now() - activeKeys.at > maxAgeMs) {
+      const ids = services.keys.list().then((all) => all.filter((k) => k.revoked_at === null).slice(0, MAX_SIGNING_KEYS).map((k) => k.id));
+      ids.catch(() => (activeKeys = undefined));
+      activeKeys = { at: Date.now(), ids };
+    }
+    return activeKeys.ids;
+  }
+
+  /**
+   * The key whose sandbox token signed this /files URL. The signature hides which key's token it used, so each
+   * active key's token for the sandbox is tried (at most MAX_SIGNING_KEYS, in id order; a hash and an HMAC each).
+   */
+  async function signedKeyOf(req: FastifyRequest): Promise<string> {
+    const q = req.query as Record<string, unknown>;
+    const signature = q.signature;
+    const sandboxId = sandboxIdOf(req);
+    if (typeof signature !== "string" || !signature || !sandboxId) throw unauthorized("send the sandbox's X-Access-Token, or a signed URL (signature) for /files");
+    const rawExpiration = q.signature_expiration;
+    let expiration: number | undefined;
+    if (rawExpiration !== undefined) {
+      if (typeof rawExpiration !== "string" || !/^\d{1,12}$/.test(rawExpiration)) throw unauthorized("invalid signature_expiration");
+      expiration = Number(rawExpiration);
+    }
+    const path = typeof q.path === "string" ? q.path : "";
+    const user = typeof q.username === "string" ? q.username : "";
+    const operation = req.method === "GET" ? "read" : "write";
+    const signedBy = (ids: string[]) => ids.find((id) => sameText(fileUrlSignature(tokens.tokenOf(sandboxId, id), path, operation, user, expiration), signature));
+    const keyId = signedBy(await activeKeyIds()) ?? signedBy(await activeKeyIds(250));
+    if (keyId === undefined || !(await services.keys.isActive(keyId))) throw unauthorized("invalid signature");
+    if (expiration !== undefined && expiration < Math.floor(Date.now() / 1000)) throw unauthorized("signature is already expired");
+    return keyId;
+  }
 
   app.setErrorHandler((err, req, reply) => {
     const isRpc = (req.routeOptions.config as { e2b?: string } | undefined)?.e2b === "envd" && /^\/[a-z]+\.[A-Za-z]+\//.test(req.url);

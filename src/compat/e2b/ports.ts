@@ -10,18 +10,22 @@ import { KilnError } from "../../errors.ts";
 import { acceptWebSocket, createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHeaders, isWebSocketUpgrade } from "../../deployments/proxy.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import { rememberedCheck, stripKilnCredentials } from "../../deployments/credentials.ts";
+import { machineIdOf, SANDBOX_ID_SOURCE } from "./ids.ts";
 
-/** The machine port a request is for, or undefined (the ports Kiln serves itself — envd's, the code interpreter's — and Kiln's own names are not port requests). */
+/** The machine port a request is for (`sandboxId`: the machine's id), or undefined (the ports Kiln serves itself — envd's, the code interpreter's — and Kiln's own names are not port requests). */
 export function portTargetOf(host: string | undefined, servedPorts: readonly number[]): { port: number; sandboxId: string } | undefined {
   const m = host ? SANDBOX_HOST_RE.exec(host) : null;
   if (!m) return undefined;
   const port = Number(m[1]);
   if (servedPorts.includes(port) || port < 1 || port > 65535) return undefined;
-  return { port, sandboxId: m[2] };
+  return { port, sandboxId: machineIdOf(m[2])! };
 }
 
-/** Only a Kiln machine id makes a Host a sandbox's, so a Kiln host that happens to start `<digits>-` stays Kiln's. */
-export const SANDBOX_HOST_RE = /^(\d{1,5})-(mch_[0-9a-z]{26})\./;
+/**
+ * Only a sandbox id (or the machine id it stands for) makes a Host a sandbox's, so a Kiln host that happens to start
+ * `<digits>-` stays Kiln's. Group 2 is the id as written: machineIdOf turns it into the machine's.
+ */
+export const SANDBOX_HOST_RE = new RegExp(`^(\\d{1,5})-((?:mch_)?${SANDBOX_ID_SOURCE})\\.`);
 
 export interface PortProxyDeps {
   machines: MachineService;

@@ -2,7 +2,7 @@
 // (0600)>`, so no token is ever stored, every server on the same data dir gives the same answer after a restart, and
 // a token dies with the key it was issued to (the auth hook checks the key id it names).
 
-import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
+import { createHash, createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 import { chmod, mkdir, readFile, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 
@@ -45,4 +45,20 @@ export function createTokens(secret: Buffer) {
       return got.length === want.length && timingSafeEqual(got, want) ? keyId : undefined;
     },
   };
+}
+
+/**
+ * envd's signature of a file URL (`downloadUrl`/`uploadUrl` with `secure: true`): `v1_` + unpadded base64 of
+ * SHA-256 over `path:operation:user:token[:expiration]`, as the SDK computes it from the sandbox's access token.
+ */
+export function fileUrlSignature(token: string, path: string, operation: "read" | "write", user: string, expiration: number | undefined): string {
+  const raw = expiration === undefined ? `${path}:${operation}:${user}:${token}` : `${path}:${operation}:${user}:${token}:${expiration}`;
+  return "v1_" + createHash("sha256").update(raw).digest("base64").replace(/=+$/, "");
+}
+
+/** Same-length strings compared in constant time. */
+export function sameText(a: string, b: string): boolean {
+  const x = Buffer.from(a);
+  const y = Buffer.from(b);
+  return x.length === y.length && timingSafeEqual(x, y);
 }

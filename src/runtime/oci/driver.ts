@@ -797,6 +797,15 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     resize: opts.runtime === "runc" ? resize : undefined,
     heal,
 
+    async updateNetwork(id, network) {
+      const p = paths(id);
+      const spec = JSON.parse(await readFile(p.spec, "utf8")) as MachineSpec;
+      spec.network = network;
+      // Kept first, so a restart of its slirp4netns (and its next boot) takes the new lists too.
+      await writeFile(p.spec, JSON.stringify(spec));
+      if (spec.internet) await egress.update(id, opts.hostAccess, network, p.egress);
+    },
+
     async usage(id) {
       const p = paths(id);
       // Not mounted, statfs would describe the host's filesystem: then there is no disk figure.

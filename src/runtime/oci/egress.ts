@@ -72,6 +72,12 @@ export interface Egress {
   prepare(id: string, hostAccess: boolean, policy: EgressRules | undefined, marker: string, accept?: { address: string; port: number }[]): Promise<string>;
   /** Removes the machine's rules and cgroup once its slirp4netns is gone. Idempotent. */
   release(id: string, marker: string): Promise<void>;
+  /**
+   * Replaces a live machine's allow/deny lists (its cgroup stays, its slirp4netns stays in it): one nft transaction
+   * each way, so a connection is judged by the old lists or the new, never by none. False when the machine has no
+   * egress cgroup (no internet, or not running).
+   */
+  update(id: string, hostAccess: boolean, policy: EgressRules | undefined, marker: string): Promise<boolean>;
   /** How egress is filtered, for readiness. */
   describe(): string;
 }
@@ -223,10 +229,31 @@ export function createEgress(): Egress {
     await rm(marker, { force: true });
   }
 
+  async function update(id: string, hostAccess: boolean, policy: EgressRules | undefined, marker: string): Promise<boolean> {
+    const recorded = await readFile(marker, "utf8").catch(() => "");
+    if (!root || !recorded) return false;
+    if (policy && (policy.allowOut.length || policy.denyOut.length)) {
+      await prepare(id, hostAccess, policy, marker); // flushes and refills the machine's sets and chain in place
+      return true;
+    }
+    const { group, rules } = JSON.parse(recorded) as { group: string; rules: boolean };
+    if (rules) {
+      const name = nftName(id);
+      const lines = [`delete element inet ${TABLE} machines { ${nftCgroup(group, id)} }`, `delete chain inet ${TABLE} ${name}`, ...["allow4", "allow6", "deny4", "deny6"].map((x) => `delete set inet ${TABLE} ${name}_${x}`)];
+      // One transaction; if part of it was already gone, each piece on its own (as release does).
+      await nft(lines.join("\n") + "\n").catch(async () => {
+        for (const line of lines) await nft(line + "\n").catch(() => undefined);
+      });
+    }
+    await writeFile(marker, JSON.stringify({ group, rules: false }));
+    return true;
+  }
+
   return {
     ensure,
     prepare,
     release,
+    update,
     describe: () => (root ? `host nftables table inet ${TABLE} on each machine's slirp4netns cgroup (${root.path}/${EGRESS_CGROUP})` : "not filtered: no cgroup v2 hierarchy"),
   };
 }
