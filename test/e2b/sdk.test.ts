@@ -8,6 +8,7 @@ import { join } from "node:path";
 import { request } from "undici";
 import { Sandbox, CommandExitError, SandboxNotFoundError, AuthenticationError, NotFoundError } from "e2b";
 import type { SandboxOpts } from "e2b";
+import { filesWithContents } from "../support/files.ts";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { generateKeyIn } from "../../src/keys/service.ts";
@@ -242,15 +243,7 @@ test("no API key or access token reaches the data dir or the logs", async () => 
   assert.ok(token);
   const all = k.logs.join("");
   assert.ok(!all.includes(key) && !all.includes(token));
-  const files = await readdir(k.dataDir, { recursive: true, withFileTypes: true });
-  for (const f of files) {
-    if (!f.isFile()) continue;
-    const path = join(f.parentPath, f.name);
-    // Machine root filesystems are the template's bytes; records, logs and Kiln's own files are what matter.
-    if (path.includes("/rootfs/")) continue;
-    const text = await readFile(path).catch(() => Buffer.alloc(0));
-    assert.ok(!text.includes(key) && !text.includes(token), `${path} holds a secret`);
-  }
+  for await (const { path, text } of filesWithContents(k.dataDir)) assert.ok(!text.includes(key) && !text.includes(token), `${path} holds a secret`);
 });
 
 test("bad envd requests get Connect errors (unary: HTTP status + JSON; streams: the end frame) and the server goes on", async () => {
