@@ -1,8 +1,8 @@
 // The public edge: /edge/<service_id>/… (one replica) and /edge/<deployment_id>/… (any ready replica) proxy HTTP and
 // WebSocket to a service — or, with KILN_EDGE_DOMAIN, the Host `<label>.<edge domain>` at `/` (an origin per
-// deployment; src/deployments/edge-origin.ts). Either way the request is authorised as the deployment's access says — its long-lived token, nothing (public), or a
-// signed expiring token — carried by the URL's edge_token (then by an HttpOnly cookie scoped to that path), never
-// by an API key.
+// deployment; src/deployments/edge-origin.ts; the path form, on Kiln's origin, is sandboxed). A request is authorised
+// as the deployment's access says — its long-lived token, nothing (public), or a signed expiring token — carried by
+// the URL's edge_token (then by an HttpOnly cookie scoped to that path or host), never by an API key.
 // Plain HTTP requests are served before Fastify routes them (see server.ts: they are the data path, and Fastify's
 // request machinery cost more than the proxying); WebSocket upgrades come through the Fastify route below.
 
