@@ -163,11 +163,9 @@ export function loadConfig(env: Env = process.env): Config {
   } catch {
     throw new ConfigError(`KILN_PUBLIC_URL is not a URL: ${JSON.stringify(publicUrl)}`);
   }
-  let edgeDomain: EdgeDomain | undefined;
-  try {
-    edgeDomain = env.KILN_EDGE_DOMAIN ? parseEdgeDomain(env.KILN_EDGE_DOMAIN) : undefined;
-  } catch (err) {
-    throw new ConfigError((err as Error).message);
+  const edgeDomain: EdgeDomain | undefined = env.KILN_EDGE_DOMAIN ? parseEdgeDomain(env.KILN_EDGE_DOMAIN) : undefined;
+  if (env.KILN_EDGE_DOMAIN && !edgeDomain) {
+    throw new ConfigError(`KILN_EDGE_DOMAIN must be a host name with an optional port (edge.example.com, localhost:8080), not ${JSON.stringify(env.KILN_EDGE_DOMAIN)}`);
   }
   const apiKey = env.KILN_API_KEY || undefined;
   if (apiKey !== undefined && apiKey.length < 16) throw new ConfigError("KILN_API_KEY must be at least 16 characters");

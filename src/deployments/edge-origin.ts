@@ -19,12 +19,12 @@ export interface EdgeDomain {
 
 /**
  * Parses KILN_EDGE_DOMAIN: `edge.example.com` or `localhost:8080` (host name labels, optional port; no scheme, path
- * or IP address — an IP has no subdomains). Throws a message for a bad value.
+ * or IP address — an IP has no subdomains). Undefined for anything else (config.ts says what it wants).
  */
-export function parseEdgeDomain(value: string): EdgeDomain {
+export function parseEdgeDomain(value: string): EdgeDomain | undefined {
   const m = /^([a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*)(?::(\d{1,5}))?$/.exec(value.trim().toLowerCase());
-  if (!m || /^[0-9.]+$/.test(m[1]) || m[1].length > 200) throw new Error(`KILN_EDGE_DOMAIN must be a host name with an optional port (edge.example.com, localhost:8080), not ${JSON.stringify(value)}`);
-  if (m[2] !== undefined && (Number(m[2]) < 1 || Number(m[2]) > 65535)) throw new Error(`KILN_EDGE_DOMAIN names port ${m[2]}`);
+  if (!m || /^[0-9.]+$/.test(m[1]) || m[1].length > 200) return undefined;
+  if (m[2] !== undefined && (Number(m[2]) < 1 || Number(m[2]) > 65535)) return undefined;
   return { host: m[1], port: m[2] };
 }
 

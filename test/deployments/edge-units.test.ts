@@ -78,17 +78,17 @@ test("an /edge target splits into the service, the target as the service sees it
 test("KILN_EDGE_DOMAIN is a host name with an optional port, and names each deployment's origin by a DNS label of its id", () => {
   assert.deepEqual(parseEdgeDomain("Edge.Example.com"), { host: "edge.example.com", port: undefined });
   assert.deepEqual(parseEdgeDomain("localhost:8080"), { host: "localhost", port: "8080" });
-  for (const bad of ["https://edge.example.com", "edge.example.com/x", "127.0.0.1", "*.edge.example.com", "edge..com", "edge.example.com:0", "edge.example.com:70000", ""]) assert.throws(() => parseEdgeDomain(bad), /KILN_EDGE_DOMAIN/, bad);
+  for (const bad of ["https://edge.example.com", "edge.example.com/x", "127.0.0.1", "*.edge.example.com", "edge..com", "edge.example.com:0", "edge.example.com:70000", ""]) assert.equal(parseEdgeDomain(bad), undefined, bad);
   const id = "dep_01m86d0qpq1jpxamy4a0axqys0";
   assert.equal(edgeLabel(id), "dep01m86d0qpq1jpxamy4a0axqys0");
-  const domain = parseEdgeDomain("edge.example.com");
+  const domain = parseEdgeDomain("edge.example.com")!;
   assert.equal(edgeOriginOf(id, domain, "https://kiln.example.com"), "https://dep01m86d0qpq1jpxamy4a0axqys0.edge.example.com");
-  assert.equal(edgeOriginOf(id, parseEdgeDomain("localhost"), "http://127.0.0.1:4321"), "http://dep01m86d0qpq1jpxamy4a0axqys0.localhost:4321", "no port of its own: the public URL's");
-  assert.equal(edgeOriginOf(id, parseEdgeDomain("localhost:99"), "http://127.0.0.1:4321"), "http://dep01m86d0qpq1jpxamy4a0axqys0.localhost:99");
+  assert.equal(edgeOriginOf(id, parseEdgeDomain("localhost")!, "http://127.0.0.1:4321"), "http://dep01m86d0qpq1jpxamy4a0axqys0.localhost:4321", "no port of its own: the public URL's");
+  assert.equal(edgeOriginOf(id, parseEdgeDomain("localhost:99")!, "http://127.0.0.1:4321"), "http://dep01m86d0qpq1jpxamy4a0axqys0.localhost:99");
   assert.equal(idOfEdgeHost("DEP01M86D0QPQ1JPXAMY4A0AXQYS0.Edge.Example.com:443", domain), id);
   assert.equal(idOfEdgeHost("svc01m86d0qpq1jpxamy4a0axqys0.edge.example.com", domain), "svc_01m86d0qpq1jpxamy4a0axqys0");
   for (const not of [undefined, "edge.example.com", "dep01m86d0qpq1jpxamy4a0axqys0.example.com", "x.dep01m86d0qpq1jpxamy4a0axqys0.edge.example.com", "mch01m86d0qpq1jpxamy4a0axqys0.edge.example.com", "dep01m86d0qpq1jpxamy4a0axqys.edge.example.com", "dep01m86d0qpq1jpxamy4a0axqysu.edge.example.com", "dep01m86d0qpq1jpxamy4a0axqys0.edge.example.com.evil.com"]) assert.equal(idOfEdgeHost(not, domain), undefined, String(not));
-  assert.equal(idOfEdgeHost("dep01m86d0qpq1jpxamy4a0axqys0.localhost:98", parseEdgeDomain("localhost:99")), undefined, "another port is not the edge");
+  assert.equal(idOfEdgeHost("dep01m86d0qpq1jpxamy4a0axqys0.localhost:98", parseEdgeDomain("localhost:99")!), undefined, "another port is not the edge");
   assert.deepEqual(hostTarget("/a/b?x=1&edge_token=kse_t", "dep01m86d0qpq1jpxamy4a0axqys0.edge.example.com", domain), { serviceId: id, path: "/a/b?x=1", queryToken: "kse_t", form: "host" });
   assert.equal(hostTarget("/", "kiln.example.com", domain), undefined);
   assert.equal(hostTarget("/", "dep01m86d0qpq1jpxamy4a0axqys0.edge.example.com", undefined), undefined, "no edge domain: no edge hosts");

@@ -75,6 +75,8 @@ class H(BaseHTTPRequestHandler):
             if os.environ.get("HOSTILE"):
                 # A cookie bomb over Kiln's whole origin, a decoy edge cookie, one for every sibling host.
                 planted += [("set-cookie", "bomb=" + "x" * 3000 + "; Path=/"), ("set-cookie", "kiln_edge=decoy; Path=/"), ("set-cookie", "wide=1; Domain=localhost; Path=/")]
+                # And a policy of its own that would give the page its origin back, if policies could lift each other.
+                planted += [("content-security-policy", "sandbox allow-same-origin allow-scripts")]
             return self.send(200, "text/html", PAGE, planted)
         if p == "/page2":
             return self.send(200, "text/html", b'<!doctype html><p id="two">page two</p>')
@@ -263,12 +265,14 @@ describe("deployments' pages and the console's origin", () => {
     assert.doesNotMatch(own.cookie, /kiln_edge/, "never the edge's");
 
     const r = await visit(hostile.edge_url, {
-      reads: { victim: `${originOf(victim)}/secret`, api: `${k.url}/v1/machines`, consoleIndex: `${k.url}/console/` },
+      // The path form through its own origin reaches its own service, never the victim (even with the victim's token).
+      reads: { victim: `${originOf(victim)}/secret`, viaPath: `/edge/${victim.id}/secret${new URL(victim.edge_url).search}`, api: `${k.url}/v1/machines`, consoleIndex: `${k.url}/console/` },
       frames: { victimFrame: `${originOf(victim)}/secret`, consoleFrame: `${k.url}/console/` },
     });
     assert.equal(r.origin, originOf(hostile));
     assert.equal(r.key, null, "the console's key lives in another origin's storage");
     for (const name of ["victim", "api", "consoleIndex", "victimFrame", "consoleFrame"]) assert.match(r[name], /^blocked/, `${name}: ${r[name]}`);
+    assert.equal(r.viaPath, "404 no such page");
     assert.doesNotMatch(JSON.stringify(r), new RegExp(`${victimSecret}|${TEST_KEY}`));
     // Its cookies stayed on its own host: none on the victim's origin or Kiln's.
     for (const url of [`${originOf(victim)}/`, `${k.url}/console/`]) {
