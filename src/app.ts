@@ -61,7 +61,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   });
   const hostId = await ensureHostId(config.dataDir, config.hostId);
   const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs, historyS: config.webhookHistoryS };
-  const deployments = { dataDir: config.dataDir, publicUrl: config.publicUrl, maxCrashes: config.serviceMaxCrashes, backoffMs: config.serviceBackoffMs, edgeTokenTtlS: config.edgeTokenTtlS };
+  const deployments = { dataDir: config.dataDir, publicUrl: config.publicUrl, maxCrashes: config.serviceMaxCrashes, backoffMs: config.serviceBackoffMs, edgeTokenTtlS: config.edgeTokenTtlS, edgeDomain: config.edgeDomain };
   const limits = { dataDir: config.dataDir, maxDiskMb: config.maxDiskMb, minFreeDiskMb: config.minFreeDiskMb, minFreeMemoryMb: config.minFreeMemoryMb, memoryOvercommit: config.memoryOvercommit };
   // Image imports and Dockerfile builds plug into the build pipeline; a Dockerfile's FROM may name a Kiln template,
   // resolved through the template service the pipeline itself is part of (bound once the services exist).
@@ -120,7 +120,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     });
   services.templates.setPending("the base template is being made (first start); try again in a minute");
 
-  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, volumeWatchQueue: config.volumeWatchQueue, publicUrl: config.publicUrl, edgeLimits: config.edgeLimits, e2b: { dataDir: config.dataDir, publicUrl: config.publicUrl }, cluster: { lostAfterS: config.hostLostAfterS } });
+  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, volumeWatchQueue: config.volumeWatchQueue, publicUrl: config.publicUrl, edgeDomain: config.edgeDomain, edgeLimits: config.edgeLimits, e2b: { dataDir: config.dataDir, publicUrl: config.publicUrl }, cluster: { lostAfterS: config.hostLostAfterS } });
   let url = "";
   if (opts.listen !== false) url = await app.listen({ host: config.host, port: config.port });
   // Port 0 means "any free port": public URLs can name the real one only now.

@@ -7,6 +7,8 @@ import { DEFAULT_IMPORT_LIMITS } from "./builder/oci/limits.ts";
 import type { ImportLimits } from "./builder/oci/limits.ts";
 import { DEFAULT_PROXY_LIMITS } from "./deployments/proxy-limits.ts";
 import type { ProxyLimits } from "./deployments/proxy-limits.ts";
+import { parseEdgeDomain } from "./deployments/edge-origin.ts";
+import type { EdgeDomain } from "./deployments/edge-origin.ts";
 
 export interface Config {
   host: string;
@@ -20,6 +22,8 @@ export interface Config {
   /** gVisor's way of intercepting a machine's system calls (runsc only). */
   runscPlatform: "ptrace" | "systrap" | "kvm";
   publicUrl: string;
+  /** KILN_EDGE_DOMAIN: deployments' pages each on an origin of their own, `<label>.<domain>`. */
+  edgeDomain: EdgeDomain | undefined;
   apiKey: string | undefined;
   machineHostAccess: boolean;
   wsPingIntervalMs: number;
@@ -107,6 +111,7 @@ export const CONFIG_VARS = [
   ["KILN_OCI_RUNTIME", "runc", "runc, or runsc for gVisor"],
   ["KILN_RUNSC_PLATFORM", "ptrace", "gVisor platform: ptrace, systrap or kvm (runsc only)"],
   ["KILN_PUBLIC_URL", "http://$KILN_HOST:$KILN_PORT", "base of public (edge) URLs"],
+  ["KILN_EDGE_DOMAIN", "(none: /edge/<id>/ on KILN_PUBLIC_URL)", "wildcard domain (host[:port]) giving each deployment's pages their own origin, <id>.<domain>"],
   ["KILN_API_KEY", "(none)", "an API key the server accepts; stored hashed"],
   ["KILN_MACHINE_HOST_ACCESS", "0", "1 makes the host's loopback reachable in machines as host.kiln.internal"],
   ["KILN_LOG_LEVEL", "info", "pino level: trace, debug, info, warn, error"],
@@ -171,6 +176,10 @@ export function loadConfig(env: Env = process.env): Config {
   } catch {
     throw new ConfigError(`KILN_PUBLIC_URL is not a URL: ${JSON.stringify(publicUrl)}`);
   }
+  const edgeDomain: EdgeDomain | undefined = env.KILN_EDGE_DOMAIN ? parseEdgeDomain(env.KILN_EDGE_DOMAIN) : undefined;
+  if (env.KILN_EDGE_DOMAIN && !edgeDomain) {
+    throw new ConfigError(`KILN_EDGE_DOMAIN must be a host name with an optional port (edge.example.com, localhost:8080), not ${JSON.stringify(env.KILN_EDGE_DOMAIN)}`);
+  }
   const apiKey = env.KILN_API_KEY || undefined;
   if (apiKey !== undefined && apiKey.length < 16) throw new ConfigError("KILN_API_KEY must be at least 16 characters");
   return {
@@ -183,6 +192,7 @@ export function loadConfig(env: Env = process.env): Config {
     ociRuntime,
     runscPlatform: oneOf(env, "KILN_RUNSC_PLATFORM", ["ptrace", "systrap", "kvm"] as const, "ptrace"),
     publicUrl,
+    edgeDomain,
     apiKey,
     machineHostAccess: boolVar(env, "KILN_MACHINE_HOST_ACCESS"),
     wsPingIntervalMs: intVar(env, "KILN_WS_PING_INTERVAL_MS", 15_000, 10, 3_600_000),

@@ -28,6 +28,9 @@ import { snapshotRoutes } from "./routes/snapshots.ts";
 import { createEdge, edgeRoutes } from "./routes/edge.ts";
 import { isWebSocketUpgrade } from "../deployments/proxy.ts";
 import type { ProxyLimits } from "../deployments/proxy.ts";
+import type { EdgeDomain } from "../deployments/edge-origin.ts";
+import type { IncomingMessage } from "node:http";
+import type { Duplex } from "node:stream";
 import { createServer } from "node:http";
 import { e2bCompat } from "../compat/e2b/index.ts";
 import { consoleRoutes } from "../console/routes.ts";
@@ -53,6 +56,8 @@ export interface ServerOptions {
   volumeWatchQueue?: number;
   /** Base of public edge URLs; an https one makes the edge cookie Secure. */
   publicUrl?: string;
+  /** KILN_EDGE_DOMAIN: deployments' pages on origins of their own (`<label>.<domain>`). */
+  edgeDomain?: EdgeDomain;
   /** Each service's (and sandbox port's) share and waits through the edge (KILN_EDGE_*). */
   edgeLimits?: ProxyLimits;
   /** Where the E2B compatibility layer keeps its token secret, and the public URL it reports as `domain`. */
@@ -63,7 +68,7 @@ export interface ServerOptions {
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
   // The public edge's HTTP requests are proxied before Fastify routes them: they are a data path, not API calls.
-  const edge = createEdge({ services: opts.services, log: opts.log, secureCookies: opts.publicUrl?.startsWith("https:") ?? false, limits: opts.edgeLimits });
+  const edge = createEdge({ services: opts.services, log: opts.log, secureCookies: opts.publicUrl?.startsWith("https:") ?? false, limits: opts.edgeLimits, edgeDomain: opts.edgeDomain });
   const metrics = createMetrics({ db: opts.services.store.db, warmPool: () => opts.services.pool.stats() });
   const app = Fastify({
     serverFactory: (handler) => {
@@ -195,7 +200,21 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   app.get("/v1/openapi.json", { config: { auth: "none" }, schema: { hide: true } }, async () => app.swagger());
   // The web console's static files (public: the page asks for a key and sends it only in headers).
   await app.register(consoleRoutes);
+  takeEdgeHostUpgrades(app, edge);
   return app;
+}
+
+/**
+ * WebSocket handshakes on an edge host (`<label>.<KILN_EDGE_DOMAIN>`) belong to the deployment, whatever their path:
+ * they are taken before the upgrade listeners registered so far (Fastify's, the E2B port proxy's) see them.
+ */
+function takeEdgeHostUpgrades(app: App, edge: ReturnType<typeof createEdge>) {
+  const previous = app.server.listeners("upgrade") as ((req: IncomingMessage, socket: Duplex, head: Buffer) => void)[];
+  app.server.removeAllListeners("upgrade");
+  app.server.on("upgrade", (req: IncomingMessage, socket: Duplex, head: Buffer) => {
+    if (edge.isEdgeHost(req)) return void edge.handleHostUpgrade(req, socket, head);
+    for (const l of previous) l(req, socket, head);
+  });
 }
 
 /**

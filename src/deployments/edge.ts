@@ -10,6 +10,8 @@ import { KilnError } from "../errors.ts";
 import type { MachineService } from "../machines/service.ts";
 import { loadEdgeSecret, sameToken, signEdgeToken, stableEdgeToken, verifyEdgeToken } from "./edge-tokens.ts";
 import type { AccessMode } from "./schemas.ts";
+import { edgeOriginOf } from "./edge-origin.ts";
+import type { EdgeDomain } from "./edge-origin.ts";
 
 /** What the edge routes to for a service: its backing machine and port, its deployment and status. */
 export interface ServiceRoute {
@@ -98,6 +100,13 @@ export interface TunnelOwner {
   drop(serviceId: string): void;
 }
 
+/** Where public URLs point: KILN_PUBLIC_URL (and /edge/<id>/), or with KILN_EDGE_DOMAIN an origin per deployment. */
+export interface EdgeOptions {
+  publicUrl: string;
+  edgeTokenTtlS: number;
+  edgeDomain?: EdgeDomain;
+}
+
 export class DeploymentEdge {
   readonly routes = new RouteTable();
   readonly #verified = new VerifiedTokens();
@@ -105,12 +114,12 @@ export class DeploymentEdge {
   readonly #seenAt = new Map<string, string>();
   readonly #accessChanged = new Set<(deploymentId: string) => void>();
   readonly #machines: MachineService;
-  readonly #opts: { publicUrl: string; edgeTokenTtlS: number };
+  readonly #opts: EdgeOptions;
   #secret: KeyObject | undefined;
   #proxy: TunnelOwner | undefined;
 
   /** `opts` is read on every use: the public URL may be set after start. */
-  constructor(machines: MachineService, opts: { publicUrl: string; edgeTokenTtlS: number }) {
+  constructor(machines: MachineService, opts: EdgeOptions) {
     this.#machines = machines;
     this.#opts = opts;
   }
@@ -160,13 +169,24 @@ export class DeploymentEdge {
   publicUrlOf(row: ServiceRow): string | null {
     if (row.status !== "ready" || !row.machine_id) return null;
     const q = this.#credential(row.deployment_id, row.id);
-    return q === null ? null : `${this.#opts.publicUrl}/edge/${row.id}/${q}`;
+    return q === null ? null : `${this.#baseOf(row.id)}/${q}`;
   }
 
   /** The deployment's own URL (any ready replica; it outlives rollouts): null for `signed` and without a public URL. */
   deploymentUrlOf(deploymentId: string): string | null {
     const q = this.#credential(deploymentId, undefined);
-    return q === null ? null : `${this.#opts.publicUrl}/edge/${deploymentId}/${q}`;
+    return q === null ? null : `${this.#baseOf(deploymentId)}/${q}`;
+  }
+
+  /** `<scheme>://<label>.<edge domain>` (an origin of its own) or, without an edge domain, `<public URL>/edge/<id>`. */
+  #baseOf(id: string): string {
+    const domain = this.#opts.edgeDomain;
+    return domain ? edgeOriginOf(id, domain, this.#opts.publicUrl) : `${this.#opts.publicUrl}/edge/${id}`;
+  }
+
+  /** The edge domain, when deployments have origins of their own. */
+  get edgeDomain(): EdgeDomain | undefined {
+    return this.#opts.edgeDomain;
   }
 
   /**

@@ -173,9 +173,9 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
   /**
    * Sends the request and writes the service's answer to `res` as it arrives, pausing the service whenever the
    * client is slower. Rejects before any byte is written when the service cannot be reached (503), is busy (503) or
-   * sends no head in time (504); `headOf` adds headers (the edge cookie) to the response head.
+   * sends no head in time (504); `headOf` may change the service's head (`out`) and adds headers (the edge cookie).
    */
-  function forward(key: string, req: ForwardRequest, res: ServerResponse, headOf: (status: number) => Record<string, string[]>): Promise<number> {
+  function forward(key: string, req: ForwardRequest, res: ServerResponse, headOf: (status: number, out: OutgoingHttpHeaders) => Record<string, string[]>): Promise<number> {
     const u = upstreamFor(key);
     const go = () => dispatch(u, req, res, headOf).finally(() => release(u));
     // The common case takes a place at once, without a promise of its own.
@@ -228,7 +228,7 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
   }, tick);
   watchdog.unref();
 
-  function dispatch(u: Upstream, req: ForwardRequest, res: ServerResponse, headOf: (status: number) => Record<string, string[]>): Promise<number> {
+  function dispatch(u: Upstream, req: ForwardRequest, res: ServerResponse, headOf: (status: number, out: OutgoingHttpHeaders) => Record<string, string[]>): Promise<number> {
     return new Promise((resolve, reject) => {
       let status = 0;
       // Progress is anything moving: the client's upload (bytes read off its socket), the answer's bytes, a drain.
@@ -252,7 +252,7 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
           w.phase = "body";
           w.quietSince = Date.now();
           const out = returnedHeaders(headers as IncomingHttpHeaders);
-          for (const [k, v] of Object.entries(headOf(statusCode))) {
+          for (const [k, v] of Object.entries(headOf(statusCode, out))) {
             const prev = out[k];
             out[k] = prev === undefined ? v : [...(Array.isArray(prev) ? prev : [String(prev)]), ...v];
           }

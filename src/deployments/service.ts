@@ -18,6 +18,7 @@ import type { EnvSealer } from "./sealed-envs.ts";
 import { createDeploymentRecords } from "./records.ts";
 import { DeploymentEdge } from "./edge.ts";
 import type { EdgeGrant, TunnelOwner } from "./edge.ts";
+import type { EdgeDomain } from "./edge-origin.ts";
 import { ServiceSupervision } from "./supervision.ts";
 import { Rollouts } from "./rollout.ts";
 import { READINESS_DEFAULTS, deploymentView, readinessOfVersion, serviceView } from "./views.ts";
@@ -35,6 +36,8 @@ export interface DeploymentOptions {
   maxCrashes: number;
   backoffMs: number;
   edgeTokenTtlS: number;
+  /** KILN_EDGE_DOMAIN: each deployment's pages on an origin of its own (`<label>.<domain>`); unset: /edge/<id>/ on the API's origin, sandboxed. */
+  edgeDomain?: EdgeDomain;
 }
 
 export interface DeploymentService {
@@ -314,6 +317,10 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
     await pollAccess();
     accessPoll = setInterval(() => void pollAccess().catch((err: unknown) => log.warn({ err }, "reading deployments' edge access failed")), ACCESS_POLL_MS);
     accessPoll.unref();
+    if (!opts.edgeDomain) {
+      const shared = await db.selectFrom("deployments").select((eb) => eb.fn.countAll<number>().as("n")).where("status", "=", "active").where("public_url", "=", 1).executeTakeFirst();
+      if (Number(shared?.n ?? 0) > 0) log.warn({ deployments: Number(shared?.n) }, "deployments' pages share the API's origin (/edge/<id>/, sandboxed): set KILN_EDGE_DOMAIN to give each its own (docs/deployments.md)");
+    }
     // On a store shared by several servers, each supervises the services whose machines it runs.
     const rows = await db
       .selectFrom("services")

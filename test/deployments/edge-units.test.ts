@@ -8,7 +8,8 @@ import { join } from "node:path";
 import { loadEdgeSecret, signEdgeToken, verifyEdgeToken } from "../../src/deployments/edge-tokens.ts";
 import { forwardedHeaders, returnedHeaders } from "../../src/deployments/proxy.ts";
 import { scrubUrl } from "../../src/log.ts";
-import { edgeTarget } from "../../src/api/routes/edge.ts";
+import { edgeTarget, hostTarget } from "../../src/api/routes/edge.ts";
+import { confinePathCookies, edgeLabel, edgeOriginOf, hostOnlyCookies, idOfEdgeHost, parseEdgeDomain } from "../../src/deployments/edge-origin.ts";
 
 test("the edge secret is made once, mode 0600, and the same secret is read back", async () => {
   const dir = await mkdtemp(join(tmpdir(), "kiln-edge-"));
@@ -66,10 +67,37 @@ test("hop-by-hop headers and Kiln's edge cookie never reach the service; forward
 });
 
 test("an /edge target splits into the service, the target as the service sees it, and the token", () => {
-  assert.deepEqual(edgeTarget("/edge/svc_1/a/../b%20c?q=a+b&edge_token=t.k&z"), { serviceId: "svc_1", path: "/a/../b%20c?q=a+b&z", queryToken: "t.k" });
-  assert.deepEqual(edgeTarget("/edge/svc_1/"), { serviceId: "svc_1", path: "/", queryToken: undefined });
-  assert.deepEqual(edgeTarget("/edge/svc_1/?edge_token=t"), { serviceId: "svc_1", path: "/", queryToken: "t" });
+  assert.deepEqual(edgeTarget("/edge/svc_1/a/../b%20c?q=a+b&edge_token=t.k&z"), { serviceId: "svc_1", path: "/a/../b%20c?q=a+b&z", queryToken: "t.k", form: "path" });
+  assert.deepEqual(edgeTarget("/edge/svc_1/"), { serviceId: "svc_1", path: "/", queryToken: undefined, form: "path" });
+  assert.deepEqual(edgeTarget("/edge/svc_1/?edge_token=t"), { serviceId: "svc_1", path: "/", queryToken: "t", form: "path" });
   assert.deepEqual(edgeTarget("/edge/svc_1?edge_token=t"), { redirect: "/edge/svc_1/?edge_token=t" });
   assert.deepEqual(edgeTarget("/edge/svc_1"), { redirect: "/edge/svc_1/" });
   for (const notEdge of ["/v1/machines", "/edge", "/edge/", "/edge//x", "/edge/svc%2F1/x", "/edgey/svc_1/", `/edge/${"a".repeat(65)}/`]) assert.equal(edgeTarget(notEdge), undefined, notEdge);
+});
+
+test("KILN_EDGE_DOMAIN is a host name with an optional port, and names each deployment's origin by a DNS label of its id", () => {
+  assert.deepEqual(parseEdgeDomain("Edge.Example.com"), { host: "edge.example.com", port: undefined });
+  assert.deepEqual(parseEdgeDomain("localhost:8080"), { host: "localhost", port: "8080" });
+  for (const bad of ["https://edge.example.com", "edge.example.com/x", "127.0.0.1", "*.edge.example.com", "edge..com", "edge.example.com:0", "edge.example.com:70000", ""]) assert.equal(parseEdgeDomain(bad), undefined, bad);
+  const id = "dep_01m86d0qpq1jpxamy4a0axqys0";
+  assert.equal(edgeLabel(id), "dep01m86d0qpq1jpxamy4a0axqys0");
+  const domain = parseEdgeDomain("edge.example.com")!;
+  assert.equal(edgeOriginOf(id, domain, "https://kiln.example.com"), "https://dep01m86d0qpq1jpxamy4a0axqys0.edge.example.com");
+  assert.equal(edgeOriginOf(id, parseEdgeDomain("localhost")!, "http://127.0.0.1:4321"), "http://dep01m86d0qpq1jpxamy4a0axqys0.localhost:4321", "no port of its own: the public URL's");
+  assert.equal(edgeOriginOf(id, parseEdgeDomain("localhost:99")!, "http://127.0.0.1:4321"), "http://dep01m86d0qpq1jpxamy4a0axqys0.localhost:99");
+  assert.equal(idOfEdgeHost("DEP01M86D0QPQ1JPXAMY4A0AXQYS0.Edge.Example.com:443", domain), id);
+  assert.equal(idOfEdgeHost("svc01m86d0qpq1jpxamy4a0axqys0.edge.example.com", domain), "svc_01m86d0qpq1jpxamy4a0axqys0");
+  for (const not of [undefined, "edge.example.com", "dep01m86d0qpq1jpxamy4a0axqys0.example.com", "x.dep01m86d0qpq1jpxamy4a0axqys0.edge.example.com", "mch01m86d0qpq1jpxamy4a0axqys0.edge.example.com", "dep01m86d0qpq1jpxamy4a0axqys.edge.example.com", "dep01m86d0qpq1jpxamy4a0axqysu.edge.example.com", "dep01m86d0qpq1jpxamy4a0axqys0.edge.example.com.evil.com"]) assert.equal(idOfEdgeHost(not, domain), undefined, String(not));
+  assert.equal(idOfEdgeHost("dep01m86d0qpq1jpxamy4a0axqys0.localhost:98", parseEdgeDomain("localhost:99")!), undefined, "another port is not the edge");
+  assert.deepEqual(hostTarget("/a/b?x=1&edge_token=kse_t", "dep01m86d0qpq1jpxamy4a0axqys0.edge.example.com", domain), { serviceId: id, path: "/a/b?x=1", queryToken: "kse_t", form: "host" });
+  assert.equal(hostTarget("/", "kiln.example.com", domain), undefined);
+  assert.equal(hostTarget("/", "dep01m86d0qpq1jpxamy4a0axqys0.edge.example.com", undefined), undefined, "no edge domain: no edge hosts");
+});
+
+test("a service's cookies stay on its own path (path form) or its own host (host form), and never take the edge's name", () => {
+  assert.deepEqual(confinePathCookies(["a=1; Path=/", "b=2", "c=3; path=/x; HttpOnly", "d=4; Domain=example.com; Path=/", "kiln_edge=decoy; Path=/"], "dep_1", "kiln_edge"), ["a=1; Path=/edge/dep_1/", "b=2", "c=3; Path=/edge/dep_1/x; HttpOnly"]);
+  assert.equal(confinePathCookies("kiln_edge=x", "dep_1", "kiln_edge"), undefined);
+  assert.equal(confinePathCookies(undefined, "dep_1", "kiln_edge"), undefined);
+  assert.deepEqual(hostOnlyCookies(["a=1; Domain=.example.com; Path=/", "b=2; Secure", " kiln_edge=x"], "kiln_edge"), ["a=1; Path=/", "b=2; Secure"]);
+  assert.equal(hostOnlyCookies("kiln_edge=x", "kiln_edge"), undefined);
 });
