@@ -8,7 +8,6 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Operators' metrics in Prometheus text format (docs/metrics.md) */
         get: {
             parameters: {
                 query?: never;
@@ -456,6 +455,448 @@ export interface paths {
                 };
             };
         };
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/hosts": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** List the hosts sharing this store */
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            hosts: {
+                                id: string;
+                                name: string;
+                                /** @description where the other servers reach this host (KILN_ADVERTISE_URL) */
+                                advertise_url: string;
+                                status: "active" | "draining" | "lost";
+                                /** @description what the host's admission enforces, as of its last heartbeat */
+                                capacity: {
+                                    cores: number;
+                                    memory_mb: number;
+                                    mem_available_mb: number;
+                                    min_free_memory_mb: number;
+                                    free_disk_mb: number | null;
+                                    min_free_disk_mb: number;
+                                    max_disk_mb: number;
+                                    live_machines: number;
+                                    /** @description whether the host's admission floors let a create in at its last heartbeat */
+                                    accepting: boolean;
+                                };
+                                heartbeat_at: string;
+                                started_at: string;
+                                created_at: string;
+                                lost_at: string | null;
+                                /** @description true for the host of the server that answered */
+                                self: boolean;
+                            }[];
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/hosts/{id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Get a host */
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    /** @description a host's id (KILN_HOST_ID, or made once per data dir) */
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            id: string;
+                            name: string;
+                            /** @description where the other servers reach this host (KILN_ADVERTISE_URL) */
+                            advertise_url: string;
+                            status: "active" | "draining" | "lost";
+                            /** @description what the host's admission enforces, as of its last heartbeat */
+                            capacity: {
+                                cores: number;
+                                memory_mb: number;
+                                mem_available_mb: number;
+                                min_free_memory_mb: number;
+                                free_disk_mb: number | null;
+                                min_free_disk_mb: number;
+                                max_disk_mb: number;
+                                live_machines: number;
+                                /** @description whether the host's admission floors let a create in at its last heartbeat */
+                                accepting: boolean;
+                            };
+                            heartbeat_at: string;
+                            started_at: string;
+                            created_at: string;
+                            lost_at: string | null;
+                            /** @description true for the host of the server that answered */
+                            self: boolean;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                404: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/hosts/{id}/drain": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Drain a host: no new machines go there; its machines keep running */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    /** @description a host's id (KILN_HOST_ID, or made once per data dir) */
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            id: string;
+                            name: string;
+                            /** @description where the other servers reach this host (KILN_ADVERTISE_URL) */
+                            advertise_url: string;
+                            status: "active" | "draining" | "lost";
+                            /** @description what the host's admission enforces, as of its last heartbeat */
+                            capacity: {
+                                cores: number;
+                                memory_mb: number;
+                                mem_available_mb: number;
+                                min_free_memory_mb: number;
+                                free_disk_mb: number | null;
+                                min_free_disk_mb: number;
+                                max_disk_mb: number;
+                                live_machines: number;
+                                /** @description whether the host's admission floors let a create in at its last heartbeat */
+                                accepting: boolean;
+                            };
+                            heartbeat_at: string;
+                            started_at: string;
+                            created_at: string;
+                            lost_at: string | null;
+                            /** @description true for the host of the server that answered */
+                            self: boolean;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                403: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                404: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                409: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/hosts/{id}/activate": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Activate a drained host: new machines may go there again */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    /** @description a host's id (KILN_HOST_ID, or made once per data dir) */
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            id: string;
+                            name: string;
+                            /** @description where the other servers reach this host (KILN_ADVERTISE_URL) */
+                            advertise_url: string;
+                            status: "active" | "draining" | "lost";
+                            /** @description what the host's admission enforces, as of its last heartbeat */
+                            capacity: {
+                                cores: number;
+                                memory_mb: number;
+                                mem_available_mb: number;
+                                min_free_memory_mb: number;
+                                free_disk_mb: number | null;
+                                min_free_disk_mb: number;
+                                max_disk_mb: number;
+                                live_machines: number;
+                                /** @description whether the host's admission floors let a create in at its last heartbeat */
+                                accepting: boolean;
+                            };
+                            heartbeat_at: string;
+                            started_at: string;
+                            created_at: string;
+                            lost_at: string | null;
+                            /** @description true for the host of the server that answered */
+                            self: boolean;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                403: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                404: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                409: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
+        delete?: never;
         options?: never;
         head?: never;
         patch?: never;
@@ -10420,6 +10861,72 @@ export interface paths {
         trace?: never;
     };
     "/filesystem.Filesystem/RemoveWatcher": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content?: never;
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/envs": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content?: never;
+                };
+            };
+        };
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/files/compose": {
         parameters: {
             query?: never;
             header?: never;
