@@ -5,7 +5,6 @@ import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { execFile, spawn } from "node:child_process";
 import { mkdtemp, rm } from "node:fs/promises";
-import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { promisify } from "node:util";
@@ -15,6 +14,7 @@ import type { TestKiln } from "./support/kiln.ts";
 import { TEST_CACHE_DIR } from "./support/paths.ts";
 import { createOciDriver } from "../src/runtime/oci/driver.ts";
 import { createLogger } from "../src/log.ts";
+import { freePort } from "./support/net.ts";
 
 const run = promisify(execFile);
 const KILN = join(import.meta.dirname, "..", "bin", "kiln");
@@ -78,15 +78,6 @@ test("kiln keys create, list and revoke work on the local store", async () => {
     await rm(dataDir, { recursive: true, force: true });
   }
 });
-
-function freePort(): Promise<number> {
-  return new Promise((resolve) => {
-    const s = createServer().listen(0, "127.0.0.1", () => {
-      const port = (s.address() as { port: number }).port;
-      s.close(() => resolve(port));
-    });
-  });
-}
 
 test("kiln serve finishes an in-flight request on SIGTERM, then exits 0", async () => {
   const dataDir = await mkdtemp(join(tmpdir(), "kiln-cli-serve-"));

@@ -4,15 +4,13 @@
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { execFileSync } from "node:child_process";
-import { createServer } from "node:net";
-import type { AddressInfo, Server } from "node:net";
 import { request } from "undici";
 import { Sandbox, Volume, SandboxError, SandboxNotFoundError } from "e2b";
 import type { SandboxOpts } from "e2b";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { generateKeyIn } from "../../src/keys/service.ts";
+import { hostAddress, listenCounting } from "../support/net.ts";
 
 let k: TestKiln;
 let key: string;
@@ -25,23 +23,6 @@ before(async () => {
 });
 after(async () => k?.close());
 
-function hostAddress(): string {
-  const out = execFileSync("ip", ["-4", "-o", "addr", "show"], { encoding: "utf8" });
-  const addr = [...out.matchAll(/inet (\d+\.\d+\.\d+\.\d+)\//g)].map((m) => m[1]).find((a) => !a.startsWith("127."));
-  assert.ok(addr, "the host has a non-loopback IPv4 address");
-  return addr;
-}
-
-async function listen(host: string): Promise<{ server: Server; port: number; accepted: () => number }> {
-  let n = 0;
-  const server = createServer((s) => {
-    n++;
-    s.end("hello from the host\n");
-  });
-  await new Promise<void>((resolve) => server.listen(0, host, resolve));
-  return { server, port: (server.address() as AddressInfo).port, accepted: () => n };
-}
-
 /** A TCP connect from inside the sandbox (bash's /dev/tcp): "ok" or "refused"/"timeout". */
 async function connectFrom(sbx: Sandbox, host: string, port: number): Promise<string> {
   const r = await sbx.commands.run(`timeout 5 bash -c 'exec 3<>/dev/tcp/${host}/${port} && echo ok' 2>&1; echo "exit=$?"`);
@@ -51,7 +32,7 @@ async function connectFrom(sbx: Sandbox, host: string, port: number): Promise<st
 
 test("network allowOut opens what Kiln's egress closes; denyOut closes a public address; allowOut wins over denyOut", async () => {
   const addr = hostAddress();
-  const l = await listen(addr);
+  const l = await listenCounting(addr);
   const plain = await Sandbox.create("base", opts);
   const sandboxes = [plain];
   try {
@@ -87,7 +68,7 @@ async function updateNetwork(s: Sandbox, network: Parameters<Sandbox["updateNetw
 
 test("updateNetwork (PUT …/network) replaces a running sandbox's egress lists at once, also while it is paused; omitted fields clear them", async () => {
   const addr = hostAddress();
-  const l = await listen(addr);
+  const l = await listenCounting(addr);
   const s = await Sandbox.create("base", opts);
   try {
     assert.equal(await connectFrom(s, addr, l.port), "refused");

@@ -10,6 +10,7 @@ import { existsSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { AddressInfo } from "node:net";
+import { freePort } from "../support/net.ts";
 
 export const HTTP_USER = "kiln-tester";
 
@@ -206,14 +207,6 @@ export async function startSshGitServer(passphrase: string): Promise<SshGitServe
       await rm(dir, { recursive: true, force: true });
     },
   };
-}
-
-async function freePort(): Promise<number> {
-  const s = createServer();
-  await new Promise<void>((r) => s.listen(0, "127.0.0.1", r));
-  const port = (s.address() as AddressInfo).port;
-  await new Promise((r) => s.close(r));
-  return port;
 }
 
 async function canConnect(port: number): Promise<boolean> {

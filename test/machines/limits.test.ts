@@ -8,11 +8,10 @@ import { existsSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
 import { execFileSync, spawn } from "node:child_process";
 import { chmod, mkdtemp, rm, writeFile } from "node:fs/promises";
 import { join } from "node:path";
-import { createServer } from "node:net";
-import type { AddressInfo, Server } from "node:net";
 import { cpus, tmpdir, totalmem } from "node:os";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
+import { hostAddress, listenCounting } from "../support/net.ts";
 
 let k: TestKiln;
 before(async () => {
@@ -31,24 +30,6 @@ async function sh(id: string, cmd: string, extra: Record<string, unknown> = {}) 
   const res = await k.call("POST", `/v1/machines/${id}/exec`, { body: { cmd, ...extra } });
   assert.equal(res.status, 200, res.text);
   return res.body as { exit_code: number; stdout: string; stderr: string };
-}
-
-/** One of the host's own addresses that is not loopback (what a listener on 0.0.0.0 is reachable at). */
-function hostAddress(): string {
-  const out = execFileSync("ip", ["-4", "-o", "addr", "show"], { encoding: "utf8" });
-  const addr = [...out.matchAll(/inet (\d+\.\d+\.\d+\.\d+)\//g)].map((m) => m[1]).find((a) => !a.startsWith("127."));
-  assert.ok(addr, "the host has a non-loopback IPv4 address");
-  return addr;
-}
-
-async function listen(host: string): Promise<{ server: Server; port: number; accepted: () => number }> {
-  let n = 0;
-  const server = createServer((s) => {
-    n++;
-    s.end("hello from the host\n");
-  });
-  await new Promise<void>((resolve) => server.listen(0, host, resolve));
-  return { server, port: (server.address() as AddressInfo).port, accepted: () => n };
 }
 
 /** A TCP connect from inside the machine (bash's /dev/tcp): "ok", "refused" or "timeout". */
@@ -138,8 +119,8 @@ test("bad disk_mb and network values are refused and change nothing", async () =
 
 test("egress: the host's own address, link-local and private ranges are refused; allow_out opens the host again", async () => {
   const addr = hostAddress();
-  const l = await listen(addr);
-  const loopback = await listen("127.0.0.1");
+  const l = await listenCounting(addr);
+  const loopback = await listenCounting("127.0.0.1");
   try {
     const m = await create({ vcpus: 1, memory_mb: 512 });
     assert.equal(await connectFrom(m.id, addr, l.port), "refused", "a listener on the host's own non-loopback address is refused");
@@ -173,7 +154,7 @@ test("egress: the host's own address, link-local and private ranges are refused;
 
 test("an allow list: deny_out 0.0.0.0/0 with allow_out of one address", async () => {
   const addr = hostAddress();
-  const l = await listen(addr);
+  const l = await listenCounting(addr);
   try {
     const m = await create({ network: { deny_out: ["0.0.0.0/0"], allow_out: [addr] } });
     assert.equal(await connectFrom(m.id, addr, l.port), "ok");

@@ -7,25 +7,15 @@ import assert from "node:assert/strict";
 import { execFileSync, spawn } from "node:child_process";
 import { readFileSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
-import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { request } from "undici";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import { remainsOf } from "../support/remains.ts";
 import { TEST_CACHE_DIR, TEST_RUNTIME } from "../support/paths.ts";
+import { freePort } from "../support/net.ts";
 
 const KILN = join(import.meta.dirname, "..", "..", "bin", "kiln");
-
-function freePort(): Promise<number> {
-  return new Promise((resolve) => {
-    const s = createServer();
-    s.listen(0, "127.0.0.1", () => {
-      const port = (s.address() as { port: number }).port;
-      s.close(() => resolve(port));
-    });
-  });
-}
 
 async function until(what: string, check: () => boolean | Promise<boolean>, timeoutMs = 30_000) {
   const deadline = Date.now() + timeoutMs;

@@ -7,7 +7,6 @@ import assert from "node:assert/strict";
 import { spawn, spawnSync } from "node:child_process";
 import type { ChildProcess } from "node:child_process";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
-import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { request } from "undici";
@@ -15,6 +14,7 @@ import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { startReceiver } from "../webhooks/receiver.ts";
 import type { Receiver } from "../webhooks/receiver.ts";
+import { freePort } from "../support/net.ts";
 
 let k: TestKiln;
 let receiver: Receiver;
@@ -115,14 +115,6 @@ test("Debian's promtool accepts the exposition", async () => {
   const advice = (lint.stdout + lint.stderr).split("\n").filter((l) => l.trim());
   assert.deepEqual(advice.filter((l) => !/^kiln_nodejs_active_(handles|requests|resources)_total non-counter metrics should not have "_total" suffix$/.test(l)), []);
 });
-
-async function freePort(): Promise<number> {
-  const srv = createServer();
-  await new Promise<void>((resolve) => srv.listen(0, "127.0.0.1", resolve));
-  const port = (srv.address() as { port: number }).port;
-  await new Promise<void>((resolve) => srv.close(() => resolve()));
-  return port;
-}
 
 test("a real Prometheus scrapes /metrics with its bearer setting and can query what Kiln reports", async () => {
   const dir = await mkdtemp(join(tmpdir(), "kiln-prometheus-"));

@@ -8,7 +8,6 @@ import { spawn } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { openSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
-import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { request } from "undici";
@@ -17,6 +16,7 @@ import type { TestRegistry } from "../support/oci-registry.ts";
 import { TEST_CACHE_DIR } from "../support/paths.ts";
 import { build, parseSse } from "../builds/support.ts";
 import { buildKeyOf, busyboxRegistry, buildSkip, leftovers, processes, until } from "./build-support.ts";
+import { freePort } from "../support/net.ts";
 
 const skip = buildSkip();
 const KILN = join(import.meta.dirname, "..", "..", "bin", "kiln");
@@ -77,16 +77,6 @@ async function healthy(url: string, timeoutMs = 120_000) {
 }
 
 const AUTH = { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json" };
-
-function freePort(): Promise<number> {
-  return new Promise((resolve) => {
-    const s = createServer();
-    s.listen(0, "127.0.0.1", () => {
-      const port = (s.address() as { port: number }).port;
-      s.close(() => resolve(port));
-    });
-  });
-}
 
 test("a RUN tree is killed at the step timeout and at the build timeout; nothing of the build is left", { skip }, async () => {
   const k = await startTestKiln({ env: { KILN_INSECURE_REGISTRIES: reg.host, KILN_WARM_POOL: "0", KILN_BUILD_STEP_TIMEOUT_S: "8", KILN_BUILD_TIMEOUT_S: "20" }, waitForBase: false });

@@ -9,7 +9,7 @@ import { spawn } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
-import { connect, createServer } from "node:net";
+import { connect } from "node:net";
 import type { Socket } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -22,6 +22,7 @@ import { startPostgres } from "../support/postgres.ts";
 import { build, parseSse } from "../builds/support.ts";
 import type { SseEvent } from "../builds/support.ts";
 import { busyboxRegistry, buildSkip } from "./build-support.ts";
+import { freePort } from "../support/net.ts";
 
 const skip = buildSkip();
 const KILN = join(import.meta.dirname, "..", "..", "bin", "kiln");
@@ -104,16 +105,6 @@ test("past KILN_BUILD_LOG_MAX_BYTES one `log truncated` entry is kept, then only
     await k.close();
   }
 });
-
-function freePort(): Promise<number> {
-  return new Promise((resolve) => {
-    const s = createServer();
-    s.listen(0, "127.0.0.1", () => {
-      const port = (s.address() as { port: number }).port;
-      s.close(() => resolve(port));
-    });
-  });
-}
 
 /** An HTTP/1.1 chunked body (read as latin1, so lengths are bytes) without its chunk framing. */
 function dechunk(body: string): string {

@@ -4,9 +4,9 @@
 import { execFileSync, spawnSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { chownSync, existsSync, mkdtempSync, readFileSync, readdirSync, rmSync } from "node:fs";
-import { createServer } from "node:net";
 import { join } from "node:path";
 import pg from "pg";
+import { freePort } from "./net.ts";
 
 export interface TestPostgres {
   url: string;
@@ -21,17 +21,6 @@ function pgBin(name: string): string {
     `PostgreSQL's ${name} was not found under ${root}: the store suite runs on PostgreSQL too and is not skipped. ` +
       "Install it (apt-get install -y postgresql) or point KILN_TEST_DATABASE_URL at a server the tests may create databases in.",
   );
-}
-
-function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const s = createServer();
-    s.listen(0, "127.0.0.1", () => {
-      const port = (s.address() as { port: number }).port;
-      s.close(() => resolve(port));
-    });
-    s.on("error", reject);
-  });
 }
 
 async function inExternalServer(adminUrl: string): Promise<TestPostgres> {

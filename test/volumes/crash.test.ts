@@ -6,25 +6,15 @@ import assert from "node:assert/strict";
 import { execFileSync, spawn } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { mkdtemp } from "node:fs/promises";
-import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { request } from "undici";
 import { WebSocket } from "ws";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import { TEST_CACHE_DIR } from "../support/paths.ts";
+import { freePort } from "../support/net.ts";
 
 const KILN = join(import.meta.dirname, "..", "..", "bin", "kiln");
-
-function freePort(): Promise<number> {
-  return new Promise((resolve) => {
-    const s = createServer();
-    s.listen(0, "127.0.0.1", () => {
-      const port = (s.address() as { port: number }).port;
-      s.close(() => resolve(port));
-    });
-  });
-}
 
 /** Pids of processes whose parent is `ppid` and whose command is `comm`. */
 function childrenNamed(ppid: number, comm: string): number[] {

@@ -2,11 +2,11 @@
 
 import { spawn } from "node:child_process";
 import type { ChildProcess } from "node:child_process";
-import { createServer } from "node:net";
 import { join } from "node:path";
 import { request } from "undici";
 import { TEST_KEY } from "../support/kiln.ts";
 import { TEST_CACHE_DIR, TEST_RUNTIME } from "../support/paths.ts";
+import { freePort } from "../support/net.ts";
 
 const MAIN = join(import.meta.dirname, "..", "..", "src", "cli", "main.ts");
 
@@ -19,17 +19,6 @@ export interface ServerProcess {
   /** Resolves with the exit once the process has ended. */
   exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>;
   stop(): Promise<void>;
-}
-
-function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const s = createServer();
-    s.listen(0, "127.0.0.1", () => {
-      const port = (s.address() as { port: number }).port;
-      s.close(() => resolve(port));
-    });
-    s.on("error", reject);
-  });
 }
 
 export async function startServerProcess(dataDir: string, env: Record<string, string> = {}): Promise<ServerProcess> {
