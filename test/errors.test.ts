@@ -48,6 +48,7 @@ const PLAIN_ERROR_SEAMS: Record<string, string> = {
   "builder/sources/dockerfile.ts": "a programming error (a non-Dockerfile build at buildkit): internal",
   "compat/e2b/connect.ts": "caught where thrown (a malformed Connect frame)",
   "compat/e2b/control.ts": "caught where thrown (a malformed nextToken)",
+  "compat/e2b/snapshots.ts": "caught where thrown (a malformed nextToken)",
   "console/bundle.ts": "the console's build step: refuses a broken bundle, before any request",
   "deployments/key-files.ts": "refuses to start with a damaged key file",
   "deployments/sealed-envs.ts": "damaged sealed envs: the replica fails with its reason",

@@ -49,10 +49,12 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
     }
     const hosts = await placement.candidates();
     if (hosts.length === 0) throw new KilnError("unavailable", "No active host can take a machine now (all are draining, lost or under their admission floors); try again later", { detail: { retryable: true } });
-    const body = Buffer.from(JSON.stringify(req.body ?? {}));
-    if (body.length > CREATE_BODY_MAX) throw new KilnError("payload_too_large", `A create body is at most ${CREATE_BODY_MAX} bytes`);
+    let body: Buffer | undefined;
     for (const host of hosts) {
-      if (host.id === hostId) return; // served here, by the route
+      if (host.id === hostId) return; // served here, by the route (which judges the body as any create)
+      // Only a create sent on is held here whole; what is too large for that is the route's to refuse as it would.
+      body ??= Buffer.from(JSON.stringify(req.body ?? {}));
+      if (body.length > CREATE_BODY_MAX) return;
       const release = placement.hold(host.id);
       try {
         const relayed = await forwarder.forwardHttp(req, reply, { id: host.id, url: host.advertise_url }, { body, accept: (status) => status !== 503 });

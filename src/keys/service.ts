@@ -67,6 +67,8 @@ export interface KeyService {
   isKey(candidate: string): Promise<boolean>;
   /** Whether an active key is the operator's: KILN_API_KEY, or the key first start wrote to the data dir (seed). */
   isOperator(id: string | undefined): Promise<boolean>;
+  /** Moves whenever this server makes a key: a list of keys read before it may lack that key. */
+  createdGeneration(): number;
 }
 
 export function createKeyService(db: Db): KeyService {
@@ -79,6 +81,7 @@ export function createKeyService(db: Db): KeyService {
   const revokedListeners = new Set<(ids: string[]) => void>();
   let revokedCount = -1;
   let pollOkAt = 0;
+  let created = 0;
 
   function announce(ids: string[]) {
     const fresh = ids.filter((id) => !revoked.has(id));
@@ -152,6 +155,7 @@ export function createKeyService(db: Db): KeyService {
       revoked_at: null,
     };
     await db.insertInto("api_keys").values(row).execute();
+    created++;
     const { hash: _hash, ...summary } = row;
     return { ...summary, key };
   }
@@ -249,5 +253,5 @@ export function createKeyService(db: Db): KeyService {
     return (await db.selectFrom("api_keys").select("id").where("hash", "=", hash).executeTakeFirst()) !== undefined;
   }
 
-  return { create, list, revoke, verify, isActive, isRevoked, onRevoked, watchRevocations, seed, isKey, isOperator };
+  return { create, list, revoke, verify, isActive, isRevoked, onRevoked, watchRevocations, seed, isKey, isOperator, createdGeneration: () => created };
 }

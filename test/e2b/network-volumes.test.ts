@@ -137,6 +137,14 @@ test("Volume.create, list, getInfo and destroy are Kiln volumes; volumeMounts sh
   const content = await request(`${k.url}/volumecontent/${vol.volumeId}/dir?path=/`);
   assert.equal(content.statusCode, 501);
   assert.match(await content.body.text(), /volume content API/);
+  // It is public (its token is not Kiln's): a stranger's upload is answered without being read, a JSON body past a
+  // token's size is refused.
+  const upload = await request(`${k.url}/volumecontent/${vol.volumeId}/file?path=/x`, { method: "PUT", headers: { "content-type": "application/octet-stream" }, body: Buffer.alloc(1024 * 1024) });
+  assert.equal(upload.statusCode, 501);
+  await upload.body.dump();
+  const json = await request(`${k.url}/volumecontent/${vol.volumeId}/file?path=/x`, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ pad: "x".repeat(64 * 1024) }) });
+  assert.equal(json.statusCode, 413);
+  await json.body.dump();
   assert.equal(await Volume.destroy(vol.volumeId, opts), true);
   assert.equal(await Volume.destroy(vol.volumeId, opts), false);
 });

@@ -91,10 +91,12 @@ function routesOf(auth: RouteAuth["auth"][]) {
 test("the route table is the server's own: every route declares its auth, and there are routes of every kind in use", () => {
   assert.ok(table.length > 100, `${table.length} routes`);
   for (const kind of ["key", "none", "envd-token", "edge-token"] as const) assert.ok(table.some((r) => r.auth === kind), `a route with auth ${kind}`);
-  // Public: liveness, the API's description, and the web console's page and assets (which hold no data).
+  // Public: liveness, the API's description, the web console's page and assets (which hold no data), and E2B's volume
+  // content API, which authenticates with a volume token Kiln does not issue and only ever answers "not served" (501).
+  const volumeContent = ["DELETE", "GET", "HEAD", "PATCH", "POST", "PUT"].map((m) => `${m} /volumecontent/*`);
   assert.deepEqual(
     routesOf(["none"]).map((r) => `${r.method} ${r.url}`).sort(),
-    ["GET /console", "GET /console/assets/*", "GET /health", "GET /v1/openapi.json", "HEAD /console", "HEAD /console/assets/*", "HEAD /health", "HEAD /v1/openapi.json"],
+    ["GET /console", "GET /console/assets/*", "GET /health", "GET /v1/openapi.json", "HEAD /console", "HEAD /console/assets/*", "HEAD /health", "HEAD /v1/openapi.json", ...volumeContent].sort(),
   );
   for (const r of table) if (r.url.startsWith("/v1/")) assert.ok(r.auth === "key" || r.url === "/v1/openapi.json", `${r.method} ${r.url} is key-authenticated`);
 });

@@ -359,7 +359,8 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   });
   await volumeRoutes(app, deps.services);
   // The volume content API authenticates with a volume token Kiln does not issue: answered unserved before any check.
-  const contentUnserved = { config: { e2b: "control", auth: "none" as const }, schema: { hide: true } };
+  // Public, so it parses at most a token-sized body (413 past it); a raw upload is answered without being read.
+  const contentUnserved = { config: { e2b: "control", auth: "none" as const }, schema: { hide: true }, bodyLimit: 4096 };
   const noContent = notYet("E2B's volume content API (/volumecontent: read and write a volume's files through a sandbox that mounts it)");
   app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: "/volumecontent/*", ...contentUnserved, handler: noContent });
   // Sandbox logs, refreshes and teams: Kiln keeps no sandbox log stream and has no teams (the SDK calls none of them).

@@ -107,14 +107,15 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
 
   // The active keys' ids, read from the store at most once a second: signed requests come from anyone holding a URL
   // (or guessing), so each must not cost a store query. A key revoked meanwhile is refused by isActive below.
-  // A miss reads them again if the list is older than a quarter second (a key made just now), so bad signatures cost
-  // at most four store queries a second.
-  let activeKeys: { at: number; ids: Promise<string[]> } | undefined;
+  // A miss reads them again if the list is older than a quarter second (a key made just now on another server), so bad
+  // signatures cost at most four store queries a second; a key this server made since the last read is read at once.
+  let activeKeys: { at: number; generation: number; ids: Promise<string[]> } | undefined;
   function activeKeyIds(maxAgeMs = 1000): Promise<string[]> {
-    if (!activeKeys || Date.now() - activeKeys.at > maxAgeMs) {
+    const generation = services.keys.createdGeneration();
+    if (!activeKeys || Date.now() - activeKeys.at > maxAgeMs || activeKeys.generation !== generation) {
       const ids = services.keys.list().then((all) => all.filter((k) => k.revoked_at === null).slice(0, MAX_SIGNING_KEYS).map((k) => k.id));
       ids.catch(() => (activeKeys = undefined));
-      activeKeys = { at: Date.now(), ids };
+      activeKeys = { at: Date.now(), generation, ids };
     }
     return activeKeys.ids;
   }
