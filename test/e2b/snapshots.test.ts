@@ -125,6 +125,11 @@ test("pause() keeps the processes (memory where the runtime can, else frozen); p
 });
 
 test("lifecycle onTimeout pause: the sandbox is paused (not killed) at its timeout and shows its lifecycle; autoResume is kept", async () => {
+  // A sandbox without a lifecycle kills at its timeout (made first: under gVisor a create right after a memory resume
+  // answered 500 once in a full run, not reproduced alone — see docs/snapshots.md, "What is not done yet").
+  const plain = await Sandbox.create("base", opts);
+  assert.deepEqual((await plain.getInfo()).lifecycle, { onTimeout: "kill", autoResume: false });
+  await plain.kill();
   const s = await Sandbox.create("base", { ...opts, timeoutMs: 2_000, lifecycle: { onTimeout: "pause", autoResume: true } });
   try {
     await s.files.write("/tmp/survives.txt", "yes");
@@ -138,9 +143,6 @@ test("lifecycle onTimeout pause: the sandbox is paused (not killed) at its timeo
     assert.equal(state, "paused");
     const back = await Sandbox.connect(s.sandboxId, { ...opts, timeoutMs: 120_000 });
     assert.equal(await back.files.read("/tmp/survives.txt"), "yes");
-    const plain = await Sandbox.create("base", opts);
-    assert.deepEqual((await plain.getInfo()).lifecycle, { onTimeout: "kill", autoResume: false });
-    await plain.kill();
   } finally {
     await s.kill();
   }
