@@ -37,7 +37,10 @@ export async function startTestKiln(opts: { dataDir?: string; env?: Record<strin
   const logs: string[] = [];
   const destination = new Writable({
     write(chunk, _enc, cb) {
-      logs.push(String(chunk));
+      const line = String(chunk);
+      logs.push(line);
+      // A server's unexpected failures (error and fatal) reach the test output, so a 500 in a CI run says why.
+      if (/"level":(5|6)0\b/.test(line)) process.stderr.write(`[kiln server error] ${line}`);
       cb();
     },
   });
