@@ -79,6 +79,11 @@ class Ring {
     this.size = Math.min(RING_SIZE, this.size + 1);
   }
 
+  /** When the newest sample was taken (ms since the epoch), or undefined before the first. */
+  lastAt(): number | undefined {
+    return this.size === 0 ? undefined : this.cols.at[(this.next - 1 + RING_SIZE) % RING_SIZE];
+  }
+
   between(id: string, start: number, end: number): MachineMetrics[] {
     const c = this.cols;
     const out: MachineMetrics[] = [];
@@ -136,13 +141,16 @@ export function createMachineMetrics(deps: { machines: MachineService; driver: M
   }
 
   /** One sample of every running machine of this host, one after another (a machine of another host, or one that stops meanwhile, is skipped). */
-  async function tick() {
+  async function tick(intervalMs: number) {
     if (ticking) return; // the last tick is still going: skip this one rather than pile up
     ticking = true;
     try {
       const { machines } = await deps.machines.list({ limit: HISTORY.maxMachines, status: "running" });
       for (const m of machines) {
         if (!timer) return;
+        // A slow tick reaches its last machines late; the next tick must not sample them again a moment later.
+        const last = rings.get(m.id)?.lastAt();
+        if (last !== undefined && Date.now() - last < intervalMs * 0.9) continue;
         const x = await get(m.id, ringSamples).catch(() => undefined);
         if (!x) continue;
         let ring = rings.get(m.id);
@@ -192,7 +200,7 @@ export function createMachineMetrics(deps: { machines: MachineService; driver: M
     },
     startSampling(intervalMs = HISTORY.intervalMs) {
       if (timer) return;
-      timer = setInterval(() => void tick(), intervalMs);
+      timer = setInterval(() => void tick(intervalMs), intervalMs);
       timer.unref();
     },
     stopSampling() {

@@ -470,6 +470,11 @@ test("a rolling update (PATCH) keeps some replica answering throughout, and the 
   stop = true;
   await loop;
   assert.equal(d.rollout_status, "idle", JSON.stringify(d));
+  // Each new replica was ready when the rollout moved on; a probe on a loaded host may miss once since (unhealthy
+  // for a moment), so the look waits for both to answer again.
+  const fresh = (await services(k, dep.id)).filter((s) => s.version_id === d.current_version_id && s.status !== "stopped" && s.status !== "failed");
+  assert.equal(fresh.length, 2, JSON.stringify(fresh));
+  for (const s of fresh) await waitService(k, dep.id, s.id, (x) => x.status === "ready");
   const all = await services(k, dep.id);
   const live = all.filter((s) => s.status === "ready");
   assert.equal(live.length, 2);

@@ -19,7 +19,7 @@ function containers(dataDir: string): string[] {
 }
 
 test("a native build step that never ends is stopped at the step timeout, a slow build at the build timeout; no build machine is left", { timeout: 240_000 }, async () => {
-  const k = await startTestKiln({ env: { KILN_WARM_POOL: "0", KILN_BUILD_STEP_TIMEOUT_S: "6", KILN_BUILD_TIMEOUT_S: "15" } });
+  const k = await startTestKiln({ env: { KILN_WARM_POOL: "0", KILN_BUILD_STEP_TIMEOUT_S: "6", KILN_BUILD_TIMEOUT_S: "25" } });
   try {
     const started = Date.now();
     const step = await build(k, { name: "native-step-timeout", steps: [{ type: "run", command: "sleep 600" }], skip_cache: true });
@@ -29,11 +29,12 @@ test("a native build step that never ends is stopped at the step timeout, a slow
     assert.ok(Date.now() - started < 90_000, `the build ended at its step timeout (${Date.now() - started} ms), not after the hour`);
     assert.deepEqual(containers(k.dataDir), [], "the build machine was destroyed");
 
-    // Each step under the step timeout, together over the build's.
-    const steps = ["a", "b", "c", "d", "e"].map((s) => ({ type: "run", command: `sleep 4; echo ${s}` }));
+    // Each step under the step timeout, together over the build's. (The build timeout leaves a loaded host room to
+    // boot the first build machine before its step timeout.)
+    const steps = ["a", "b", "c", "d", "e", "f", "g", "h"].map((s) => ({ type: "run", command: `sleep 4; echo ${s}` }));
     const whole = await build(k, { name: "native-build-timeout", steps, skip_cache: true });
     assert.equal(whole.events.at(-1)!.event, "error");
-    assert.match(whole.events.at(-1)!.data.message, /the build ran longer than 15 s and was stopped/);
+    assert.match(whole.events.at(-1)!.data.message, /the build ran longer than 25 s and was stopped/);
     assert.deepEqual(containers(k.dataDir), [], "the build machine was destroyed");
     const { build_id, template_id } = whole.events[0].data;
     const record = (await k.call("GET", `/v1/templates/${template_id}/builds/${build_id}`)).body;
