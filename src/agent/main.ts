@@ -6,7 +6,7 @@ import "./nodump.ts";
 import { createServer } from "node:http";
 import { connect } from "node:net";
 import type { IncomingMessage, ServerResponse } from "node:http";
-import { chmodSync, unlinkSync, existsSync, mkdirSync } from "node:fs";
+import { unlinkSync, existsSync, mkdirSync } from "node:fs";
 import { randomUUID } from "node:crypto";
 import { dirname, isAbsolute } from "node:path";
 import { AgentFailure } from "./errors.ts";
@@ -269,7 +269,15 @@ function listenOnPath() {
   const path = socketPath();
   mkdirSync(dirname(path), { recursive: true });
   if (existsSync(path)) unlinkSync(path); // stale from an earlier boot
-  server.listen(path, () => chmodSync(path, 0o600));
+  // Private from its bind (the umask then decides its mode), not chmod-ed once listening: the host locks the run dir
+  // to root as soon as it can connect, which can come before a 'listening' callback runs — a chmod there failed with
+  // EACCES under gVisor and ended the agent just after the host saw it up. (A pipe's bind is synchronous in listen.)
+  const umask = process.umask(0o177);
+  try {
+    server.listen(path);
+  } finally {
+    process.umask(umask);
+  }
 }
 
 // runsc cannot checkpoint a sandbox holding a socket bound to a host path (host-uds). On SIGUSR2 the agent lets go of
