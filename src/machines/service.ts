@@ -70,6 +70,11 @@ export interface MachineService {
   /** Records a lifecycle event of a machine that changes no field of it (snapshot, fork). */
   recordLifecycle(id: string, operation: LifecycleOperation, extra: Record<string, unknown>): Promise<void>;
   /**
+   * The machine is coming back (restored after a memory snapshot answered): requests for its agent wait until `work`
+   * settles instead of finding no agent. The caller holds the machine's lock meanwhile.
+   */
+  continuing(id: string, work: Promise<void>): void;
+  /**
    * Replaces a running or hibernated machine's egress lists (the create's `network`), at once while it runs; an
    * empty or absent list clears it. 400 naming a bad entry; 409 for a machine of another host.
    */
@@ -114,7 +119,18 @@ export function createMachineService(
   }
 
   /** The guest agent of a running machine; 409 machine_not_running for any other state. */
+  /** Machines being restored after a memory snapshot: their agent answers once these settle. */
+  const comingBack = new Map<string, Promise<void>>();
+  function continuing(id: string, work: Promise<void>): void {
+    const settled = work.catch(() => undefined);
+    comingBack.set(id, settled);
+    void settled.then(() => {
+      if (comingBack.get(id) === settled) comingBack.delete(id);
+    });
+  }
+
   async function agentOf(id: string, opts: { wake?: boolean } = {}): Promise<{ row: MachineRow; agent: AgentClient }> {
+    await comingBack.get(id);
     let row = await records.load(id);
     // auto_resume: the request that finds the machine asleep wakes it (under its lock: one wake for many requests).
     if (row.status === "hibernated" && row.auto_resume === 1 && opts.wake !== false) {
@@ -175,5 +191,6 @@ export function createMachineService(
     withMachine,
     updateNetwork,
     recordLifecycle: (id, operation, extra) => records.recordLifecycle(id, operation, extra),
+    continuing,
   };
 }

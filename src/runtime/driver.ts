@@ -46,6 +46,12 @@ export interface SavedSnapshot {
   /** The runtime and guest runtime a memory snapshot's processes were saved under: a restore needs both as they were. */
   runtime: string;
   guestRuntime: string;
+  /**
+   * When the snapshot's files were complete before the machine went on (a memory snapshot: the machine is restored
+   * from the image just saved after the answer): settles once it runs again. Until then its agent cannot be reached;
+   * a rejection means it did not come back.
+   */
+  continued?: Promise<void>;
 }
 
 /** How a machine sleeps: `freeze` keeps its processes in memory; `disk` stops them; `memory` saves them to disk. */
@@ -128,7 +134,7 @@ export interface MachineDriver {
   memorySnapshotsUnsupported(): string | undefined;
   /**
    * Saves a running or frozen machine's disk (copy-on-write where it can) and with `memory` its processes, as
-   * snapshot `snapshotId`. The machine goes on as it was.
+   * snapshot `snapshotId`. The machine goes on as it was (at once, or once `continued` settles).
    */
   snapshot(id: string, snapshotId: string, opts: { memory: boolean }): Promise<SavedSnapshot>;
   /** Removes a snapshot's files. Idempotent. */

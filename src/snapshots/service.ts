@@ -70,6 +70,8 @@ export function createSnapshotService(deps: {
   const { db, driver, machines, log, hostId } = deps;
   /** Creates and forks reading a snapshot's files right now: a delete waits for none of them, it is refused. */
   const inUse = new Map<string, number>();
+  /** Memory snapshots their own machine is being restored from right now: a delete waits for that, it is not refused. */
+  const restoring = new Map<string, Promise<void>>();
 
   async function load(id: string): Promise<SnapshotRow> {
     const row = await db.selectFrom("snapshots").selectAll().where("id", "=", id).executeTakeFirst();
@@ -82,8 +84,22 @@ export function createSnapshotService(deps: {
     return db.selectFrom("snapshots").selectAll().where("id", "=", id).executeTakeFirstOrThrow();
   }
 
-  /** The machine goes on as it was (running, or frozen); its snapshot is `ready` once its files are complete. */
-  async function take(machineId: string, req: SnapshotRequest, internal = false): Promise<SnapshotRow> {
+  /**
+   * The machine goes on as it was (running, or frozen); its snapshot is `ready` once its files are complete. A memory
+   * snapshot is answered then, before its machine is restored from it: `continued` settles once the machine runs
+   * again. Until then the machine's lock is held (nothing else happens to it), requests for its agent wait, and the
+   * snapshot's delete waits for it (the restore reads it).
+   */
+  function take(machineId: string, req: SnapshotRequest, internal = false): Promise<{ row: SnapshotRow; continued: Promise<void> }> {
+    return new Promise((resolve, reject) => {
+      takeLocked(machineId, req, internal, resolve).then(
+        (row) => resolve({ row, continued: Promise.resolve() }),
+        reject,
+      );
+    });
+  }
+
+  async function takeLocked(machineId: string, req: SnapshotRequest, internal: boolean, answer: (taken: { row: SnapshotRow; continued: Promise<void> }) => void): Promise<SnapshotRow> {
     checkMetadata(req.metadata);
     if (req.memory) {
       const why = driver.memorySnapshotsUnsupported();
@@ -131,7 +147,17 @@ export function createSnapshotService(deps: {
         .execute();
       try {
         const saved = await driver.snapshot(m.id, id, { memory: req.memory === true });
-        return await update(id, { status: "ready", size_bytes: saved.sizeBytes, disk_path: saved.disk, memory_path: saved.memory, runtime: saved.runtime, guest_runtime: saved.guestRuntime });
+        const row = await update(id, { status: "ready", size_bytes: saved.sizeBytes, disk_path: saved.disk, memory_path: saved.memory, runtime: saved.runtime, guest_runtime: saved.guestRuntime });
+        if (!saved.continued) return row;
+        const continued = saved.continued;
+        machines.continuing(m.id, continued);
+        const settled = continued.catch(() => undefined);
+        restoring.set(id, settled);
+        void settled.then(() => restoring.delete(id));
+        answer({ row, continued });
+        // A machine that did not come back is found stopped by the health pass, which destroys it and says so.
+        await continued.catch((err: unknown) => log.error({ err, machine_id: m.id, snapshot_id: id }, "the machine could not continue after its memory snapshot"));
+        return row;
       } catch (err) {
         log.error({ err, machine_id: m.id, snapshot_id: id }, "taking a snapshot failed");
         await driver.deleteSnapshot(id).catch(() => undefined);
@@ -142,7 +168,7 @@ export function createSnapshotService(deps: {
   }
 
   async function create(machineId: string, req: SnapshotRequest): Promise<SnapshotView> {
-    const row = await take(machineId, req);
+    const { row } = await take(machineId, req);
     const view = snapshotView(row);
     await machines.recordLifecycle(machineId, "snapshot", { snapshot: view });
     return view;
@@ -195,7 +221,7 @@ export function createSnapshotService(deps: {
   async function fork(machineId: string, req: ForkRequest): Promise<{ machines: MachineView[] }> {
     const count = req.count ?? 1;
     checkMetadata(req.metadata);
-    const snap = await take(machineId, { memory: req.memory }, true);
+    const { row: snap, continued } = await take(machineId, { memory: req.memory }, true);
     const made: MachineView[] = [];
     try {
       const queue = Array.from({ length: count }, (_, i) => i);
@@ -213,7 +239,9 @@ export function createSnapshotService(deps: {
       for (const m of made) await machines.destroy(m.id, "its fork failed").catch(() => undefined);
       throw err;
     } finally {
-      // Each child has its own copy of the disk (and its processes restored): the fork's snapshot is done with.
+      // Each child has its own copy of the disk (and its processes restored): the fork's snapshot is done with once
+      // the parent, too, is restored from it.
+      await continued.catch(() => undefined);
       await driver.deleteSnapshot(snap.id).catch((err: unknown) => log.warn({ err, snapshot_id: snap.id }, "removing a fork's snapshot failed"));
       await update(snap.id, { status: "deleted", deleted_at: new Date().toISOString(), disk_path: null, memory_path: null });
     }
@@ -239,6 +267,7 @@ export function createSnapshotService(deps: {
    * create or fork reading it right now makes the delete 409 (try again).
    */
   async function remove(id: string): Promise<SnapshotView> {
+    await restoring.get(id);
     const row = await load(id);
     if (row.status === "deleted" || row.status === "failed") return snapshotView(row);
     if (inUse.has(id)) throw new KilnError("conflict", `Snapshot ${id} is being copied into a new machine; try again when it is made`);

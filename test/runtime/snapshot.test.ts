@@ -162,6 +162,9 @@ if (runtime === "runc") {
     await sh(parent, COUNTER);
     await sh(parent, 'while [ "$(cat /tmp/count 2>/dev/null || echo 0)" -lt 10 ]; do sleep 0.05; done');
     const snap = await driver.snapshot(parent.id, `snp_m${process.pid}a`, { memory: true });
+    // The snapshot is complete before its machine is restored from it; the machine is back once `continued` settles.
+    assert.ok(snap.continued, "a memory snapshot tells when its machine runs again");
+    await snap.continued;
     const at = await count(parent);
     assert.ok(snap.memory && existsSync(snap.memory));
     const child = await machine({ fromSnapshot: { disk: snap.disk, memory: snap.memory } });

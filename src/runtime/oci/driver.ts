@@ -7,7 +7,7 @@ import { execFile, spawn } from "node:child_process";
 import { connect, createServer } from "node:net";
 import { get as httpGet } from "node:http";
 import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync, writeFileSync } from "node:fs";
-import { chmod, chown, link, mkdir, readdir, readFile, rm, writeFile } from "node:fs/promises";
+import { chmod, chown, link, mkdir, open, readdir, readFile, rm, writeFile } from "node:fs/promises";
 import { dirname, join } from "node:path";
 import { promisify } from "node:util";
 import { DEFAULT_DISK_MB } from "../driver.ts";
@@ -129,6 +129,27 @@ async function dirBytes(dir: string): Promise<number> {
     if (entry.isFile()) total += statSync(join(entry.parentPath, entry.name)).blocks * 512;
   }
   return total;
+}
+
+/**
+ * Reads a checkpoint's files once so they are in the page cache (runsc writes them with O_DIRECT): the restore that
+ * follows reads memory, not the disk. Best effort: a restore reads them anyway.
+ */
+async function readAhead(dir: string): Promise<void> {
+  const buf = Buffer.allocUnsafe(1024 * 1024);
+  try {
+    for (const entry of await readdir(dir, { withFileTypes: true })) {
+      if (!entry.isFile()) continue;
+      const fh = await open(join(dir, entry.name), "r");
+      try {
+        while ((await fh.read(buf, 0, buf.length, null)).bytesRead > 0);
+      } finally {
+        await fh.close();
+      }
+    }
+  } catch {
+    // as above
+  }
 }
 
 async function tail(file: string, chars = 800): Promise<string> {
@@ -387,13 +408,14 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     }
     agentReady ??= waitForAgent(p, spec.id, () => pid);
     const tRun = performance.now();
-    // The agent and the network come up in parallel; a machine is handed out only once both are there.
+    // The agent and the network come up in parallel; a machine is handed out only once both are there. The restored
+    // kernel still carries the hostname of the machine it was saved from: renamed meanwhile (nothing reaches its
+    // agent before this returns).
     await Promise.all([
       agentReady,
       spec.internet && !netnsFirst ? egressCgroup!.then((cgroupProcs) => startSlirp({ target: { pid: pid! }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs })) : undefined,
+      restoreImage ? cli.setHostname(spec.id, spec.hostname) : undefined,
     ]);
-    // The restored kernel still carries the hostname of the machine it was saved from.
-    if (restoreImage) await cli.setHostname(spec.id, spec.hostname);
     // Machine root could otherwise swap its socket for a symlink the host would follow (to another machine's agent).
     if (!passFd) await Promise.all([chown(p.run, 0, 0), chmod(p.run, 0o755), rm(join(p.run, RELISTEN_FILE), { force: true })]);
     const ms = (a: number, b: number) => Math.round((b - a) * 10) / 10;
@@ -670,22 +692,35 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
         // from the image just saved (its processes go on; connections to its agent are cut, as by any restore).
         await saveProcesses(id, p, memory);
         const saved = performance.now();
-        let phases: Record<string, number> = {};
         // The saved sandbox is taken down while its disk is copied: nothing of it writes any more, and a runsc delete
-        // on a busy host takes as long as the rest of the save.
+        // on a busy host takes as long as the rest of the save. Its pages, written past the page cache, are read back
+        // into it meanwhile, so the restores that follow (this machine's, and its children's) do not wait on the disk.
         const takeDown = (async () => {
           await cli.remove(id);
           await releaseNetwork(id, p);
         })();
-        try {
-          phases = await copyDisk(true);
-        } finally {
+        const warm = readAhead(memory);
+        /** The snapshot's files are complete once the disk is copied; the machine continues from them afterwards. */
+        const restore = async (phases: Record<string, number>, copied: number) => {
           await takeDown;
+          await warm;
           const restoring = performance.now();
           await boot(fresh(await readSpec(id)), memory);
           const round = (a: number, b: number) => Math.round((b - a) * 10) / 10;
-          opts.log.debug({ machine_id: id, snapshot_id: snapshotId, save_ms: round(t0, saved), copy_ms: round(saved, restoring), copy: phases, restore_ms: round(restoring, performance.now()) }, "memory snapshot taken");
+          opts.log.debug({ machine_id: id, snapshot_id: snapshotId, save_ms: round(t0, saved), copy_ms: round(saved, copied), copy: phases, restore_wait_ms: round(copied, restoring), restore_ms: round(restoring, performance.now()) }, "memory snapshot taken");
+        };
+        let phases: Record<string, number>;
+        try {
+          phases = await copyDisk(true);
+        } catch (err) {
+          // No snapshot, but the machine goes on as it was.
+          await restore({}, performance.now());
+          throw err;
         }
+        const continued = restore(phases, performance.now());
+        continued.catch(() => undefined); // the caller is told through `continued`
+        const sizes = await Promise.all([allocatedBytes(disk), dirBytes(memory)]);
+        return { disk, memory, sizeBytes: sizes[0] + sizes[1], runtime: opts.runtime, guestRuntime: opts.guestRuntimeDir, continued };
       } else {
         const phases = await copyDisk();
         opts.log.debug({ machine_id: id, snapshot_id: snapshotId, ...phases, total_ms: Math.round((performance.now() - t0) * 10) / 10 }, "disk snapshot taken");
