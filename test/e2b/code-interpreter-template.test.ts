@@ -5,6 +5,7 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { Sandbox } from "@e2b/code-interpreter";
+import { Template } from "e2b";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { generateKeyIn } from "../../src/keys/service.ts";
@@ -92,4 +93,22 @@ test("while the template is missing a create answers 503 (retryable) and starts 
   const { sandbox } = await createWhileMade();
   sbx = sandbox;
   assert.equal((await sbx.runCode("import matplotlib; matplotlib.__version__")).error, undefined);
+});
+
+test("Template.exists answers from Kiln's templates (name, tag); the template builder answers 501 saying so", async () => {
+  const o = { apiKey: opts.apiKey, apiUrl: opts.apiUrl };
+  assert.equal(await Template.exists("code-interpreter-v1", o), true);
+  assert.equal(await Template.exists("base", o), true);
+  assert.equal(await Template.exists("base:default", o), true);
+  assert.equal(await Template.exists("base:no-such-tag", o), false);
+  assert.equal(await Template.exists("no-such-template-here", o), false);
+  const bad = await k.call("GET", "/templates/aliases/not%20a%20ref", { headers: { "x-api-key": opts.apiKey }, key: null });
+  assert.equal(bad.status, 400);
+  assert.equal(bad.body.code, 400);
+  const stranger = await k.call("GET", "/templates/aliases/base", { key: null });
+  assert.equal(stranger.status, 401);
+  await assert.rejects(Template.build(Template().fromImage("debian:bookworm").runCmd("true"), "e2b-built", o), (err: unknown) => {
+    assert.match((err as Error).message, /template builder.*not supported by Kiln's E2B API yet/);
+    return true;
+  });
 });

@@ -12,6 +12,7 @@ import { KilnError } from "../../errors.ts";
 import { ENVD_VERSION } from "./envd.ts";
 import { CODE_INTERPRETER_TEMPLATE } from "../../builder/code-interpreter-template.ts";
 import { CODE_INTERPRETER_REF } from "../../templates/code-interpreter.ts";
+import { findTemplate, parseTemplateRef } from "../../templates/resolver.ts";
 import { E2bUnserved } from "./errors.ts";
 import { machineIdOf, sandboxIdOf } from "./ids.ts";
 import { keepsMemory, snapshotOfTemplateId, snapshotRoutes } from "./snapshots.ts";
@@ -367,6 +368,16 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   for (const url of ["/sandboxes/:id/logs", "/v2/sandboxes/:id/logs", "/sandboxes/:id/refreshes"]) {
     app.route({ method: ["GET", "POST"], url, ...unserved, handler: notYet(`${url.replace("/:id", "/{id}")} (Kiln keeps no sandbox log stream; use setTimeout to extend a sandbox)`) });
   }
+  // Template.exists / aliasExists: a Kiln template (by its name or one of its aliases; a tag, when named, must be
+  // one of its tags) is an E2B alias. `public` is false: Kiln's templates belong to the server, not to the world.
+  app.get("/templates/aliases/:alias", { ...unserved, schema: { hide: true, params: Type.Object({ alias: Type.String({ minLength: 1, maxLength: 256 }) }) } }, async (req) => {
+    const { alias } = req.params as { alias: string };
+    const { canonicalRef, tag } = parseTemplateRef(alias);
+    const t = await findTemplate(deps.services.store.db, canonicalRef);
+    const tags = t ? (await deps.services.store.db.selectFrom("artifact_tags").select("tag").where("template_id", "=", t.id).execute()).map((r) => r.tag) : [];
+    if (!t || (tag !== undefined && !tags.includes(tag))) throw new KilnError("not_found", `No template ${JSON.stringify(alias)}`);
+    return { templateID: t.id, public: false };
+  });
   for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/secrets", "/teams"]) {
     const what = `${prefix.replace(/^\/v\d/, "")} (E2B's template builder, secrets and teams APIs)`;
     app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(what) });
