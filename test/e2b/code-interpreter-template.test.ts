@@ -9,6 +9,11 @@ import { Template } from "e2b";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { generateKeyIn } from "../../src/keys/service.ts";
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { cliPipes } from "../support/cli.ts";
+import { TEST_CACHE_DIR } from "../support/paths.ts";
 
 let k: TestKiln;
 let opts: { apiKey: string; apiUrl: string; sandboxUrl: string; requestTimeoutMs: number };
@@ -111,4 +116,25 @@ test("Template.exists answers from Kiln's templates (name, tag); the template bu
     assert.match((err as Error).message, /template builder.*not supported by Kiln's E2B API yet/);
     return true;
   });
+});
+
+test("kiln templates init-code-interpreter makes (here: finds in the cache) and records it ahead of time", { timeout: MAKE_BOUND_MS }, async () => {
+  const dataDir = await mkdtemp(join(tmpdir(), "kiln-ci-cli-"));
+  try {
+    const run = cliPipes(k.url, ["templates", "init-code-interpreter"], { KILN_DATA_DIR: dataDir, KILN_CACHE_DIR: TEST_CACHE_DIR });
+    assert.equal(await run.exited, 0, run.stderr());
+    const printed = /^local\/code-interpreter-v1 (art_\S+) ready in [\d.]+ s at (\S+)\n$/.exec(run.stdout());
+    assert.ok(printed, run.stdout());
+    // A server started on that data dir finds it recorded: the CLI's artifact, not one of its own.
+    const other = await startTestKiln({ dataDir });
+    try {
+      const t = await other.call("GET", "/v1/templates/local%2Fcode-interpreter-v1");
+      assert.equal(t.status, 200, t.text);
+      assert.match(t.text, new RegExp(printed[1]!));
+    } finally {
+      await other.close();
+    }
+  } finally {
+    await rm(dataDir, { recursive: true, force: true });
+  }
 });
