@@ -82,7 +82,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     }),
     nativeTimeouts: { stepMs: config.buildStepTimeoutS * 1000, buildMs: config.buildTimeoutS * 1000 },
   };
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, buildRetentionS: config.buildRetentionS, buildLogMaxBytes: config.buildLogMaxBytes, hostId, webhooks, deployments, limits, buildExtensions, snapshots: { maxSnapshots: config.maxSnapshots, maxHibernationS: config.maxHibernationS }, hosts: { name: config.hostName, lostAfterS: config.hostLostAfterS, heartbeatMs: config.hostHeartbeatMs } });
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, dataDir: config.dataDir, cacheDir: config.cacheDir, buildRetentionS: config.buildRetentionS, buildLogMaxBytes: config.buildLogMaxBytes, hostId, webhooks, deployments, limits, buildExtensions, snapshots: { maxSnapshots: config.maxSnapshots, maxHibernationS: config.maxHibernationS }, hosts: { name: config.hostName, lostAfterS: config.hostLostAfterS, heartbeatMs: config.hostHeartbeatMs } });
   templateLayers = async (name) => {
     const resolved = await services.templates.resolve(name).catch(() => undefined);
     return resolved ? templateBaseSource(resolved) : undefined;
@@ -113,6 +113,8 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
       const base = await services.templates.registerBase(layerDir, digest);
       services.templates.setPending(null);
       services.pool.configure({ artifactId: base.artifact.id, layers: base.layers, vcpus: MACHINE_DEFAULTS.vcpus, memoryMb: MACHINE_DEFAULTS.memoryMb });
+      // code-interpreter-v1 made earlier (by any server on this cache, or the CLI) is recorded now, not on first use.
+      if (await services.codeInterpreterTemplate.registerCached()) log.info("the code-interpreter-v1 template was in the cache");
     })
     .catch((err: unknown) => {
       services.templates.setPending(`the base template could not be made: ${(err as Error).message}`);

@@ -45,7 +45,7 @@ export function hostDebianMirror(): string {
  * Runs a build command with umask 022: what debootstrap, dpkg's maintainer scripts and apt write is the machines'
  * filesystem, readable by every user in them, while Kiln itself writes with umask 077.
  */
-function run(cmd: string, args: string[], onLine: (line: string) => void, env: NodeJS.ProcessEnv = process.env): Promise<void> {
+export function run(cmd: string, args: string[], onLine: (line: string) => void, env: NodeJS.ProcessEnv = process.env): Promise<void> {
   return new Promise((resolve, reject) => {
     const child = spawn("/bin/sh", ["-c", 'umask 022 && exec "$0" "$@"', cmd, ...args], { env, stdio: ["ignore", "pipe", "pipe"] });
     let tail = "";
@@ -62,7 +62,7 @@ function run(cmd: string, args: string[], onLine: (line: string) => void, env: N
 }
 
 /** Shifts every file's owner by HOST_ID_BASE, keeping setuid/setgid bits (chown clears them). */
-async function shiftOwnership(root: string): Promise<void> {
+export async function shiftOwnership(root: string): Promise<void> {
   const stack = [root];
   while (stack.length) {
     const dir = stack.pop()!;
@@ -99,12 +99,12 @@ function inUseBy(dir: string): number | undefined {
 }
 
 /**
- * Removes `.build-<pid>-<ms>` dirs a killed server left under <cache>/base (a kill -9 mid-debootstrap leaves 100+ MB
+ * Removes `.build-<pid>-<ms>` dirs a killed server left under <cache>/<kind> (base, code-interpreter) (a kill -9 mid-debootstrap leaves 100+ MB
  * and a mounted /proc): only when their maker is dead and no process runs inside them; their mounts go first, so
  * the removal never reaches through one. Other processes sharing the cache keep their builds in progress.
  */
-export async function sweepStaleBaseBuilds(cacheDir: string, log: Logger): Promise<string[]> {
-  const base = join(cacheDir, "base");
+export async function sweepStaleBaseBuilds(cacheDir: string, log: Logger, kind = "base"): Promise<string[]> {
+  const base = join(cacheDir, kind);
   const swept: string[] = [];
   for (const name of existsSync(base) ? readdirSync(base) : []) {
     const m = /^\.build-(\d+)-\d+$/.exec(name);
@@ -113,7 +113,7 @@ export async function sweepStaleBaseBuilds(cacheDir: string, log: Logger): Promi
     if (pidAlive(Number(m[1]))) continue;
     const user = inUseBy(dir);
     if (user !== undefined) {
-      log.warn({ dir, pid: user }, "a stale base-template build dir is still in use by a process: left for the next start");
+      log.warn({ dir, pid: user }, `a stale ${kind}-template build dir is still in use by a process: left for the next start`);
       continue;
     }
     const mounts = readFileSync("/proc/self/mountinfo", "utf8")
@@ -124,13 +124,13 @@ export async function sweepStaleBaseBuilds(cacheDir: string, log: Logger): Promi
     for (const point of mounts) await run("umount", ["-l", point], () => undefined).catch(() => undefined);
     const still = readFileSync("/proc/self/mountinfo", "utf8").split("\n").some((line) => (line.split(" ")[4] ?? "").startsWith(dir + "/"));
     if (still) {
-      log.warn({ dir }, "a stale base-template build dir still has mounts: left for the next start");
+      log.warn({ dir }, `a stale ${kind}-template build dir still has mounts: left for the next start`);
       continue;
     }
     await rm(dir, { recursive: true, force: true });
     swept.push(dir);
   }
-  if (swept.length) log.info({ dirs: swept }, "removed base-template build dirs a stopped server left");
+  if (swept.length) log.info({ dirs: swept }, `removed ${kind}-template build dirs a stopped server left`);
   return swept;
 }
 

@@ -1,5 +1,5 @@
-// `kiln templates build|ls|get|builds|aliases|rm|init-base`: building templates with a live log and progress line,
-// and inspecting them, over the HTTP API (init-base works on the local cache directly).
+// `kiln templates build|ls|get|builds|aliases|rm|init-base|init-code-interpreter`: building templates with a live log and progress line,
+// and inspecting them, over the HTTP API (init-base and init-code-interpreter work on the local cache directly).
 
 import type { Command } from "commander";
 import { createHash } from "node:crypto";
@@ -7,6 +7,7 @@ import { readFileSync, readdirSync, statSync } from "node:fs";
 import { join, relative } from "node:path";
 import { request } from "undici";
 import { ensureBaseTemplate } from "../builder/base-template.ts";
+import { createCodeInterpreterTemplate } from "../templates/code-interpreter.ts";
 import { createTemplateService } from "../templates/service.ts";
 import { createLogger } from "../log.ts";
 import { openStoreFor } from "../app.ts";
@@ -310,6 +311,26 @@ export function templateCommands(program: Command) {
       try {
         const t = await createTemplateService(store.db).registerBase(base.layerDir, base.digest);
         process.stdout.write(`${t.template.canonical_ref} ${t.artifact.id} ${base.created ? "made" : "cached"} in ${((Date.now() - started) / 1000).toFixed(1)} s at ${base.layerDir}\n`);
+      } finally {
+        await store.close();
+      }
+    });
+
+  templates
+    .command("init-code-interpreter")
+    .description("Make code-interpreter-v1 (the base template + numpy, pandas, matplotlib; E2B's default for @e2b/code-interpreter) once and cache it")
+    .action(async () => {
+      const config = loadConfigOrExit();
+      const log = createLogger({ level: "warn" });
+      const started = Date.now();
+      const onProgress = (line: string) => process.stderr.write(`[${((Date.now() - started) / 1000).toFixed(1)}s] ${line}\n`);
+      const base = await ensureBaseTemplate({ cacheDir: config.cacheDir, mirror: config.debianMirror, log, onProgress });
+      const store = await openStoreFor(config);
+      try {
+        const templates = createTemplateService(store.db);
+        await templates.registerBase(base.layerDir, base.digest);
+        const t = await createCodeInterpreterTemplate({ templates, cacheDir: config.cacheDir, log }).make(onProgress);
+        process.stdout.write(`${t.template.canonical_ref} ${t.artifact.id} ready in ${((Date.now() - started) / 1000).toFixed(1)} s at ${t.layers.at(-1)}\n`);
       } finally {
         await store.close();
       }

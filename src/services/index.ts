@@ -29,6 +29,8 @@ import type { AdmissionLimits } from "../machines/admission.ts";
 import type { KeyService } from "../keys/service.ts";
 import type { TemplateService } from "../templates/service.ts";
 import type { TemplateCatalog } from "../templates/catalog.ts";
+import { createCodeInterpreterTemplate } from "../templates/code-interpreter.ts";
+import type { CodeInterpreterTemplate } from "../templates/code-interpreter.ts";
 import type { MachineService } from "../machines/service.ts";
 import type { ExecService } from "../machines/exec.ts";
 import type { FileService } from "../machines/files.ts";
@@ -70,6 +72,8 @@ export interface Services {
   files: FileService;
   builds: BuildService;
   templateCatalog: TemplateCatalog;
+  /** `local/code-interpreter-v1`, made on first use (E2B's default template for @e2b/code-interpreter). */
+  codeInterpreterTemplate: CodeInterpreterTemplate;
   webhooks: WebhookService;
   dispatcher: Dispatcher;
   git: GitService;
@@ -96,6 +100,8 @@ export function createServices(deps: {
   buildLogMaxBytes?: number;
   buildExtensions?: BuildExtensions;
   hostId: string;
+  /** KILN_CACHE_DIR: where the templates Kiln makes itself are kept. */
+  cacheDir: string;
   webhooks: WebhookSettings;
   deployments: DeploymentOptions;
   limits: AdmissionLimits;
@@ -159,6 +165,7 @@ export function createServices(deps: {
     files: createFileService(machines),
     builds,
     templateCatalog,
+    codeInterpreterTemplate: createCodeInterpreterTemplate({ templates, cacheDir: deps.cacheDir, log }),
     webhooks,
     dispatcher,
     git: createGitService(machines),

@@ -1,10 +1,11 @@
 // Logical templates and their artifacts: resolving what a machine asks for (`local/base`, `base`, `base:tag`,
-// `art_…`) to the read-only layers the driver mounts, and recording the base template made at first start.
+// `art_…`) to the read-only layers the driver mounts, and recording the templates Kiln makes itself (the base
+// template at first start, code-interpreter-v1 on first use).
 
 import type { Db, ArtifactRow, TemplateRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
-import { BASE_TEMPLATE_REF, DEFAULT_NAMESPACE, chooseTag, findTemplate, parseTemplateRef } from "./resolver.ts";
+import { BASE_TEMPLATE_REF, chooseTag, findTemplate, parseTemplateRef } from "./resolver.ts";
 
 export interface ResolvedTemplate {
   template: TemplateRow;
@@ -17,6 +18,8 @@ export interface TemplateService {
   resolve(ref: string): Promise<ResolvedTemplate>;
   /** Records (once) the logical template local/base and its artifact tagged `default` for a built base layer. */
   registerBase(layerDir: string, digest: string): Promise<ResolvedTemplate>;
+  /** The same for another template Kiln makes itself in its cache (`local/code-interpreter-v1`): its layers, lowest first. */
+  registerBuiltIn(canonicalRef: string, layers: string[], digest: string): Promise<ResolvedTemplate>;
   setPending(message: string | null): void;
   /** Why the base template cannot be used yet (being made, or its making failed); null once it is recorded. */
   pendingReason(): string | null;
@@ -58,12 +61,17 @@ export function createTemplateService(db: Db): TemplateService {
   }
 
   /** Records (once) the logical template local/base and its artifact tagged `default` for a built base layer. */
-  async function registerBase(layerDir: string, digest: string): Promise<ResolvedTemplate> {
+  function registerBase(layerDir: string, digest: string): Promise<ResolvedTemplate> {
+    return registerBuiltIn(BASE_TEMPLATE_REF, [layerDir], digest);
+  }
+
+  async function registerBuiltIn(canonicalRef: string, layers: string[], digest: string): Promise<ResolvedTemplate> {
     const now = new Date().toISOString();
+    const [namespace, name] = canonicalRef.split("/") as [string, string];
     await db.transaction().execute(async (tx) => {
-      let template = await tx.selectFrom("templates").selectAll().where("canonical_ref", "=", BASE_TEMPLATE_REF).executeTakeFirst();
+      let template = await tx.selectFrom("templates").selectAll().where("canonical_ref", "=", canonicalRef).executeTakeFirst();
       if (!template) {
-        template = { id: newId("tpl"), namespace: DEFAULT_NAMESPACE, name: "base", canonical_ref: BASE_TEMPLATE_REF, created_at: now, updated_at: now, name_claim_hash: null };
+        template = { id: newId("tpl"), namespace, name, canonical_ref: canonicalRef, created_at: now, updated_at: now, name_claim_hash: null };
         await tx.insertInto("templates").values(template).execute();
       }
       const tagged = await tx
@@ -73,9 +81,9 @@ export function createTemplateService(db: Db): TemplateService {
         .where("artifact_tags.template_id", "=", template.id)
         .where("artifact_tags.tag", "=", "default")
         .executeTakeFirst();
-      if (tagged && tagged.digest === digest && tagged.layers_json === JSON.stringify([layerDir])) return;
+      if (tagged && tagged.digest === digest && tagged.layers_json === JSON.stringify(layers)) return;
       const artifactId = newId("art");
-      await tx.insertInto("artifacts").values({ id: artifactId, template_id: template.id, build_id: null, layers_json: JSON.stringify([layerDir]), digest, created_at: now }).execute();
+      await tx.insertInto("artifacts").values({ id: artifactId, template_id: template.id, build_id: null, layers_json: JSON.stringify(layers), digest, created_at: now }).execute();
       if (tagged) {
         await tx.updateTable("artifact_tags").set({ artifact_id: artifactId, updated_at: now }).where("template_id", "=", template.id).where("tag", "=", "default").execute();
       } else {
@@ -83,7 +91,7 @@ export function createTemplateService(db: Db): TemplateService {
       }
       await tx.updateTable("templates").set({ updated_at: now }).where("id", "=", template.id).execute();
     });
-    return resolve(BASE_TEMPLATE_REF);
+    return resolve(canonicalRef);
   }
 
   function setPending(message: string | null) {
@@ -95,5 +103,5 @@ export function createTemplateService(db: Db): TemplateService {
     return pending;
   }
 
-  return { resolve, registerBase, setPending, pendingReason };
+  return { resolve, registerBase, registerBuiltIn, setPending, pendingReason };
 }

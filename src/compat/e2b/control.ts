@@ -10,6 +10,9 @@ import type { CreateMachineInput, MachineView } from "../../machines/service.ts"
 import type { MachineMetrics } from "../../machines/metrics.ts";
 import { KilnError } from "../../errors.ts";
 import { ENVD_VERSION } from "./envd.ts";
+import { CODE_INTERPRETER_TEMPLATE } from "../../builder/code-interpreter-template.ts";
+import { CODE_INTERPRETER_REF } from "../../templates/code-interpreter.ts";
+import { findTemplate, parseTemplateRef } from "../../templates/resolver.ts";
 import { E2bUnserved } from "./errors.ts";
 import { machineIdOf, sandboxIdOf } from "./ids.ts";
 import { keepsMemory, snapshotOfTemplateId, snapshotRoutes } from "./snapshots.ts";
@@ -28,7 +31,8 @@ export interface ControlDeps {
 }
 
 /** The template `@e2b/code-interpreter`'s Sandbox.create() names by default. */
-const CODE_INTERPRETER_TEMPLATE = "code-interpreter-v1";
+/** The names E2B programs give @e2b/code-interpreter's default template (a tag only as the default one). */
+const CODE_INTERPRETER_NAMES = new Set([CODE_INTERPRETER_TEMPLATE, CODE_INTERPRETER_REF, `${CODE_INTERPRETER_TEMPLATE}:default`, `${CODE_INTERPRETER_REF}:default`]);
 
 /** E2B's default sandbox timeout when a create names none (seconds). */
 const E2B_DEFAULT_TIMEOUT_S = 15;
@@ -166,11 +170,8 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
         throw err;
       })
       .catch((err: unknown) => {
-        // @e2b/code-interpreter's default template: Kiln does not make it (yet); any template with python3 and
-        // ipykernel serves runCode.
-        if (template === CODE_INTERPRETER_TEMPLATE && err instanceof KilnError && err.code === "not_found") {
-          throw new KilnError("not_found", `Kiln has no "${CODE_INTERPRETER_TEMPLATE}" template yet: create the sandbox from "base" (python3 + ipykernel serve runCode), or build one with numpy/pandas/matplotlib and name it ${CODE_INTERPRETER_TEMPLATE} (docs/e2b.md)`);
-        }
+        // @e2b/code-interpreter's default template: made by Kiln on its first use (503, retryable, meanwhile).
+        if (err instanceof KilnError && err.code === "not_found" && CODE_INTERPRETER_NAMES.has(template)) throw deps.services.codeInterpreterTemplate.notReady();
         throw err;
       });
     deps.sandboxReady(m.id);
@@ -367,6 +368,16 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   for (const url of ["/sandboxes/:id/logs", "/v2/sandboxes/:id/logs", "/sandboxes/:id/refreshes"]) {
     app.route({ method: ["GET", "POST"], url, ...unserved, handler: notYet(`${url.replace("/:id", "/{id}")} (Kiln keeps no sandbox log stream; use setTimeout to extend a sandbox)`) });
   }
+  // Template.exists / aliasExists: a Kiln template (by its name or one of its aliases; a tag, when named, must be
+  // one of its tags) is an E2B alias. `public` is false: Kiln's templates belong to the server, not to the world.
+  app.get("/templates/aliases/:alias", { ...unserved, schema: { hide: true, params: Type.Object({ alias: Type.String({ minLength: 1, maxLength: 256 }) }) } }, async (req) => {
+    const { alias } = req.params as { alias: string };
+    const { canonicalRef, tag } = parseTemplateRef(alias);
+    const t = await findTemplate(deps.services.store.db, canonicalRef);
+    const tags = t ? (await deps.services.store.db.selectFrom("artifact_tags").select("tag").where("template_id", "=", t.id).execute()).map((r) => r.tag) : [];
+    if (!t || (tag !== undefined && !tags.includes(tag))) throw new KilnError("not_found", `No template ${JSON.stringify(alias)}`);
+    return { templateID: t.id, public: false };
+  });
   for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/secrets", "/teams"]) {
     const what = `${prefix.replace(/^\/v\d/, "")} (E2B's template builder, secrets and teams APIs)`;
     app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(what) });
