@@ -17,8 +17,10 @@ import { run, shiftOwnership, sweepStaleBaseBuilds } from "./base-template.ts";
 /** E2B's name for it, which is also its Kiln name (`local/code-interpreter-v1`). */
 export const CODE_INTERPRETER_TEMPLATE = "code-interpreter-v1";
 /** Bump when the recipe changes: a new version is a new cache entry (and a new artifact). */
-export const CODE_INTERPRETER_VERSION = "bookworm-1";
-export const CODE_INTERPRETER_PACKAGES = ["python3-numpy", "python3-pandas", "python3-matplotlib"];
+export const CODE_INTERPRETER_VERSION = "bookworm-2";
+// python3-munkres answers fonttools' "python3-scipy | python3-munkres" dependency: without it apt takes scipy, which brings
+// pythran, g++ and Boost (the layer was 1.1 GB).
+export const CODE_INTERPRETER_PACKAGES = ["python3-numpy", "python3-pandas", "python3-matplotlib", "python3-munkres"];
 const KIND = "code-interpreter";
 
 export interface CodeInterpreterLayer {
