@@ -79,6 +79,21 @@ export function createSnapshotService(deps: {
     return row;
   }
 
+  /** The host's snapshots (ready or being taken) are under KILN_MAX_SNAPSHOTS, else a 409. */
+  async function underCap(): Promise<void> {
+    const max = deps.maxSnapshots ?? SNAPSHOT_LIMITS.defaultMaxPerHost;
+    const held = await db.selectFrom("snapshots").select(db.fn.countAll<number>().as("n")).where("host_id", "=", hostId).where("status", "in", ["creating", "ready"]).executeTakeFirst();
+    if (Number(held?.n ?? 0) >= max) throw new KilnError("conflict", `This host keeps at most ${max} snapshots (KILN_MAX_SNAPSHOTS); delete some first`);
+  }
+
+  /** Runs the cap's count and the new record's insert one request at a time (only this process writes its host's). */
+  let admitting: Promise<unknown> = Promise.resolve();
+  function admitOne(fn: () => Promise<void>): Promise<void> {
+    const run = admitting.then(fn, fn);
+    admitting = run.catch(() => undefined);
+    return run;
+  }
+
   async function update(id: string, set: SnapshotUpdate): Promise<SnapshotRow> {
     await db.updateTable("snapshots").set({ ...set, updated_at: new Date().toISOString() }).where("id", "=", id).execute();
     return db.selectFrom("snapshots").selectAll().where("id", "=", id).executeTakeFirstOrThrow();
@@ -106,45 +121,47 @@ export function createSnapshotService(deps: {
       if (why) throw new KilnError("invalid_request", `Cannot snapshot memory on this host: ${why}`);
     }
     await deps.admission?.admitDisk();
-    const max = deps.maxSnapshots ?? SNAPSHOT_LIMITS.defaultMaxPerHost;
-    const held = await db.selectFrom("snapshots").select(db.fn.countAll<number>().as("n")).where("host_id", "=", hostId).where("status", "in", ["creating", "ready"]).executeTakeFirst();
-    if (Number(held?.n ?? 0) >= max) throw new KilnError("conflict", `This host keeps at most ${max} snapshots (KILN_MAX_SNAPSHOTS); delete some first`);
+    await underCap(); // refused at once, before waiting for the machine
     return machines.withMachine(machineId, async (m) => {
       if (req.memory && m.status !== "running") throw new KilnError("machine_not_running", `Machine ${machineId} is ${m.status}: only a running machine's memory can be saved`);
       const now = new Date().toISOString();
       const id = newId("snp");
-      // Written before any file: a crash from here on leaves a `creating` record the next start cleans up.
-      await db
-        .insertInto("snapshots")
-        .values({
-          id,
-          machine_id: m.id,
-          template_id: m.template_id,
-          artifact_id: m.artifact_id,
-          name: req.name ?? null,
-          memory: req.memory ? 1 : 0,
-          status: "creating",
-          size_bytes: 0,
-          disk_mb: m.disk_mb,
-          internet: m.internet,
-          network_json: m.network_json,
-          vcpus: m.vcpus,
-          memory_mb: m.memory_mb,
-          cwd: m.cwd,
-          user: m.user,
-          runtime: "",
-          guest_runtime: "",
-          disk_path: null,
-          memory_path: null,
-          metadata_json: JSON.stringify(req.metadata ?? {}),
-          internal: internal ? 1 : 0,
-          host_id: hostId,
-          created_at: now,
-          updated_at: now,
-          deleted_at: null,
-          failure_reason: null,
-        })
-        .execute();
+      // Written before any file: a crash from here on leaves a `creating` record the next start cleans up. Counted
+      // and written one request at a time, so concurrent requests (on one machine or several) cannot all pass the cap.
+      await admitOne(async () => {
+        await underCap();
+        await db
+          .insertInto("snapshots")
+          .values({
+            id,
+            machine_id: m.id,
+            template_id: m.template_id,
+            artifact_id: m.artifact_id,
+            name: req.name ?? null,
+            memory: req.memory ? 1 : 0,
+            status: "creating",
+            size_bytes: 0,
+            disk_mb: m.disk_mb,
+            internet: m.internet,
+            network_json: m.network_json,
+            vcpus: m.vcpus,
+            memory_mb: m.memory_mb,
+            cwd: m.cwd,
+            user: m.user,
+            runtime: "",
+            guest_runtime: "",
+            disk_path: null,
+            memory_path: null,
+            metadata_json: JSON.stringify(req.metadata ?? {}),
+            internal: internal ? 1 : 0,
+            host_id: hostId,
+            created_at: now,
+            updated_at: now,
+            deleted_at: null,
+            failure_reason: null,
+          })
+          .execute();
+      });
       try {
         const saved = await driver.snapshot(m.id, id, { memory: req.memory === true });
         const row = await update(id, { status: "ready", size_bytes: saved.sizeBytes, disk_path: saved.disk, memory_path: saved.memory, runtime: saved.runtime, guest_runtime: saved.guestRuntime });

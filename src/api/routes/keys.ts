@@ -1,5 +1,6 @@
 // API Keys: create (the key is shown once), list (prefixes only), revoke.
 
+import { KilnError } from "../../errors.ts";
 import { Type } from "typebox";
 import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
@@ -49,9 +50,16 @@ export async function keyRoutes(app: App, opts: { services: Services }) {
         tags: ["API Keys"],
         summary: "Revoke an API key",
         params: Type.Object({ id: Id }),
-        response: { 200: KeySummary, ...errors(404, 409) },
+        response: { 200: KeySummary, ...errors(403, 404, 409) },
       },
     },
-    async (req) => keys.revoke(req.params.id),
+    async (req) => {
+      // The operator's keys hold what others may not (drain, allow_private): only the operator revokes them, else any
+      // key could take those from the operator (and a revoked KILN_API_KEY is never seeded again).
+      if ((await keys.isOperator(req.params.id)) && !(await keys.isOperator(req.apiKeyId))) {
+        throw new KilnError("forbidden", "Revoking the operator's key (KILN_API_KEY or the first-start key) takes the operator's key");
+      }
+      return keys.revoke(req.params.id);
+    },
   );
 }

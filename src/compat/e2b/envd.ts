@@ -28,16 +28,18 @@ export interface EnvdDeps {
   onSandboxReady: (fn: (id: string) => void) => void;
 }
 
+/** The user an `Authorization: Basic base64("user:")` header names, if any. */
+export function basicUserOf(req: FastifyRequest): string | undefined {
+  const auth = req.headers.authorization;
+  if (typeof auth !== "string") return undefined;
+  const m = /^Basic\s+([A-Za-z0-9+/=]+)\s*$/i.exec(auth);
+  return (m && Buffer.from(m[1], "base64").toString("utf8").split(":")[0]) || undefined;
+}
+
 /** The user an envd request acts as: `Authorization: Basic base64("user:")`, else `username`, else the machine's. */
 function userNameOf(req: FastifyRequest): string | undefined {
-  const auth = req.headers.authorization;
-  if (typeof auth === "string") {
-    const m = /^Basic\s+([A-Za-z0-9+/=]+)\s*$/i.exec(auth);
-    if (m) {
-      const name = Buffer.from(m[1], "base64").toString("utf8").split(":")[0];
-      if (name) return name;
-    }
-  }
+  const basic = basicUserOf(req);
+  if (basic) return basic;
   const q = (req.query as Record<string, unknown> | undefined)?.username;
   return typeof q === "string" && q ? q : undefined;
 }

@@ -7,7 +7,7 @@ import type { FastifyInstance, FastifyRequest } from "fastify";
 import type { Services } from "../../services/index.ts";
 import { KilnError } from "../../errors.ts";
 import { controlRoutes } from "./control.ts";
-import { envdRoutes } from "./envd.ts";
+import { basicUserOf, envdRoutes } from "./envd.ts";
 import { e2bError } from "./errors.ts";
 import { sendUnaryError } from "./connect.ts";
 import { createProcessRegistry } from "./processes.ts";
@@ -137,7 +137,11 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
     }
     const path = typeof q.path === "string" ? q.path : "";
     const user = typeof q.username === "string" ? q.username : "";
-    const operation = req.method === "GET" ? "read" : "write";
+    // HEAD answers what GET would (the file's size): a read. The acting user is the signed one: a Basic header may
+    // not name another (it would take precedence over `username` in the route).
+    const operation = req.method === "POST" ? "write" : "read";
+    const basic = basicUserOf(req);
+    if (basic !== undefined && basic !== user) throw unauthorized("the signature does not cover the user the Authorization header names");
     const signedBy = (ids: string[]) => ids.find((id) => sameText(fileUrlSignature(tokens.tokenOf(sandboxId, id), path, operation, user, expiration), signature));
     const keyId = signedBy(await activeKeyIds()) ?? signedBy(await activeKeyIds(250));
     if (keyId === undefined || !(await services.keys.isActive(keyId))) throw unauthorized("invalid signature");
