@@ -8,6 +8,7 @@ import { errors, Cursor, Envs, Id, Limit, Machine, MachinePath, Metadata, NoNul,
 import { INPUT_LIMITS } from "../../machines/input-limits.ts";
 import { nextCursor, pageAfter } from "../../store/cursor.ts";
 import { EXEC_ENCODINGS } from "../../machines/exec.ts";
+import { checkOpenings } from "../../machines/create.ts";
 import { VOLUME_LIMITS } from "../../volumes/service.ts";
 import { KilnError } from "../../errors.ts";
 
@@ -115,9 +116,10 @@ export async function machineRoutes(app: App, opts: { services: Services }) {
 
   app.post(
     "/v1/machines",
-    { config: { auth: "key" }, schema: { tags, summary: "Create a machine from a template or a snapshot", body: CreateMachine, response: { 201: Machine, ...errors(400, 404, 409, 503) } } },
+    { config: { auth: "key" }, schema: { tags, summary: "Create a machine from a template or a snapshot", body: CreateMachine, response: { 201: Machine, ...errors(400, 403, 404, 409, 503) } } },
     async (req, reply) => {
       const { snapshot, ...input } = req.body;
+      if (input.network?.allow_out?.length) checkOpenings(input.network, await opts.services.keys.isOperator(req.apiKeyId));
       return reply.code(201).send(snapshot ? await opts.services.snapshots.createMachine(snapshot, input) : await machines.create(input));
     },
   );

@@ -8,6 +8,7 @@ import type { Services } from "../../services/index.ts";
 import { MACHINE_LIMITS } from "../../machines/service.ts";
 import type { CreateMachineInput, MachineView } from "../../machines/service.ts";
 import type { MachineMetrics } from "../../machines/metrics.ts";
+import { checkOpenings } from "../../machines/create.ts";
 import { KilnError } from "../../errors.ts";
 import { ENVD_VERSION } from "./envd.ts";
 import { CODE_INTERPRETER_TEMPLATE } from "../../builder/code-interpreter-template.ts";
@@ -158,6 +159,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     if (body.mcp !== undefined && body.mcp !== null) bad("mcp is not supported by Kiln");
     if (body.iam !== undefined && body.iam !== null) bad("iam is not supported by Kiln");
     const input: CreateMachineInput = { metadata: body.metadata, envs: body.envVars, timeout_s: body.timeout ?? E2B_DEFAULT_TIMEOUT_S, internet: body.allow_internet_access, network: egressOf(body.network), volumes: await volumeMountsOf(deps.services, body.volumeMounts), ...lifecycle };
+    if (input.network?.allow_out?.length) checkOpenings(input.network, await deps.services.keys.isOperator(req.apiKeyId));
     // A snapshot is an E2B templateID too: by its `snp_` id, or by its name when no template has that name.
     const fromSnapshot = (s: { id: string }) => deps.services.snapshots.createMachine(s.id, input);
     const snapshot = template.startsWith("snp_") ? await snapshotOfTemplateId(deps.services, template) : undefined;
@@ -355,7 +357,9 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   // E2B replaces the whole egress config: omitted fields are cleared.
   app.put("/sandboxes/:id/network", withBody(E2bNetwork), async (req, reply) => {
     const m = await live((req.params as { id: string }).id);
-    await machines.updateNetwork(m.id, egressOf(req.body as E2bNetworkBody) ?? { allow_out: [], deny_out: [] });
+    const network = egressOf(req.body as E2bNetworkBody) ?? { allow_out: [], deny_out: [] };
+    if (network.allow_out.length) checkOpenings(network, await deps.services.keys.isOperator(req.apiKeyId));
+    await machines.updateNetwork(m.id, network);
     return reply.code(204).send();
   });
   await volumeRoutes(app, deps.services);
