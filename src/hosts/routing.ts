@@ -5,7 +5,7 @@
 import type { App } from "../api/app-type.ts";
 import { KilnError } from "../errors.ts";
 import type { Forwarder } from "./forward.ts";
-import { isMachineBound } from "./forward.ts";
+import { boundTo } from "./forward.ts";
 import type { Placement } from "./placement.ts";
 
 /** A create body placement may hold to try another host; creates are small JSON documents. */
@@ -15,10 +15,10 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
   const { forwarder, placement, hostId } = deps;
 
   app.addHook("onRequest", (req, reply, done) => {
-    if (req.is404 || req.forwardedBy !== undefined || !isMachineBound(req.method, req.routeOptions.url)) return done();
-    const id = (req.params as { id?: string }).id;
-    if (!id) return done();
-    forwarder.ownerOf(id).then(
+    if (req.is404 || req.forwardedBy !== undefined) return done();
+    const bound = boundTo(req.method, req.routeOptions.url, req.params as Record<string, string | undefined>);
+    if (!bound) return done();
+    forwarder.ownerOf(bound).then(
       (host) => {
         if (!host) return done();
         const target = { id: host.id, url: host.advertise_url };
@@ -38,9 +38,15 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
   app.addHook("preValidation", async (req, reply) => {
     if (req.forwardedBy !== undefined || req.method !== "POST" || req.routeOptions.url !== "/v1/machines") return;
     const want = (req.body ?? {}) as { snapshot?: unknown; volumes?: unknown[] };
-    // Affinity: a machine from a snapshot goes where the snapshot's files are; one that mounts volumes stays here,
-    // where the caller made them (volumes do not record a host yet: docs/hosts.md).
-    if (Array.isArray(want.volumes) && want.volumes.length > 0) return;
+    // Affinity: a machine from a snapshot goes where the snapshot's files are, one that mounts volumes where their
+    // data is (the first volume's host; that host's own check refuses volumes of another host).
+    const volumeId = Array.isArray(want.volumes) ? (want.volumes[0] as { volume_id?: unknown } | undefined)?.volume_id : undefined;
+    if (Array.isArray(want.volumes) && want.volumes.length > 0) {
+      const host = typeof volumeId === "string" ? await placement.volumeHost(volumeId) : undefined;
+      if (!host || host.id === hostId) return;
+      await forwarder.forwardHttp(req, reply, { id: host.id, url: host.advertise_url }, { body: Buffer.from(JSON.stringify(want)) });
+      return reply;
+    }
     if (typeof want.snapshot === "string") {
       const host = await placement.snapshotHost(want.snapshot);
       if (!host || host.id === hostId) return;
