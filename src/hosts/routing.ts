@@ -57,7 +57,12 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
     if (hosts.length === 0) throw new KilnError("unavailable", "No active host can take a machine now (all are draining, lost or under their admission floors); try again later", { detail: { retryable: true } });
     let body: Buffer | undefined;
     for (const host of hosts) {
-      if (host.id === hostId) return; // served here, by the route (which judges the body as any create)
+      if (host.id === hostId) {
+        // Served here, by the route (which judges the body as any create); counted until answered, so a burst of
+        // creates through this server sees the ones it is making here too and spreads across hosts.
+        reply.raw.once("close", placement.hold(hostId));
+        return;
+      }
       // Only a create sent on is held here whole; what is too large for that is the route's to refuse as it would.
       body ??= Buffer.from(JSON.stringify(req.body ?? {}));
       if (body.length > CREATE_BODY_MAX) return;

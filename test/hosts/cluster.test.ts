@@ -138,6 +138,9 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
     assert.equal(ex.status, 200, JSON.stringify(ex.body));
     assert.match(ex.body.stdout, /ok\n$/);
   }
+  // Identical requests forwarded in the same moment are each their own signed forward, never taken for a replay.
+  const same = await Promise.all(Array.from({ length: 8 }, () => a.call("POST", `/v1/machines/${mb}/exec`, { cmd: "true" })));
+  assert.deepEqual(same.map((r) => r.status), Array(8).fill(200), JSON.stringify(same.find((r) => r.status !== 200)?.body));
   const payload = Buffer.alloc(3 * 1024 * 1024, 7);
   const put = await request(`${a.url}/v1/machines/${mb}/files?path=/tmp/big`, { method: "PUT", headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/octet-stream" }, body: payload });
   assert.equal(put.statusCode, 200, await put.body.text());
@@ -197,7 +200,7 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   assert.match(await logs.body.text(), /marker-from-a/, "the build's log stream, read through host b");
 
   // Forged cluster headers on what is forwarded now: refused before anything is served, WebSocket or not.
-  const forgedHeaders = { "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": "h-b", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-sig": "AAAA" };
+  const forgedHeaders = { "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": "h-b", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-nonce": "forged", "x-kiln-cluster-sig": "AAAA" };
   assert.equal((await raw(`${b.url}/v1/volumes/${vol.body.id}/files?path=/from-a.txt`, "GET", forgedHeaders)).status, 401);
   assert.equal((await raw(`${a.url}/v1/templates/built-on-a/builds/${buildId}/logs`, "GET", { ...forgedHeaders, "x-kiln-cluster-to": "h-a" })).status, 401);
   const forgedWs = new WebSocket(`${b.url.replace("http", "ws")}/v1/volumes/${vol.body.id}/ws`, { headers: { ...forgedHeaders, authorization: `Bearer ${TEST_KEY}` } });
@@ -221,7 +224,7 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   const path = `/v1/machines/${mb}/exec`;
   const body = JSON.stringify({ cmd: "id" });
   const json = { "content-type": "application/json" };
-  const forged = { ...json, "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": "h-b", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-sig": "AAAA" };
+  const forged = { ...json, "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": "h-b", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-nonce": "forged", "x-kiln-cluster-sig": "AAAA" };
   assert.equal((await raw(b.url + path, "POST", forged, body)).status, 401, "a made-up signature");
   assert.equal((await raw(b.url + path, "POST", { ...forged, authorization: `Bearer ${TEST_KEY}` }, body)).status, 401, "a bad signature is not rescued by a good key");
   // With the real secret (what only the store holds): a signature for another host, an old one, and a replay.
@@ -229,8 +232,9 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   const keyId = await operatorKeyId(db.url);
   const sign = (to: string, ts: number) => {
     const h = createHmac("sha256", secret);
-    for (const p of ["POST", path, String(ts), keyId, "h-a", to]) h.update(`${p.length}:${p}\n`);
-    return { ...json, "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": to, "x-kiln-cluster-ts": String(ts), "x-kiln-cluster-key": keyId, "x-kiln-cluster-sig": h.digest("base64url") };
+    const nonce = `n${ts}`;
+    for (const p of ["POST", path, String(ts), nonce, keyId, "h-a", to]) h.update(`${p.length}:${p}\n`);
+    return { ...json, "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": to, "x-kiln-cluster-ts": String(ts), "x-kiln-cluster-nonce": nonce, "x-kiln-cluster-key": keyId, "x-kiln-cluster-sig": h.digest("base64url") };
   };
   assert.equal((await raw(b.url + path, "POST", sign("h-c", Date.now()), body)).status, 401, "addressed to another host");
   assert.equal((await raw(b.url + path, "POST", sign("h-b", Date.now() - 120_000), body)).status, 401, "outside the window");
