@@ -73,6 +73,7 @@ export const Machine = Type.Object({
   auto_resume: Type.Boolean({ description: "A hibernated machine wakes on the next exec, files, WebSocket, port or edge request" }),
   hibernate_mode: Type.Union([Type.Enum(HIBERNATE_MODES), Type.Null()], { description: "How a hibernated machine sleeps; null unless hibernated" }),
   snapshot_id: Type.Union([Type.String(), Type.Null()], { description: "The snapshot it was made from" }),
+  host_id: Type.Union([Type.String(), Type.Null()], { description: "The host it runs on (GET /v1/hosts/{id}); null for a record made before hosts existed" }),
 });
 
 export const FileMetadata = Type.Object({

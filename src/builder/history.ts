@@ -51,6 +51,7 @@ export function createBuildHistory(db: Db) {
       promotability: { status: promotable ? "promotable" : "not_promotable", promotable, reason: promotable ? "a ready build whose artifact is available" : availability.reason },
       retention_expires_at: artifact?.retention_expires_at ?? null,
       artifact_ids: artifactIds,
+      host_id: row.host_id,
     };
   }
 

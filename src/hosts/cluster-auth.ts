@@ -1,8 +1,9 @@
 // Host-to-host authentication: a request one server forwards to another carries an HMAC, keyed by the cluster secret
-// in the store, over the method, the path with its query, the time, the caller's key id and both hosts' ids. A peer
+// in the store, over the method, the path with its query, the time, a random nonce, the caller's key id and both
+// hosts' ids (the nonce: two identical requests forwarded in the same millisecond are two signatures, not a replay). A peer
 // accepts it only within a short window, only addressed to itself, and only once (a replayed signature is refused).
 
-import { createHmac, timingSafeEqual } from "node:crypto";
+import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 import type { IncomingHttpHeaders } from "node:http";
 import { KilnError } from "../errors.ts";
 
@@ -11,6 +12,7 @@ export const CLUSTER_HEADERS = {
   to: "x-kiln-cluster-to",
   ts: "x-kiln-cluster-ts",
   key: "x-kiln-cluster-key",
+  nonce: "x-kiln-cluster-nonce",
   sig: "x-kiln-cluster-sig",
 } as const;
 const NAMES = Object.values(CLUSTER_HEADERS);
@@ -46,12 +48,14 @@ export function createClusterAuth(opts: { secret: Buffer; hostId: string; now?: 
   function sign(method: string, path: string, to: string, keyId: string | undefined): Record<string, string> {
     const ts = String(now());
     const key = keyId ?? "";
+    const nonce = randomBytes(12).toString("base64url");
     return {
       [CLUSTER_HEADERS.from]: hostId,
       [CLUSTER_HEADERS.to]: to,
       [CLUSTER_HEADERS.ts]: ts,
       [CLUSTER_HEADERS.key]: key,
-      [CLUSTER_HEADERS.sig]: mac(secret, [method.toUpperCase(), path, ts, key, hostId, to]),
+      [CLUSTER_HEADERS.nonce]: nonce,
+      [CLUSTER_HEADERS.sig]: mac(secret, [method.toUpperCase(), path, ts, nonce, key, hostId, to]),
     };
   }
 
@@ -70,11 +74,12 @@ export function createClusterAuth(opts: { secret: Buffer; hostId: string; now?: 
     const ts = get(CLUSTER_HEADERS.ts);
     const key = get(CLUSTER_HEADERS.key);
     const sig = get(CLUSTER_HEADERS.sig);
-    if (!from || !to || !ts || key === undefined || !sig) refuse("incomplete cluster headers");
+    const nonce = get(CLUSTER_HEADERS.nonce);
+    if (!from || !to || !ts || key === undefined || !sig || !nonce || nonce.length > 64) refuse("incomplete cluster headers");
     if (to !== hostId) refuse("the request is addressed to another host");
     const t = Number(ts);
     if (!/^\d{1,16}$/.test(ts) || Math.abs(now() - t) > CLUSTER_AUTH_WINDOW_MS) refuse("the signature is outside its validity window");
-    const expected = Buffer.from(mac(secret, [method.toUpperCase(), path, ts, key, from, to]));
+    const expected = Buffer.from(mac(secret, [method.toUpperCase(), path, ts, nonce, key, from, to]));
     const given = Buffer.from(sig);
     if (given.length !== expected.length || !timingSafeEqual(given, expected)) refuse("bad signature");
     if (seen.has(sig)) refuse("the signature was already used");

@@ -1,4 +1,5 @@
-// Any server answers for any machine: a machine-bound request (REST or the machine WebSocket) whose machine runs on
+// Any server answers for any machine: a host-bound request (a machine's REST and WebSocket, a volume's files and
+// WebSocket, a build's live log and cancel, a snapshot's delete) whose machine (volume, build, snapshot) is on
 // another active host is forwarded there once this server has authenticated the caller, streaming both ways (the
 // request body as it arrives, the answer as it comes; a WebSocket spliced byte for byte), signed with the cluster
 // secret. Placement forwards a create the same way, to the host it chose.
@@ -43,11 +44,25 @@ export interface ForwardTarget {
   url: string;
 }
 
-/** Routes bound to one machine (its `:id`): served where the machine runs. A machine's record is any server's. */
-export function isMachineBound(method: string, routeUrl: string | undefined): boolean {
-  if (!routeUrl) return false;
-  if (routeUrl.startsWith("/v1/machines/:id/")) return true;
-  return routeUrl === "/v1/machines/:id" && method === "DELETE";
+/** What a host-bound request is bound to: a machine, a volume (its data), a build (its live log) or a snapshot (its files). */
+export type BoundKind = "machines" | "volumes" | "builds" | "snapshots";
+export interface Bound {
+  kind: BoundKind;
+  id: string;
+}
+
+/**
+ * The record a route is bound to (its `:id`, or `:build_id`): served on the host that holds it. A record itself is
+ * any server's to read; what needs the host's processes or files is bound.
+ */
+export function boundTo(method: string, routeUrl: string | undefined, params: Record<string, string | undefined>): Bound | undefined {
+  if (!routeUrl) return undefined;
+  const bound = (kind: BoundKind, id: string | undefined) => (id ? { kind, id } : undefined);
+  if (routeUrl.startsWith("/v1/machines/:id/") || (routeUrl === "/v1/machines/:id" && method === "DELETE")) return bound("machines", params.id);
+  if (routeUrl.startsWith("/v1/volumes/:id/") || (routeUrl === "/v1/volumes/:id" && method === "DELETE")) return bound("volumes", params.id);
+  if (routeUrl === "/v1/templates/:id/builds/:build_id/logs" || routeUrl === "/v1/templates/:id/builds/:build_id/cancel") return bound("builds", params.build_id);
+  if (routeUrl === "/v1/snapshots/:id" && method === "DELETE") return bound("snapshots", params.id);
+  return undefined;
 }
 
 export function createForwarder(deps: { db: Db; hostId: string; auth: ClusterAuth; log: Logger; hosts: () => Promise<Map<string, HostRow>> }) {
@@ -56,15 +71,23 @@ export function createForwarder(deps: { db: Db; hostId: string; auth: ClusterAut
   // Peers are trusted and bound their own requests: no header or body timeouts here (a long exec may be silent).
   const agent = new Agent({ keepAliveTimeout: 30_000, headersTimeout: 0, bodyTimeout: 0, connect: { timeout: CONNECT_TIMEOUT_MS } });
 
-  /** The host a machine runs on, when it is another one; undefined: serve it here (ours, unknown, or no host). */
-  async function ownerOf(machineId: string): Promise<HostRow | undefined> {
-    let owner = owners.get(machineId);
+  /**
+   * The host a machine (volume, build, snapshot) is on, when it is another one; undefined: serve it here (ours,
+   * unknown — the route answers 404 — or recorded without a host). Machines, builds and snapshots never move, so
+   * their host is remembered.
+   */
+  async function ownerOf(target: Bound | string): Promise<HostRow | undefined> {
+    const { kind, id } = typeof target === "string" ? { kind: "machines" as const, id: target } : target;
+    const cacheKey = `${kind}:${id}`;
+    let owner = owners.get(cacheKey);
     if (owner === undefined) {
-      const row = await db.selectFrom("machines").select("host_id").where("id", "=", machineId).executeTakeFirst();
+      const row = await db.selectFrom(kind).select("host_id").where("id", "=", id).executeTakeFirst();
       if (!row?.host_id) return undefined;
       owner = row.host_id;
-      if (owners.size >= OWNERS_MAX) owners.delete(owners.keys().next().value!);
-      owners.set(machineId, owner);
+      if (kind !== "volumes") {
+        if (owners.size >= OWNERS_MAX) owners.delete(owners.keys().next().value!);
+        owners.set(cacheKey, owner);
+      }
     }
     if (owner === hostId) return undefined;
     const host = (await deps.hosts()).get(owner);

@@ -61,7 +61,15 @@ export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: numb
     return host && host.status !== "lost" ? host : undefined;
   }
 
-  return { candidates, hold, snapshotHost };
+  /** The host a volume's data is on, when it is not lost (else undefined: the local create answers, and judges it). */
+  async function volumeHost(volumeId: string): Promise<HostRow | undefined> {
+    const row = await db.selectFrom("volumes").select("host_id").where("id", "=", volumeId).executeTakeFirst();
+    if (!row?.host_id) return undefined;
+    const host = (await deps.hosts()).get(row.host_id);
+    return host && host.status !== "lost" ? host : undefined;
+  }
+
+  return { candidates, hold, snapshotHost, volumeHost };
 }
 
 export type Placement = ReturnType<typeof createPlacement>;

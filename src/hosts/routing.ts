@@ -5,7 +5,7 @@
 import type { App } from "../api/app-type.ts";
 import { KilnError } from "../errors.ts";
 import type { Forwarder } from "./forward.ts";
-import { isMachineBound } from "./forward.ts";
+import { boundTo } from "./forward.ts";
 import type { Placement } from "./placement.ts";
 
 /** A create body placement may hold to try another host; creates are small JSON documents. */
@@ -15,10 +15,10 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
   const { forwarder, placement, hostId } = deps;
 
   app.addHook("onRequest", (req, reply, done) => {
-    if (req.is404 || req.forwardedBy !== undefined || !isMachineBound(req.method, req.routeOptions.url)) return done();
-    const id = (req.params as { id?: string }).id;
-    if (!id) return done();
-    forwarder.ownerOf(id).then(
+    if (req.is404 || req.forwardedBy !== undefined) return done();
+    const bound = boundTo(req.method, req.routeOptions.url, req.params as Record<string, string | undefined>);
+    if (!bound) return done();
+    forwarder.ownerOf(bound).then(
       (host) => {
         if (!host) return done();
         const target = { id: host.id, url: host.advertise_url };
@@ -38,9 +38,15 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
   app.addHook("preValidation", async (req, reply) => {
     if (req.forwardedBy !== undefined || req.method !== "POST" || req.routeOptions.url !== "/v1/machines") return;
     const want = (req.body ?? {}) as { snapshot?: unknown; volumes?: unknown[] };
-    // Affinity: a machine from a snapshot goes where the snapshot's files are; one that mounts volumes stays here,
-    // where the caller made them (volumes do not record a host yet: docs/hosts.md).
-    if (Array.isArray(want.volumes) && want.volumes.length > 0) return;
+    // Affinity: a machine from a snapshot goes where the snapshot's files are, one that mounts volumes where their
+    // data is (the first volume's host; that host's own check refuses volumes of another host).
+    const volumeId = Array.isArray(want.volumes) ? (want.volumes[0] as { volume_id?: unknown } | undefined)?.volume_id : undefined;
+    if (Array.isArray(want.volumes) && want.volumes.length > 0) {
+      const host = typeof volumeId === "string" ? await placement.volumeHost(volumeId) : undefined;
+      if (!host || host.id === hostId) return;
+      await forwarder.forwardHttp(req, reply, { id: host.id, url: host.advertise_url }, { body: Buffer.from(JSON.stringify(want)) });
+      return reply;
+    }
     if (typeof want.snapshot === "string") {
       const host = await placement.snapshotHost(want.snapshot);
       if (!host || host.id === hostId) return;
@@ -51,7 +57,12 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
     if (hosts.length === 0) throw new KilnError("unavailable", "No active host can take a machine now (all are draining, lost or under their admission floors); try again later", { detail: { retryable: true } });
     let body: Buffer | undefined;
     for (const host of hosts) {
-      if (host.id === hostId) return; // served here, by the route (which judges the body as any create)
+      if (host.id === hostId) {
+        // Served here, by the route (which judges the body as any create); counted until answered, so a burst of
+        // creates through this server sees the ones it is making here too and spreads across hosts.
+        reply.raw.once("close", placement.hold(hostId));
+        return;
+      }
       // Only a create sent on is held here whole; what is too large for that is the route's to refuse as it would.
       body ??= Buffer.from(JSON.stringify(req.body ?? {}));
       if (body.length > CREATE_BODY_MAX) return;

@@ -57,6 +57,8 @@ export interface HostServiceDeps {
   capacity: () => Promise<HostCapacity>;
   lostAfterS: number;
   heartbeatMs: number;
+  /** Called with this host's status when it is first read and whenever it changes (draining releases the warm pool). */
+  onStatus?: (status: HostStatus) => void;
   /** What else a lost host leaves to end (its builds); called by whoever sweeps, idempotent. */
   onLost?: (host: { id: string; name: string }, reason: string) => Promise<void>;
 }
@@ -71,6 +73,14 @@ export function createHostService(deps: HostServiceDeps) {
   let timer: NodeJS.Timeout | undefined;
   let beating: Promise<void> | undefined;
   let peers: { at: number; rows: Map<string, HostRow> } = { at: 0, rows: new Map() };
+  let ownStatus: string | undefined;
+
+  /** Tells onStatus when this host's status (as the store says, whoever changed it) is new. */
+  function sawOwnStatus(status: string | undefined) {
+    if (status === undefined || status === ownStatus) return;
+    ownStatus = status;
+    deps.onStatus?.(status as HostStatus);
+  }
 
   function view(row: HostRow): HostView {
     return {
@@ -112,7 +122,9 @@ export function createHostService(deps: HostServiceDeps) {
       )
       .execute();
     peers.at = 0;
-    return get(hostId);
+    const self = await get(hostId);
+    sawOwnStatus(self.status);
+    return self;
   }
 
   /** One heartbeat: this host's time and capacity, then a look for hosts whose heartbeat stopped. */
@@ -124,6 +136,8 @@ export function createHostService(deps: HostServiceDeps) {
     await db.updateTable("hosts").set({ heartbeat_at: now, capacity_json: capacity, updated_at: now }).where("id", "=", hostId).where("status", "!=", "lost").execute();
     await sweepLost();
     peers.at = 0;
+    // Another server may have drained or activated this host: its own row says so at each heartbeat.
+    sawOwnStatus((await db.selectFrom("hosts").select("status").where("id", "=", hostId).executeTakeFirst())?.status);
   }
 
   /**
@@ -219,7 +233,9 @@ export function createHostService(deps: HostServiceDeps) {
     if (row.status === "lost") throw new KilnError("conflict", `Host ${id} is lost: it becomes active again when its server starts`);
     await db.updateTable("hosts").set({ status, updated_at: new Date().toISOString() }).where("id", "=", id).where("status", "!=", "lost").execute();
     peers.at = 0;
-    return get(id);
+    const next = await get(id);
+    if (id === hostId) sawOwnStatus(next.status);
+    return next;
   }
 
   /** Every host row, read at most once a second: what forwarding and placement look hosts up in. */

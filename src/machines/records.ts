@@ -53,6 +53,7 @@ export function machineView(row: MachineRow) {
     auto_resume: row.auto_resume === 1,
     hibernate_mode: row.status === "hibernated" ? ((row.hibernate_mode ?? "freeze") as HibernateMode) : null,
     snapshot_id: row.snapshot_id ?? null,
+    host_id: row.host_id ?? null,
   };
 }
 export type MachineView = ReturnType<typeof machineView>;

@@ -22,6 +22,8 @@ export interface WarmPool {
   /** A booted machine for this create (resized by the caller where its size differs), or undefined (then the caller boots one). */
   take(want: { artifactId: string; vcpus: number; memoryMb: number; diskMb: number; internet: boolean; network: boolean }): LiveMachine | undefined;
   stats(): { size: number; ready: number; booting: number; ids: string[] };
+  /** Held (its host is draining): the idle machines are released and none are booted until it is let go. */
+  hold(held: boolean): void;
   close(): Promise<void>;
 }
 
@@ -39,13 +41,14 @@ export function createWarmPool(deps: {
   const inflight = new Set<Promise<unknown>>();
   let closed = false;
   let failures = 0;
+  let held = false;
 
   function specFor(id: string, s: PoolShape): MachineSpec {
     return { id, layers: s.layers, hostname: id.replaceAll("_", "-"), vcpus: s.vcpus, memoryMb: s.memoryMb, diskMb: DEFAULT_DISK_MB, internet: true, mounts: [] };
   }
 
   function fill() {
-    while (!closed && shape && ready.length + booting < size && failures < 3) {
+    while (!closed && !held && shape && ready.length + booting < size && failures < 3) {
       const s = shape;
       const id = newId("mch");
       booting++;
@@ -54,7 +57,7 @@ export function createWarmPool(deps: {
         async (live) => {
           booting--;
           failures = 0;
-          if (closed || shape?.artifactId !== s.artifactId) return driver.destroy(id);
+          if (closed || held || shape?.artifactId !== s.artifactId) return driver.destroy(id);
           ready.push({ live, artifactId: s.artifactId });
         },
         async (err: unknown) => {
@@ -95,6 +98,18 @@ export function createWarmPool(deps: {
       return entry.live;
     },
     stats: () => ({ size, ready: ready.length, booting, ids: ready.map((r) => r.live.id) }),
+    hold(next: boolean) {
+      if (next === held) return;
+      held = next;
+      if (held) {
+        const idle = ready.splice(0);
+        if (idle.length) log.info({ machines: idle.length }, "the host is draining: its idle warm pool is released");
+        for (const r of idle) void driver.destroy(r.live.id).catch((err: unknown) => log.warn({ err, machine_id: r.live.id }, "releasing a warm machine failed"));
+      } else {
+        failures = 0;
+        fill();
+      }
+    },
     async close() {
       closed = true;
       await Promise.allSettled([...inflight]);

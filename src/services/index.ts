@@ -115,7 +115,7 @@ export function createServices(deps: {
   const templates = createTemplateService(store.db);
 
   const teardown = createTeardown({ driver, log });
-  const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log, machinesCleaned: (ids) => teardown.cleaned(ids) });
+  const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log, hostId, machinesCleaned: (ids) => teardown.cleaned(ids) });
   const admission = createAdmission({ db: store.db, limits: deps.limits, cleaning: () => teardown.pending(), hostId });
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, teardown, boots, maxHibernationS: deps.snapshots?.maxHibernationS });
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
@@ -131,6 +131,7 @@ export function createServices(deps: {
     name: hostSettings.name,
     lostAfterS: hostSettings.lostAfterS,
     heartbeatMs: hostSettings.heartbeatMs,
+    onStatus: (status) => pool.hold(status !== "active"),
     onLost: async (host, reason) => {
       const ended = await builds.recoverInterrupted([host.id], reason);
       if (ended > 0) log.warn({ host_id: host.id, builds: ended }, "builds of a lost host marked error");

@@ -383,6 +383,13 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.createIndex("events_occurred").on("events").columns(["occurred_at"]).execute();
       },
     },
+    // A volume's data lives on one host: its file routes and WebSocket are served there, machines mounting it are
+    // placed there, and each server mounts only its own at start. Null: made before hosts (the host that has it).
+    "0027_volume_hosts": {
+      async up(db: Kysely<any>) {
+        await db.schema.alterTable("volumes").addColumn("host_id", "text").execute();
+      },
+    },
   };
 }
 

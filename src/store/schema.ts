@@ -234,6 +234,8 @@ export interface VolumesTable {
   status: string; // creating | ready | deleting
   created_at: string;
   updated_at: string;
+  /** The host whose data dir holds it (null: made before hosts were recorded). */
+  host_id: ColumnType<string | null, string | null | undefined, string | null>;
 }
 
 /** One row per volume a machine mounts; kept after the machine is gone (its status says whether it is live). */

@@ -36,7 +36,7 @@ export interface VolumeMount {
 }
 
 export function volumeView(row: VolumeRow) {
-  return { id: row.id, name: row.name, size_mb: row.size_mb, status: row.status as VolumeStatus, created_at: row.created_at, updated_at: row.updated_at };
+  return { id: row.id, name: row.name, size_mb: row.size_mb, status: row.status as VolumeStatus, created_at: row.created_at, updated_at: row.updated_at, host_id: row.host_id ?? null };
 }
 export type VolumeView = ReturnType<typeof volumeView>;
 
@@ -60,6 +60,8 @@ export function createVolumeService(deps: {
   db: Db;
   dataDir: string;
   log: Logger;
+  /** This server's host: the volumes it makes are recorded there, and it mounts only those (docs/hosts.md). */
+  hostId?: string;
   /**
    * Resolves once destroyed machines among `ids` have had their remains removed (machines/teardown.ts): a machine's
    * DELETE answers before its bind of the volume is unmounted, and the volume's storage must not go from under it.
@@ -75,6 +77,10 @@ export function createVolumeService(deps: {
   /** Serialises create-time attachment and deletion of one volume, so a delete never races a machine mounting it. */
   const withLock = locks.run;
 
+  function ownedHere(row: VolumeRow): boolean {
+    return row.host_id === null || deps.hostId === undefined || row.host_id === deps.hostId;
+  }
+
   async function load(id: string): Promise<VolumeRow> {
     const row = /^vol_[a-z0-9]{26}$/.test(id) ? await db.selectFrom("volumes").selectAll().where("id", "=", id).executeTakeFirst() : undefined;
     if (!row || row.status === "deleting") throw new KilnError("not_found", `No volume ${id}`);
@@ -88,7 +94,7 @@ export function createVolumeService(deps: {
       throw new KilnError("invalid_request", `size_mb ${sizeMb} is more than the host's free disk (${Math.floor(free / 1024 / 1024)} MiB)`);
     }
     const now = new Date().toISOString();
-    const row: VolumeRow = { id: newId("vol"), name: input.name, size_mb: sizeMb, status: "creating", created_at: now, updated_at: now };
+    const row: VolumeRow = { id: newId("vol"), name: input.name, size_mb: sizeMb, status: "creating", created_at: now, updated_at: now, host_id: deps.hostId ?? null };
     // Recorded first, so a crash half-way leaves a row that the next start cleans up rather than a stray image.
     await db.insertInto("volumes").values(row).execute();
     try {
@@ -171,6 +177,8 @@ export function createVolumeService(deps: {
           const row = await load(r.volume_id).catch((err: unknown) => {
             throw err instanceof KilnError && err.code === "not_found" ? new KilnError("invalid_request", `No volume ${r.volume_id}`) : err;
           });
+          // Placement sends a create that mounts volumes to their host; one that reaches another host is refused.
+          if (!ownedHere(row)) throw new KilnError("conflict", `Volume ${row.id} lives on host ${row.host_id}; a machine mounting it runs there (send the create to any server: placement routes it)`);
           const paths = volumePaths(dataDir, row.id);
           await mountVolumeStorage(paths);
           const guestPath = guestPaths.get(r)!;
@@ -219,7 +227,8 @@ export function createVolumeService(deps: {
     // Mounts recorded for a machine whose row never got written (a crash in between) hold nothing.
     const orphans = await db.selectFrom("machine_volumes").leftJoin("machines", "machines.id", "machine_volumes.machine_id").select("machine_volumes.machine_id as machine_id").where("machines.id", "is", null).execute();
     for (const o of orphans) await db.deleteFrom("machine_volumes").where("machine_id", "=", o.machine_id).execute();
-    const rows = await db.selectFrom("volumes").selectAll().execute();
+    // Only this host's volumes: another host's data is in that host's data dir.
+    const rows = (await db.selectFrom("volumes").selectAll().execute()).filter(ownedHere);
     let mounted = 0;
     let cleaned = 0;
     for (const row of rows) {

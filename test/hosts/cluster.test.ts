@@ -64,7 +64,7 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   cleanups.push(() => rx.close());
   const dirs: string[] = [];
   const servers = new Map<string, ServerProcess>();
-  const start = async (id: string, dir?: string) => {
+  const start = async (id: string, dir?: string, extra: Record<string, string> = {}) => {
     const dataDir = dir ?? (await mkdtemp(join(tmpdir(), `kiln-host-${id}-`)));
     if (!dir) dirs.push(dataDir);
     const s = await startServerProcess(dataDir, {
@@ -75,6 +75,7 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
       KILN_HOST_HEARTBEAT_MS: String(HEARTBEAT_MS),
       KILN_WEBHOOK_ALLOW_PRIVATE: "1",
       KILN_LOG_LEVEL: "info",
+      ...extra,
     });
     servers.set(id, s);
     dirOf.set(id, dataDir);
@@ -88,6 +89,8 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
     const any = [...servers.values()][0];
     const live: { id: string }[] = any ? await any.call("GET", "/v1/machines?limit=100").then((r) => r.body?.machines ?? [], () => []) : [];
     for (const m of live) await any!.call("DELETE", `/v1/machines/${m.id}`).catch(() => undefined);
+    const vols: { id: string }[] = any ? await any.call("GET", "/v1/volumes?limit=100").then((r) => r.body?.volumes ?? [], () => []) : [];
+    for (const v of vols) await any!.call("DELETE", `/v1/volumes/${v.id}`).catch(() => undefined);
     for (const s of servers.values()) await s.stop().catch(() => undefined);
     for (const d of dirs) await rm(d, { recursive: true, force: true });
   });
@@ -95,7 +98,8 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   const { s: a } = await start("h-a");
   await create(a).then((m) => a.call("DELETE", `/v1/machines/${m.id}`));
   const { s: b } = await start("h-b");
-  const { s: c, dataDir: cDir } = await start("h-c");
+  // Host c keeps one warm machine: draining it releases that machine (below).
+  const { s: c, dataDir: cDir } = await start("h-c", undefined, { KILN_WARM_POOL: "1" });
 
   // Hosts: every server lists all three, each advertising its own loopback URL.
   const hosts = (await b.call("GET", "/v1/hosts")).body.hosts as any[];
@@ -118,8 +122,12 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   for (let i = 0; i < 3; i++) {
     const m = await create(a);
     const rec = await a.call("GET", `/v1/machines/${m.id}`);
-    placed.push({ id: m.id, host: rec.body.host_id ?? (await hostOf(db.url, m.id)) });
+    // A user sees where a machine runs: its record names the host, as the store does.
+    assert.equal(rec.body.host_id, await hostOf(db.url, m.id), "the machine view carries host_id");
+    placed.push({ id: m.id, host: rec.body.host_id });
   }
+  const listed = (await b.call("GET", "/v1/machines?limit=100")).body.machines as { id: string; host_id: string }[];
+  for (const p of placed) assert.equal(listed.find((m) => m.id === p.id)?.host_id, p.host, "the machines list carries host_id");
   assert.deepEqual(placed.map((p) => p.host).sort(), ["h-a", "h-b", "h-c"], "one machine on each host");
   const on = (h: string) => placed.find((p) => p.host === h)!.id;
 
@@ -130,6 +138,9 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
     assert.equal(ex.status, 200, JSON.stringify(ex.body));
     assert.match(ex.body.stdout, /ok\n$/);
   }
+  // Identical requests forwarded in the same moment are each their own signed forward, never taken for a replay.
+  const same = await Promise.all(Array.from({ length: 8 }, () => a.call("POST", `/v1/machines/${mb}/exec`, { cmd: "true" })));
+  assert.deepEqual(same.map((r) => r.status), Array(8).fill(200), JSON.stringify(same.find((r) => r.status !== 200)?.body));
   const payload = Buffer.alloc(3 * 1024 * 1024, 7);
   const put = await request(`${a.url}/v1/machines/${mb}/files?path=/tmp/big`, { method: "PUT", headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/octet-stream" }, body: payload });
   assert.equal(put.statusCode, 200, await put.body.text());
@@ -147,6 +158,61 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   assert.equal((await frames.next((f) => f.type === "exec.exit")).exit_code, 0);
   ws.close();
 
+  // Volumes live on the host that made them: their files and WebSocket answer through any server, and a machine
+  // mounting one is placed on its host whichever server takes the create.
+  const vol = await b.call("POST", "/v1/volumes", { name: "shared", size_mb: 16 });
+  assert.equal(vol.status, 201, JSON.stringify(vol.body));
+  assert.equal(vol.body.host_id, "h-b");
+  const vws = new WebSocket(`${c.url.replace("http", "ws")}/v1/volumes/${vol.body.id}/ws`, { headers: { authorization: `Bearer ${TEST_KEY}` } });
+  const vframes = collectFrames(vws);
+  await new Promise((resolve, reject) => vws.once("open", resolve).once("error", reject));
+  vframes.send({ type: "file_watch", request_id: "w1", path: "/", recursive: true });
+  const watching = await vframes.next((f) => f.request_id === "w1");
+  assert.equal(watching.type, "file_watch.started", JSON.stringify(watching));
+  const vput = await request(`${a.url}/v1/volumes/${vol.body.id}/files?path=/from-a.txt`, { method: "PUT", headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/octet-stream" }, body: "written through a" });
+  assert.equal(vput.statusCode, 200, await vput.body.text());
+  await vframes.next((f) => f.type === "file_event" && f.path === "/from-a.txt");
+  vws.close();
+  const withVol = await create(c, { volumes: [{ volume_id: vol.body.id, path: "/data" }] });
+  assert.equal(await hostOf(db.url, withVol.id), "h-b", "a machine mounting a volume is placed on the volume's host");
+  const readVol = await a.call("POST", `/v1/machines/${withVol.id}/exec`, { cmd: "cat /data/from-a.txt" });
+  assert.equal(readVol.body.stdout, "written through a");
+  assert.equal((await a.call("DELETE", `/v1/machines/${withVol.id}`)).status, 200);
+
+  // A snapshot's files stay on its machine's host: made through a, deleted through c, both served by host b.
+  const snap = await a.call("POST", `/v1/machines/${mb}/snapshots`, { name: "on-b" });
+  assert.equal(snap.status, 201, JSON.stringify(snap.body));
+  const snapDeleted = await c.call("DELETE", `/v1/snapshots/${snap.body.id}`);
+  assert.equal(snapDeleted.status, 200, JSON.stringify(snapDeleted.body));
+  assert.equal(snapDeleted.body.status, "deleted");
+
+  // A build runs on the host that took it; its record names that host, and its log stream answers through another.
+  const built = await request(`${a.url}/v1/templates/build`, { method: "POST", headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json" }, body: JSON.stringify({ name: "built-on-a", steps: [{ type: "run", command: "echo marker-from-a" }] }) });
+  assert.equal(built.statusCode, 200);
+  const buildText = await built.body.text();
+  const buildId = /"build_id":"(bld_[a-z0-9]+)"/.exec(buildText)?.[1];
+  assert.ok(buildId, `a build id in the stream: ${buildText.slice(0, 500)}`);
+  const buildRec = await c.call("GET", `/v1/templates/built-on-a/builds/${buildId}`);
+  assert.equal(buildRec.body.host_id, "h-a", "the build view carries host_id");
+  const logs = await request(`${b.url}/v1/templates/built-on-a/builds/${buildId}/logs`, { headers: { authorization: `Bearer ${TEST_KEY}` } });
+  assert.equal(logs.statusCode, 200);
+  assert.match(String(logs.headers["content-type"]), /^text\/event-stream/);
+  assert.match(await logs.body.text(), /marker-from-a/, "the build's log stream, read through host b");
+
+  // Forged cluster headers on what is forwarded now: refused before anything is served, WebSocket or not.
+  const forgedHeaders = { "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": "h-b", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-nonce": "forged", "x-kiln-cluster-sig": "AAAA" };
+  assert.equal((await raw(`${b.url}/v1/volumes/${vol.body.id}/files?path=/from-a.txt`, "GET", forgedHeaders)).status, 401);
+  assert.equal((await raw(`${a.url}/v1/templates/built-on-a/builds/${buildId}/logs`, "GET", { ...forgedHeaders, "x-kiln-cluster-to": "h-a" })).status, 401);
+  const forgedWs = new WebSocket(`${b.url.replace("http", "ws")}/v1/volumes/${vol.body.id}/ws`, { headers: { ...forgedHeaders, authorization: `Bearer ${TEST_KEY}` } });
+  const forgedStatus = await new Promise<number>((resolve) => {
+    forgedWs.once("unexpected-response", (_req, res) => resolve(res.statusCode ?? 0));
+    forgedWs.once("open", () => resolve(101));
+    forgedWs.once("error", () => resolve(-1));
+  });
+  forgedWs.terminate();
+  assert.equal(forgedStatus, 401, "a forged forward of a volume WebSocket");
+  assert.equal((await b.call("DELETE", `/v1/volumes/${vol.body.id}`)).status, 204);
+
   // The caller is authenticated by the first server: no key, or a revoked one, never reaches the owner.
   assert.equal((await raw(`${a.url}/v1/machines/${mb}/exec`, "POST", { "content-type": "application/json" }, JSON.stringify({ cmd: "true" }))).status, 401);
   const other = await a.call("POST", "/v1/keys", { name: "not-operator" });
@@ -158,7 +224,7 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   const path = `/v1/machines/${mb}/exec`;
   const body = JSON.stringify({ cmd: "id" });
   const json = { "content-type": "application/json" };
-  const forged = { ...json, "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": "h-b", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-sig": "AAAA" };
+  const forged = { ...json, "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": "h-b", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-nonce": "forged", "x-kiln-cluster-sig": "AAAA" };
   assert.equal((await raw(b.url + path, "POST", forged, body)).status, 401, "a made-up signature");
   assert.equal((await raw(b.url + path, "POST", { ...forged, authorization: `Bearer ${TEST_KEY}` }, body)).status, 401, "a bad signature is not rescued by a good key");
   // With the real secret (what only the store holds): a signature for another host, an old one, and a replay.
@@ -166,8 +232,9 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   const keyId = await operatorKeyId(db.url);
   const sign = (to: string, ts: number) => {
     const h = createHmac("sha256", secret);
-    for (const p of ["POST", path, String(ts), keyId, "h-a", to]) h.update(`${p.length}:${p}\n`);
-    return { ...json, "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": to, "x-kiln-cluster-ts": String(ts), "x-kiln-cluster-key": keyId, "x-kiln-cluster-sig": h.digest("base64url") };
+    const nonce = `n${ts}`;
+    for (const p of ["POST", path, String(ts), nonce, keyId, "h-a", to]) h.update(`${p.length}:${p}\n`);
+    return { ...json, "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": to, "x-kiln-cluster-ts": String(ts), "x-kiln-cluster-nonce": nonce, "x-kiln-cluster-key": keyId, "x-kiln-cluster-sig": h.digest("base64url") };
   };
   assert.equal((await raw(b.url + path, "POST", sign("h-c", Date.now()), body)).status, 401, "addressed to another host");
   assert.equal((await raw(b.url + path, "POST", sign("h-b", Date.now() - 120_000), body)).status, 401, "outside the window");
@@ -177,12 +244,16 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   // Absent cluster headers: a direct request to the owner still needs its key like any request.
   assert.equal((await raw(b.url + path, "POST", json, body)).status, 401);
 
-  // Drain: only the operator's key; a draining host gets no new machines; activate brings it back.
+  // Drain: only the operator's key; a draining host gets no new machines and releases its idle warm pool; activate
+  // brings both back.
+  await until("host c's warm machine to be booted", async () => (await warmReady(c)) === 1, 120_000);
   const plain = await a.call("POST", "/v1/keys", { name: "plain" });
   assert.equal((await raw(`${a.url}/v1/hosts/h-c/drain`, "POST", { authorization: `Bearer ${plain.body.key}` })).status, 403);
   const drained = await b.call("POST", "/v1/hosts/h-c/drain");
   assert.equal(drained.status, 200);
   assert.equal(drained.body.status, "draining");
+  // Drained through b: c sees it at its next heartbeat and releases its idle warm machine.
+  await until("host c's warm pool to be released", async () => (await warmReady(c)) === 0, 30_000);
   const during: string[] = [];
   for (let i = 0; i < 3; i++) {
     const m = await create(c);
@@ -191,6 +262,7 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   }
   for (const id of during) assert.equal((await c.call("DELETE", `/v1/machines/${id}`)).status, 200);
   assert.equal((await a.call("POST", "/v1/hosts/h-c/activate")).body.status, "active");
+  await until("host c's warm pool to be refilled", async () => (await warmReady(c)) === 1, 120_000);
 
   // A host killed with SIGKILL: lost within the bound, its machine failed with the reason, its webhook once.
   const mc = on("h-c");
@@ -245,6 +317,13 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
     assert.equal(found.stdout.trim(), "", `the secret is in no file of ${d}`);
   }
 });
+
+/** Warm machines a server holds ready now (its Prometheus metrics). */
+async function warmReady(s: ServerProcess): Promise<number> {
+  const res = await request(`${s.url}/metrics`, { headers: { authorization: `Bearer ${TEST_KEY}` } });
+  const m = /^kiln_warm_pool_ready\s+(\d+)/m.exec(await res.body.text());
+  return m ? Number(m[1]) : -1;
+}
 
 async function query<T>(url: string, text: string, params: unknown[] = []): Promise<T[]> {
   const client = new pg.Client({ connectionString: url });

@@ -970,6 +970,8 @@ export interface paths {
                                 hibernate_mode: ("freeze" | "disk" | "memory") | null;
                                 /** @description The snapshot it was made from */
                                 snapshot_id: string | null;
+                                /** @description The host it runs on (GET /v1/hosts/{id}); null for a record made before hosts existed */
+                                host_id: string | null;
                             }[];
                             next_cursor: string | null;
                         };
@@ -1114,6 +1116,8 @@ export interface paths {
                             hibernate_mode: ("freeze" | "disk" | "memory") | null;
                             /** @description The snapshot it was made from */
                             snapshot_id: string | null;
+                            /** @description The host it runs on (GET /v1/hosts/{id}); null for a record made before hosts existed */
+                            host_id: string | null;
                         };
                     };
                 };
@@ -1275,6 +1279,8 @@ export interface paths {
                             hibernate_mode: ("freeze" | "disk" | "memory") | null;
                             /** @description The snapshot it was made from */
                             snapshot_id: string | null;
+                            /** @description The host it runs on (GET /v1/hosts/{id}); null for a record made before hosts existed */
+                            host_id: string | null;
                         };
                     };
                 };
@@ -1374,6 +1380,8 @@ export interface paths {
                             hibernate_mode: ("freeze" | "disk" | "memory") | null;
                             /** @description The snapshot it was made from */
                             snapshot_id: string | null;
+                            /** @description The host it runs on (GET /v1/hosts/{id}); null for a record made before hosts existed */
+                            host_id: string | null;
                         };
                     };
                 };
@@ -1490,6 +1498,8 @@ export interface paths {
                             hibernate_mode: ("freeze" | "disk" | "memory") | null;
                             /** @description The snapshot it was made from */
                             snapshot_id: string | null;
+                            /** @description The host it runs on (GET /v1/hosts/{id}); null for a record made before hosts existed */
+                            host_id: string | null;
                         };
                     };
                 };
@@ -1753,6 +1763,8 @@ export interface paths {
                             hibernate_mode: ("freeze" | "disk" | "memory") | null;
                             /** @description The snapshot it was made from */
                             snapshot_id: string | null;
+                            /** @description The host it runs on (GET /v1/hosts/{id}); null for a record made before hosts existed */
+                            host_id: string | null;
                         };
                     };
                 };
@@ -1899,6 +1911,8 @@ export interface paths {
                             hibernate_mode: ("freeze" | "disk" | "memory") | null;
                             /** @description The snapshot it was made from */
                             snapshot_id: string | null;
+                            /** @description The host it runs on (GET /v1/hosts/{id}); null for a record made before hosts existed */
+                            host_id: string | null;
                         };
                     };
                 };
@@ -2357,6 +2371,8 @@ export interface paths {
                                 hibernate_mode: ("freeze" | "disk" | "memory") | null;
                                 /** @description The snapshot it was made from */
                                 snapshot_id: string | null;
+                                /** @description The host it runs on (GET /v1/hosts/{id}); null for a record made before hosts existed */
+                                host_id: string | null;
                             }[];
                         };
                     };
@@ -4373,6 +4389,8 @@ export interface paths {
                                 };
                                 retention_expires_at: string | null;
                                 artifact_ids: string[];
+                                /** @description The host that ran the build (its live log stream and cancel are served there through any server) */
+                                host_id: string | null;
                             }[];
                             next_cursor: string | null;
                         };
@@ -4504,6 +4522,8 @@ export interface paths {
                             };
                             retention_expires_at: string | null;
                             artifact_ids: string[];
+                            /** @description The host that ran the build (its live log stream and cancel are served there through any server) */
+                            host_id: string | null;
                         };
                     };
                 };
@@ -4712,6 +4732,8 @@ export interface paths {
                             };
                             retention_expires_at: string | null;
                             artifact_ids: string[];
+                            /** @description The host that ran the build (its live log stream and cancel are served there through any server) */
+                            host_id: string | null;
                         };
                     };
                 };
@@ -8972,6 +8994,8 @@ export interface paths {
                                 created_at: string;
                                 /** Format: date-time */
                                 updated_at: string;
+                                /** @description The host that holds its data: machines mounting it are placed there */
+                                host_id: string | null;
                             }[];
                             next_cursor: string | null;
                         };
@@ -9048,6 +9072,8 @@ export interface paths {
                             created_at: string;
                             /** Format: date-time */
                             updated_at: string;
+                            /** @description The host that holds its data: machines mounting it are placed there */
+                            host_id: string | null;
                         };
                     };
                 };
@@ -9128,6 +9154,8 @@ export interface paths {
                             created_at: string;
                             /** Format: date-time */
                             updated_at: string;
+                            /** @description The host that holds its data: machines mounting it are placed there */
+                            host_id: string | null;
                         };
                     };
                 };

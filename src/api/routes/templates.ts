@@ -42,6 +42,7 @@ const BuildRecord = Type.Object({
   promotability: Type.Object({ status: Type.String(), promotable: Type.Boolean(), reason: Type.String() }),
   retention_expires_at: Type.Union([Type.String({ format: "date-time" }), Type.Null()]),
   artifact_ids: Type.Array(Type.String()),
+  host_id: Type.Union([Type.String(), Type.Null()], { description: "The host that ran the build (its live log stream and cancel are served there through any server)" }),
 });
 
 const Template = Type.Object({

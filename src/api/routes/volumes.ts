@@ -22,6 +22,7 @@ export const Volume = Type.Object({
   status: Type.Enum(VOLUME_STATUSES),
   created_at: Type.String({ format: "date-time" }),
   updated_at: Type.String({ format: "date-time" }),
+  host_id: Type.Union([Type.String(), Type.Null()], { description: "The host that holds its data: machines mounting it are placed there" }),
 });
 
 const CreateVolume = Type.Object(
