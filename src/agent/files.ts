@@ -64,7 +64,7 @@ async function metadataOf(path: string, st: Stats): Promise<Record<string, strin
   const target = st.isSymbolicLink() ? await realpath(path).catch(() => undefined) : path;
   if (target === undefined) return undefined;
   // (gVisor lists no xattrs rather than refusing the call: a file with none is looked up in the records too.)
-  const fromXattrs = await readMetadata(target);
+  const fromXattrs = readMetadata(target);
   if (fromXattrs) return fromXattrs;
   const targetSt = target === path ? st : await stat(target).catch(() => undefined);
   return targetSt && recordedMetadata(targetSt);

@@ -46,12 +46,14 @@ const ENODATA = 61;
  * undefined when it has none; null when its filesystem refuses user xattrs. Best effort,
  * as envd: a file that cannot be read has none, and a value that is not UTF-8 (set inside the machine) is skipped.
  */
-export async function readMetadata(path: string): Promise<Record<string, string> | undefined | null> {
+export function readMetadata(path: string): Record<string, string> | undefined | null {
   const x = xattr();
   if (!x) return null;
+  // Synchronous: one listxattr(2) per entry costs ~1.5 µs this way, and as much as the entry's lstat through the
+  // addon's thread pool (measured: 1 000 files, 1.5 ms vs 11 ms); most files have no attribute to read at all.
   let names: string[];
   try {
-    names = await x.listAttributes(path);
+    names = x.listAttributesSync(path);
   } catch (err) {
     return errnoOf(err) === ENOTSUP ? null : undefined;
   }
@@ -61,7 +63,12 @@ export async function readMetadata(path: string): Promise<Record<string, string>
   let bytes = 0;
   const decoder = new TextDecoder("utf-8", { fatal: true });
   for (const name of keys) {
-    const value = await x.getAttribute(path, name).catch(() => null);
+    let value: Buffer | null;
+    try {
+      value = x.getAttributeSync(path, name);
+    } catch {
+      continue; // removed meanwhile
+    }
     if (value === null) continue;
     let text: string;
     try {
