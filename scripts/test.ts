@@ -41,6 +41,7 @@ const MACHINE_SUITES = [
   "test/e2b/snapshots.test.ts",
   "test/e2b/signed-urls.test.ts",
   "test/e2b/network-volumes.test.ts",
+  "test/e2b/envd064.test.ts",
   "test/e2b/metrics.test.ts",
   "test/e2b/code-interpreter-template.test.ts",
 ];

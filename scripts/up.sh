@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(runc slirp4netns uidmap debootstrap tini iproute2 procps git ca-certificates postgresql util-linux openssh-server e2fsprogs inotify-tools nftables xfsprogs curl jq)
+# attr (getfattr/setfattr): the agent bundle test checks, from outside the agent, the user.e2b.* xattrs it keeps file metadata in.
+PACKAGES+=(attr)
 # chromium: the console's tests and benchmarks drive the web console in real headless Chromium (puppeteer-core).
 PACKAGES+=(chromium)
 # python3: the Python SDK (sdk/python, standard library only) is tested with Debian's own interpreter.

@@ -1,10 +1,11 @@
-// Bundles the guest agent into one file (esbuild) for injection into machines, with the node-pty prebuilt
-// binary beside it: the bundle needs nothing from the project's node_modules at run time.
+// Bundles the guest agent into one file (esbuild) for injection into machines, with the node-pty and xattr prebuilt
+// binaries beside it: the bundle needs nothing from the project's node_modules at run time.
 
 import { build } from "esbuild";
 import { copyFile, cp, mkdir, rm } from "node:fs/promises";
 import { createRequire } from "node:module";
 import { dirname, join } from "node:path";
+import { XATTR_ADDON } from "./xattr-metadata.ts";
 
 const require = createRequire(import.meta.url);
 
@@ -43,4 +44,8 @@ export async function bundleAgent(outDir: string): Promise<void> {
     const from = dirname(require.resolve(`${pkg}/package.json`));
     await cp(from, join(outDir, "node_modules", pkg), { recursive: true, filter: (src) => !/\.(md|d\.ts|map)$/.test(src) });
   }
+  // The xattr addon alone (glibc, as the guest runtime's node): loaded by path, never through its package's loader.
+  const xattrPkg = dirname(require.resolve(`@napi-rs/xattr-linux-${process.arch}-gnu/package.json`));
+  await mkdir(dirname(join(outDir, XATTR_ADDON)), { recursive: true });
+  await copyFile(join(xattrPkg, `xattr.linux-${process.arch}-gnu.node`), join(outDir, XATTR_ADDON));
 }

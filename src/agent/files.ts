@@ -2,7 +2,7 @@
 // atomic writes (temp file + rename, so a failed upload leaves nothing), listing, mkdir -p, remove, move.
 
 import { createWriteStream } from "node:fs";
-import { lstat, readlink, readdir, mkdir, rm, rename, rmdir, unlink, chown, chmod, stat, readFile, writeFile } from "node:fs/promises";
+import { lstat, readlink, readdir, mkdir, realpath, rm, rename, rmdir, unlink, chown, chmod, stat, readFile, writeFile } from "node:fs/promises";
 import type { Stats } from "node:fs";
 import { pipeline } from "node:stream/promises";
 import type { Readable } from "node:stream";
@@ -15,15 +15,16 @@ import { dirNames, listPage } from "./list-pages.ts";
 import { statToFileInfo } from "./file-info.ts";
 import type { OwnerNames } from "./file-info.ts";
 import type { TreeSource } from "./list-pages.ts";
+import { readMetadata, writeMetadata } from "./xattr-metadata.ts";
 
 /** Uploads are written beside their target under this prefix, then renamed into place (a watch hides them). */
 export const UPLOAD_PREFIX = ".kiln-upload-";
 
 /**
- * User metadata of files (E2B's `files.write(..., {metadata})`), kept in the machine beside its files: one record per
- * inode under this directory, so it follows the file through renames and moves and outlasts a stop/resume. Node
- * has no xattr call, hence records instead of `user.*` xattrs. A record names the file's birth time too: a later
- * file that reuses a freed inode does not inherit it.
+ * Where a filesystem keeps no user xattrs (gVisor's root, whose overlay refuses them), metadata is kept in the
+ * machine beside its files instead: one record per inode under this directory, so it still follows the file through
+ * renames and moves and outlasts a stop/resume. A record names the file's birth time too: a later file that reuses
+ * a freed inode does not inherit it. Records of deleted files stay behind (small, never matched again).
  */
 export const METADATA_DIR = "/var/lib/kiln/file-metadata";
 type MetadataRecord = { birth: number; metadata: Record<string, string> };
@@ -31,7 +32,7 @@ let metadataRecords: Promise<Map<string, MetadataRecord>> | undefined;
 
 const inodeKey = (st: Stats) => `${st.dev}-${st.ino}`;
 
-function loadMetadata(): Promise<Map<string, MetadataRecord>> {
+function loadMetadataRecords(): Promise<Map<string, MetadataRecord>> {
   return (metadataRecords ??= (async () => {
     const map = new Map<string, MetadataRecord>();
     const names = await readdir(METADATA_DIR).catch(() => [] as string[]);
@@ -44,13 +45,13 @@ function loadMetadata(): Promise<Map<string, MetadataRecord>> {
   })());
 }
 
-async function metadataOf(st: Stats): Promise<Record<string, string> | undefined> {
-  const rec = (await loadMetadata()).get(inodeKey(st));
+async function recordedMetadata(st: Stats): Promise<Record<string, string> | undefined> {
+  const rec = (await loadMetadataRecords()).get(inodeKey(st));
   return rec && rec.birth === st.birthtimeMs ? rec.metadata : undefined;
 }
 
-async function setMetadata(st: Stats, metadata: Record<string, string>): Promise<void> {
-  const map = await loadMetadata();
+async function recordMetadata(st: Stats, metadata: Record<string, string>): Promise<void> {
+  const map = await loadMetadataRecords();
   const key = inodeKey(st);
   const rec: MetadataRecord = { birth: st.birthtimeMs, metadata };
   await mkdir(METADATA_DIR, { recursive: true, mode: 0o700 });
@@ -58,6 +59,16 @@ async function setMetadata(st: Stats, metadata: Record<string, string>): Promise
   map.set(key, rec);
 }
 
+/** A file's metadata: its `user.e2b.*` xattrs (through a symlink, as envd), else its record if it has one. */
+async function metadataOf(path: string, st: Stats): Promise<Record<string, string> | undefined> {
+  const target = st.isSymbolicLink() ? await realpath(path).catch(() => undefined) : path;
+  if (target === undefined) return undefined;
+  // (gVisor lists no xattrs rather than refusing the call: a file with none is looked up in the records too.)
+  const fromXattrs = readMetadata(target);
+  if (fromXattrs) return fromXattrs;
+  const targetSt = target === path ? st : await stat(target).catch(() => undefined);
+  return targetSt && recordedMetadata(targetSt);
+}
 
 /** Owner and group names by id; a listing passes memoised ones (one look at passwd/group per page, not per entry). */
 const currentOwnerNames: OwnerNames = { user: userName, group: groupName };
@@ -75,7 +86,7 @@ export async function fileInfo(path: string, st?: Stats, names: OwnerNames = cur
   try {
     st ??= await lstat(path);
     const info = statToFileInfo(path, st, names, st.isSymbolicLink() ? await readlink(path) : undefined);
-    const metadata = await metadataOf(st);
+    const metadata = await metadataOf(path, st);
     if (metadata) info.metadata = metadata;
     return info;
   } catch (err) {
@@ -154,8 +165,9 @@ export async function writeFileAtomic(path: string, body: Readable, opts: { mode
     // A file replaced without a named user keeps its owner: the rename must not hand it to root.
     if (opts.owner) await chown(temp, opts.owner.uid, opts.owner.gid);
     else if (existing) await chown(temp, existing.uid, existing.gid);
-    // Recorded by the temp file's inode, which the rename keeps: the file appears with its metadata.
-    if (opts.metadata && Object.keys(opts.metadata).length > 0) await setMetadata(await lstat(temp), opts.metadata);
+    // Set on the temp file, whose inode the rename keeps: the file appears with its metadata (and a rewrite, being
+    // a new file, has only what it sent, as envd's upload replaces the whole set).
+    if (opts.metadata && Object.keys(opts.metadata).length > 0 && !(await writeMetadata(temp, opts.metadata))) await recordMetadata(await lstat(temp), opts.metadata);
     await rename(temp, path);
   } catch (err) {
     await unlink(temp).catch(() => undefined);

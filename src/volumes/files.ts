@@ -305,6 +305,32 @@ export function volumeFiles(mountPath: string) {
     );
   }
 
+  /**
+   * chmod of a volume file or directory, never through a symlink: the name is lstat'ed, opened with O_NOFOLLOW
+   * (non-blocking), and changed through that fd only if it is still the same file or directory.
+   */
+  async function setMode(path: string, mode: number): Promise<FileInfo> {
+    if (volumePathComponents(path).length === 0) {
+      return withDir("/", async (dir) => {
+        await dir.chmod(mode);
+        return describe("/", await dir.stat());
+      });
+    }
+    return withParent(path, async (parent, name, shown) => {
+      const before = await lstat(at(parent, name));
+      if (!before.isFile() && !before.isDirectory()) throw new KilnError("invalid_request", `${shown} is not a regular file or directory`);
+      const fh = await open(at(parent, name), READ_FLAGS);
+      try {
+        const st = await fh.stat();
+        if (st.ino !== before.ino || st.dev !== before.dev) throw new KilnError("conflict", `${shown} changed while its mode was being set`);
+        await fh.chmod(mode);
+      } finally {
+        await fh.close();
+      }
+      return infoAt(parent, name, shown);
+    });
+  }
+
   /** lstat of a volume path, or undefined when it does not exist (watch subscriptions check their path with it). */
   async function exists(path: string): Promise<FileInfo | undefined> {
     return info(path).catch((err: unknown) => {
@@ -313,7 +339,7 @@ export function volumeFiles(mountPath: string) {
     });
   }
 
-  return { info, list, read, write, mkdir: makeDir, remove, move, exists };
+  return { info, list, read, write, mkdir: makeDir, remove, move, exists, setMode };
 }
 
 export type VolumeFiles = ReturnType<typeof volumeFiles>;

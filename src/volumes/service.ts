@@ -54,6 +54,15 @@ export interface VolumeService {
   close(): Promise<void>;
   /** Machines that hold the volume mounted now. */
   liveMachinesOf(id: string): Promise<string[]>;
+  /** The volumes each of `machineIds` mounts (volume id and name, guest path), in path order; one query. */
+  mountsOf(machineIds: string[]): Promise<Map<string, MachineVolumeMount[]>>;
+}
+
+export interface MachineVolumeMount {
+  volume_id: string;
+  name: string;
+  path: string;
+  read_only: boolean;
 }
 
 export function createVolumeService(deps: {
@@ -121,6 +130,20 @@ export function createVolumeService(deps: {
   }
 
   /** Machines that hold the volume mounted now (a mount recorded for a machine not yet inserted counts too). */
+  async function mountsOf(machineIds: string[]): Promise<Map<string, MachineVolumeMount[]>> {
+    const out = new Map<string, MachineVolumeMount[]>(machineIds.map((id) => [id, []]));
+    if (machineIds.length === 0) return out;
+    const rows = await db
+      .selectFrom("machine_volumes")
+      .innerJoin("volumes", "volumes.id", "machine_volumes.volume_id")
+      .select(["machine_volumes.machine_id as machine_id", "machine_volumes.volume_id as volume_id", "volumes.name as name", "machine_volumes.path as path", "machine_volumes.read_only as read_only"])
+      .where("machine_volumes.machine_id", "in", machineIds)
+      .orderBy("machine_volumes.path")
+      .execute();
+    for (const r of rows) out.get(r.machine_id)?.push({ volume_id: r.volume_id, name: r.name, path: r.path, read_only: Number(r.read_only) === 1 });
+    return out;
+  }
+
   async function liveMachinesOf(id: string): Promise<string[]> {
     const rows = await db
       .selectFrom("machine_volumes")
@@ -253,7 +276,7 @@ export function createVolumeService(deps: {
     planes.clear();
   }
 
-  return { create, get, list, remove, attach, resolveDataPlane, onDeleted, start, close, liveMachinesOf };
+  return { create, get, list, remove, attach, resolveDataPlane, onDeleted, start, close, liveMachinesOf, mountsOf };
 }
 
 /** A guest mount point: absolute, normalised, not `/` and not over the platform's own mounts. */

@@ -6,6 +6,7 @@ import assert from "node:assert/strict";
 import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, relative } from "node:path";
+import { execFileSync } from "node:child_process";
 import { bundleAgent } from "../../src/agent/bundle.ts";
 import { startAgent, openStream, text } from "./support.ts";
 import type { TestAgent } from "./support.ts";
@@ -23,12 +24,26 @@ after(async () => {
   await rm(outDir, { recursive: true, force: true });
 });
 
-test("the bundle is one agent.mjs, the kernels' files, and node-pty's runtime files", async () => {
+test("the bundle is one agent.mjs, the kernels' files, node-pty's runtime files and the xattr addon", async () => {
   const files = (await readdir(outDir, { recursive: true, withFileTypes: true })).filter((e) => e.isFile()).map((e) => relative(outDir, join(e.parentPath, e.name)));
   assert.ok(files.includes("agent.mjs"));
   assert.ok(files.includes("node_modules/@lydell/node-pty-linux-x64/pty.node"));
   assert.ok(files.includes("node_modules/@lydell/node-pty/package.json"));
-  assert.deepEqual(files.filter((f) => !f.startsWith("node_modules/@lydell/node-pty")).sort(), ["agent.mjs", "kernels/js-kernel.mjs", "kernels/python_bridge.py"]);
+  assert.deepEqual(files.filter((f) => !f.startsWith("node_modules/@lydell/node-pty")).sort(), ["agent.mjs", "kernels/js-kernel.mjs", "kernels/python_bridge.py", "native/xattr.node"]);
+});
+
+test("the bundled agent keeps file metadata as user.e2b.* xattrs through its addon, and reads those set by others", async () => {
+  const dir = await mkdtemp(join(tmpdir(), "kiln-agent-xattr-"));
+  try {
+    const written = await agent.client.writeFile(join(dir, "a.txt"), Buffer.from("x"), { metadata: { owner: "kiln" } });
+    assert.deepEqual(written.metadata, { owner: "kiln" });
+    assert.equal(execFileSync("getfattr", ["--only-values", "-n", "user.e2b.owner", join(dir, "a.txt")], { encoding: "utf8" }), "kiln");
+    execFileSync("setfattr", ["-n", "user.e2b.set-by", "-v", "setfattr", join(dir, "a.txt")]);
+    execFileSync("setfattr", ["-n", "user.unrelated", "-v", "x", join(dir, "a.txt")]);
+    assert.deepEqual((await agent.client.info(join(dir, "a.txt"))).metadata, { owner: "kiln", "set-by": "setfattr" });
+  } finally {
+    await rm(dir, { recursive: true, force: true });
+  }
 });
 
 test("the bundled agent runs commands and PTYs", async () => {

@@ -4,7 +4,7 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { request } from "undici";
-import { Sandbox, FilesystemEventType } from "e2b";
+import { Sandbox, FilesystemEventType, CommandExitError } from "e2b";
 import type { FilesystemEvent, SandboxOpts } from "e2b";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
@@ -60,6 +60,54 @@ test("files.write with metadata stores it with the file: write, getInfo and list
   assert.equal((await sbx.files.getInfo("meta/plain.txt")).metadata, undefined);
   await sbx.files.write("meta/b.txt", "new");
   assert.equal((await sbx.files.getInfo("meta/b.txt")).metadata, undefined);
+});
+
+test("file metadata is the file's user.e2b.* xattrs, as envd stores it: set inside the sandbox it is surfaced, written through files.write it is readable there", async () => {
+  await sbx.files.write("xattr/set-inside.txt", "x");
+  // A program in the sandbox sets metadata the way envd keeps it; other user.* attributes are not metadata.
+  const set = await sbx.commands
+    .run(`python3 -c "import os; p='xattr/set-inside.txt'; os.setxattr(p, 'user.e2b.origin', b'inside'); os.setxattr(p, 'user.other', b'not-metadata'); os.setxattr(p, 'user.e2b.bin', bytes([0xff, 0xfe]))"`)
+    .catch((err: CommandExitError) => err);
+  if (process.env.KILN_OCI_RUNTIME === "runsc") {
+    // gVisor's root keeps no user xattrs (docs/e2b.md): the sandbox cannot set them, and Kiln keeps written metadata
+    // in its records instead (the test above).
+    assert.match(set.stderr, /Errno 95/);
+    return;
+  }
+  assert.equal(set.exitCode, 0, set.stderr);
+  // A value that is not UTF-8 is skipped, as envd does.
+  assert.deepEqual((await sbx.files.getInfo("xattr/set-inside.txt")).metadata, { origin: "inside" });
+  assert.deepEqual((await sbx.files.list("xattr")).find((e) => e.name === "set-inside.txt")?.metadata, { origin: "inside" });
+  // What files.write stores is there for the sandbox's own tools.
+  await sbx.files.write("xattr/written.txt", "y", { metadata: { owner: "kiln" } });
+  const read = await sbx.commands.run(`python3 -c "import os; print(sorted(a for a in os.listxattr('xattr/written.txt')), os.getxattr('xattr/written.txt', 'user.e2b.owner').decode())"`);
+  assert.equal(read.stdout.trim(), "['user.e2b.owner'] kiln");
+  // A symlink shows its target's metadata (envd reads it through the link).
+  await sbx.commands.run("ln -s written.txt xattr/link");
+  assert.deepEqual((await sbx.files.getInfo("xattr/link")).metadata, { owner: "kiln" });
+  // What the sandbox sets beyond the 4 KiB envd allows a write is not surfaced past that budget.
+  // (Each set may fail once the filesystem's own xattr space is full: what was set is what counts.)
+  await sbx.commands.run(`python3 -c "
+import os
+for i in range(8):
+    try: os.setxattr('xattr/set-inside.txt', 'user.e2b.k%02d' % i, b'v' * 1000)
+    except OSError: pass"`);
+  const surfaced = (await sbx.files.getInfo("xattr/set-inside.txt")).metadata ?? {};
+  const bytes = Object.entries(surfaced).reduce((n, [key, v]) => n + "user.e2b.".length + key.length + v.length, 0);
+  assert.ok(bytes <= 4096 && Object.keys(surfaced).length >= 1, `surfaced ${bytes} bytes: ${JSON.stringify(Object.keys(surfaced))}`);
+});
+
+test("metadata keys follow envd's bounds: a key past 246 bytes is refused, a repeated header keeps its first value", async () => {
+  const token = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
+  const headers = { "e2b-sandbox-id": sbx.sandboxId, "x-access-token": token, "content-type": "application/octet-stream" };
+  const long = await request(`${k.url}/files?path=/tmp/longkey.txt`, { method: "POST", headers: { ...headers, [`x-metadata-${"k".repeat(247)}`]: "v" }, body: "x" });
+  assert.equal(long.statusCode, 400);
+  await long.body.dump();
+  assert.equal(await sbx.files.exists("/tmp/longkey.txt"), false);
+  const ok = await request(`${k.url}/files?path=/tmp/okkey.txt`, { method: "POST", headers: { ...headers, [`x-metadata-${"k".repeat(246)}`]: "v", "x-metadata-__proto__": "p" }, body: "x" });
+  assert.equal(ok.statusCode, 200);
+  const [entry] = (await ok.body.json()) as { metadata?: Record<string, string> }[];
+  assert.deepEqual(entry.metadata, { ["k".repeat(246)]: "v", ["__proto__"]: "p" });
 });
 
 test("bad or oversized metadata headers are refused and write nothing", async () => {

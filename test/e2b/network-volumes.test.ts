@@ -5,12 +5,13 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { request } from "undici";
-import { Sandbox, Volume, SandboxError, SandboxNotFoundError } from "e2b";
+import { Sandbox, Volume, SandboxError, SandboxNotFoundError, VolumePathNotFoundError } from "e2b";
 import type { SandboxOpts } from "e2b";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { generateKeyIn } from "../../src/keys/service.ts";
 import { hostAddress, listenCounting } from "../support/net.ts";
+import { filesWithContents } from "../support/files.ts";
 
 let k: TestKiln;
 let key: string;
@@ -20,6 +21,8 @@ before(async () => {
   k = await startTestKiln();
   key = (await k.kiln.services.keys.create("e2b-network", generateKeyIn("e2b"))).key;
   opts = { apiKey: key, apiUrl: k.url, sandboxUrl: k.url, requestTimeoutMs: 60_000, timeoutMs: 300_000 };
+  // The SDK's volume content calls go to E2B_VOLUME_API_URL (else https://api.<domain>), as sandbox calls to E2B_SANDBOX_URL.
+  process.env.E2B_VOLUME_API_URL = k.url;
 });
 after(async () => k?.close());
 
@@ -124,27 +127,110 @@ test("Volume.create, list, getInfo and destroy are Kiln volumes; volumeMounts sh
   const a = await Sandbox.create("base", { ...opts, volumeMounts: { "/mnt/shared": vol } });
   const b = await Sandbox.create("base", { ...opts, volumeMounts: { "/data": name } });
   try {
+    // getInfo and list report each sandbox's volumes by name and path.
+    assert.deepEqual((await a.getInfo()).volumeMounts, [{ name, path: "/mnt/shared" }]);
+    assert.deepEqual((await Sandbox.getInfo(b.sandboxId, opts)).volumeMounts, [{ name, path: "/data" }]);
+    const listed = await Sandbox.list({ ...opts, query: { metadata: {} } }).nextItems();
+    assert.deepEqual(listed.find((x) => x.sandboxId === b.sandboxId)?.volumeMounts, [{ name, path: "/data" }]);
     await a.files.write("/mnt/shared/from-a.txt", "written in a");
     assert.equal(await b.files.read("/data/from-a.txt"), "written in a");
     await b.commands.run("echo from b > /data/from-b.txt", { user: "root" });
     assert.equal(await a.files.read("/mnt/shared/from-b.txt"), "from b\n");
+    // The volume content API reaches the same files without a sandbox, with the volume's token.
+    const v = await Volume.connect(vol.volumeId, opts);
+    assert.ok(v.token, "Volume.connect hands out the volume's token");
+    assert.equal(await v.readFile("/from-b.txt"), "from b\n");
+    const written = await v.writeFile("/api/new.txt", "from the volume API", { force: true, mode: 0o640 });
+    assert.equal(written.path, "/api/new.txt");
+    assert.equal(written.type, "file");
+    assert.equal(written.size, "from the volume API".length);
+    assert.equal(written.mode & 0o777, 0o640);
+    assert.equal(written.uid, 1000);
+    assert.equal(await b.files.read("/data/api/new.txt"), "from the volume API");
     await assert.rejects(Sandbox.create("base", { ...opts, volumeMounts: { "/x": "no-such-volume" } }), /volume "no-such-volume" not found/);
   } finally {
     await a.kill();
     await b.kill();
   }
-  // E2B's volume content API is not served: a clear 501, not a silent answer.
-  const content = await request(`${k.url}/volumecontent/${vol.volumeId}/dir?path=/`);
-  assert.equal(content.statusCode, 501);
-  assert.match(await content.body.text(), /volume content API/);
-  // It is public (its token is not Kiln's): a stranger's upload is answered without being read, a JSON body past a
-  // token's size is refused.
-  const upload = await request(`${k.url}/volumecontent/${vol.volumeId}/file?path=/x`, { method: "PUT", headers: { "content-type": "application/octet-stream" }, body: Buffer.alloc(1024 * 1024) });
-  assert.equal(upload.statusCode, 501);
-  await upload.body.dump();
-  const json = await request(`${k.url}/volumecontent/${vol.volumeId}/file?path=/x`, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ pad: "x".repeat(64 * 1024) }) });
-  assert.equal(json.statusCode, 413);
-  await json.body.dump();
+  await volumeContent(vol, name);
   assert.equal(await Volume.destroy(vol.volumeId, opts), true);
   assert.equal(await Volume.destroy(vol.volumeId, opts), false);
 });
+
+/** The volume content API's semantics (E2B's orchestrator volume service) and its checks, through `Volume`. */
+async function volumeContent(vol: Volume, name: string) {
+  const v = await Volume.connect(vol.volumeId, opts);
+  // Without force a write creates only, in an existing directory; with it, parents are made and a file replaced.
+  await assert.rejects(v.writeFile("/api/new.txt", "again"), (err: Error) => /already exists/.test(err.message));
+  await assert.rejects(v.writeFile("/missing/dir/f.txt", "x"), VolumePathNotFoundError);
+  await v.writeFile("/api/new.txt", "replaced", { force: true });
+  assert.equal(await v.readFile("/api/new.txt"), "replaced");
+  assert.deepEqual(Buffer.from(await v.readFile("/api/new.txt", { format: "bytes" })).toString(), "replaced");
+  // makeDir: 409 when it exists without force, parents only with force.
+  const dir = await v.makeDir("/api/sub");
+  assert.equal(dir.type, "directory");
+  await assert.rejects(v.makeDir("/api/sub"), (err: Error) => /already exists/.test(err.message));
+  await v.makeDir("/api/sub", { force: true });
+  await assert.rejects(v.makeDir("/deep/a/b"), VolumePathNotFoundError);
+  assert.equal((await v.makeDir("/deep/a/b", { force: true })).path, "/deep/a/b");
+  // list (depth), getInfo, exists, updateMetadata (mode), remove (recursive; 404 when missing).
+  assert.deepEqual((await v.list("/api")).map((e) => e.name).sort(), ["new.txt", "sub"]);
+  assert.ok((await v.list("/", { depth: 3 })).some((e) => e.path === "/deep/a/b"));
+  await assert.rejects(v.list("/", { depth: 11 }), /depth/);
+  const info = await v.getInfo("/api/new.txt");
+  assert.equal(info.size, "replaced".length);
+  assert.ok(info.mtime instanceof Date && !Number.isNaN(info.mtime.getTime()));
+  assert.equal(await v.exists("/api/new.txt"), true);
+  assert.equal(await v.exists("/api/nope.txt"), false);
+  assert.equal((await v.updateMetadata("/api/new.txt", { mode: 0o600 })).mode & 0o777, 0o600);
+  await assert.rejects(v.updateMetadata("/api/new.txt", { uid: 0 }), /machines' user/);
+  await v.remove("/deep");
+  assert.equal(await v.exists("/deep/a/b"), false);
+  await assert.rejects(v.remove("/deep"), VolumePathNotFoundError);
+  // Paths stay inside the volume: `..` stops at its root, a symlink is never followed out of it.
+  assert.deepEqual((await v.getInfo("/../../api/new.txt")).path, "/api/new.txt");
+  const s = await Sandbox.create("base", { ...opts, volumeMounts: { "/v": name } });
+  try {
+    await s.commands.run("ln -s /etc /v/escape && ln -s /etc/hostname /v/host-link", { user: "root" });
+  } finally {
+    await s.kill();
+  }
+  await assert.rejects(v.readFile("/escape/hostname"));
+  await assert.rejects(v.readFile("/host-link"), /not a regular file|symbolic|symlink/i);
+  await assert.rejects(v.writeFile("/escape/x", "x", { force: true }));
+  assert.equal((await v.getInfo("/host-link")).type, "symlink");
+  // Auth: the volume's token, for that volume only; an API key or no token is 401, and it dies with its key.
+  const bare = async (path: string, headers: Record<string, string>) => {
+    const res = await request(`${k.url}${path}`, { headers });
+    await res.body.dump();
+    return res.statusCode;
+  };
+  const url = `/volumecontent/${vol.volumeId}/path?path=/api/new.txt`;
+  assert.equal(await bare(url, { authorization: `Bearer ${v.token}` }), 200);
+  assert.equal(await bare(url, {}), 401);
+  assert.equal(await bare(url, { authorization: `Bearer ${key}` }), 401);
+  const other = await Volume.create(`${name}-other`, opts);
+  assert.equal(await bare(`/volumecontent/${other.volumeId}/path?path=/`, { authorization: `Bearer ${v.token}` }), 401);
+  assert.equal(await bare(`/volumecontent/${other.volumeId}/path?path=/`, { authorization: `Bearer ${other.token}` }), 200);
+  await Volume.destroy(other.volumeId, opts);
+  const second = await k.kiln.services.keys.create("e2b-volume-revoked", generateKeyIn("e2b"));
+  const doomed = await Volume.connect(vol.volumeId, { ...opts, apiKey: second.key });
+  assert.notEqual(doomed.token, v.token, "each key gets its own token");
+  assert.equal(await bare(url, { authorization: `Bearer ${doomed.token}` }), 200);
+  await k.kiln.services.keys.revoke(second.id);
+  assert.equal(await bare(url, { authorization: `Bearer ${doomed.token}` }), 401);
+  // The token is a secret: it reaches neither the logs nor any file of the data dir (it is derived, never stored).
+  const secret = v.token!.split(".")[1];
+  assert.equal(k.logs.some((l) => l.includes(secret)), false);
+  for await (const f of filesWithContents(k.dataDir)) assert.equal(f.text.includes(secret), false, f.path);
+  // A body past the server's limit is refused and writes nothing.
+  const huge = await request(`${k.url}/volumecontent/${vol.volumeId}/file?path=/huge.bin&force=true`, {
+    method: "PUT",
+    headers: { authorization: `Bearer ${v.token}`, "content-type": "application/octet-stream" },
+    body: Buffer.alloc((k.kiln.app.initialConfig.bodyLimit ?? 1024 * 1024) + 1),
+  });
+  assert.equal(huge.statusCode, 413);
+  await huge.body.dump();
+  assert.equal(await v.exists("/huge.bin"), false);
+}
+

@@ -20,11 +20,14 @@ import { keepsMemory, snapshotOfTemplateId, snapshotRoutes } from "./snapshots.t
 import { E2bNetwork, egressOf } from "./network.ts";
 import type { E2bNetworkBody } from "./network.ts";
 import { E2bVolumeMount, volumeMountsOf, volumeRoutes } from "./volumes.ts";
+import { volumeContentRoutes } from "./volume-content.ts";
 
 export interface ControlDeps {
   services: Services;
   /** The sandbox's envd access token for the key this request was authenticated with. */
   tokenOf: (sandboxId: string, keyId: string) => string;
+  /** E2B's per-volume token for the volume content API (token.ts). */
+  volumeTokenOf: (volumeId: string, keyId: string) => string;
   /** The domain sandboxes are reached under (the host of KILN_PUBLIC_URL); undefined: the Host the client used. */
   domain: string | undefined;
   /** Told about every sandbox this API made or resumed (envd warms its per-machine state). */
@@ -117,7 +120,13 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     return { sandboxID: sandboxIdOf(m.id), templateID: m.template_id, clientID: "kiln", envdVersion: ENVD_VERSION, ...tokens(m, req), domain: domainFor(req) };
   }
 
-  function listed(m: MachineView) {
+  /** E2B's `volumeMounts` ({name, path}) of machines: their Kiln volume mounts, named by the volume's name. */
+  async function volumeMountsOfMachines(ms: MachineView[]) {
+    const mounts = await deps.services.volumes.mountsOf(ms.map((m) => m.id));
+    return (m: MachineView) => (mounts.get(m.id) ?? []).map((v) => ({ name: v.name, path: v.path }));
+  }
+
+  function listed(m: MachineView, volumeMounts: { name: string; path: string }[]) {
     return {
       sandboxID: sandboxIdOf(m.id),
       templateID: m.template_id,
@@ -127,17 +136,18 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
       endAt: m.expires_at ?? m.created_at,
       cpuCount: m.vcpus,
       memoryMB: m.memory_mb,
-      diskSizeMB: 0,
+      diskSizeMB: m.disk_mb,
       metadata: m.metadata,
       state: state(m),
       envdVersion: ENVD_VERSION,
-      volumeMounts: [],
+      volumeMounts,
     };
   }
 
-  function detail(m: MachineView, req: FastifyRequest) {
+  async function detail(m: MachineView, req: FastifyRequest) {
+    const volumeMounts = (await volumeMountsOfMachines([m]))(m);
     const network = m.network.allow_out.length + m.network.deny_out.length > 0 ? { network: { allowOut: m.network.allow_out, denyOut: m.network.deny_out } } : {};
-    return { ...listed(m), allowInternetAccess: m.internet, ...network, lifecycle: { onTimeout: m.on_timeout === "hibernate" ? "pause" : "kill", autoResume: m.auto_resume }, ...tokens(m, req), domain: domainFor(req) };
+    return { ...listed(m, volumeMounts), allowInternetAccess: m.internet, ...network, lifecycle: { onTimeout: m.on_timeout === "hibernate" ? "pause" : "kill", autoResume: m.auto_resume }, ...tokens(m, req), domain: domainFor(req) };
   }
 
   /** E2B's lifecycle (`onTimeout: "pause"`, `autoResume`) onto Kiln's `on_timeout` and `auto_resume`. */
@@ -259,7 +269,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
         bad("nextToken is not one this server gave");
       }
     }
-    const out: ReturnType<typeof listed>[] = [];
+    const out: MachineView[] = [];
     let next: string | undefined;
     for (;;) {
       const page = await machines.list({ limit, after });
@@ -272,7 +282,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
         if (!states.includes(state(m)) || m.status === "creating") continue;
         if (!Object.entries(metadata).every(([k, v]) => m.metadata[k] === v)) continue;
         if (typeof q.template === "string" && q.template !== m.template_id) continue;
-        out.push(listed(m));
+        out.push(m);
         if (out.length === limit) {
           next = Buffer.from(JSON.stringify([m.created_at, m.id])).toString("base64url");
           break;
@@ -281,7 +291,8 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
       if (out.length === limit || !page.more || !page.last) break;
       after = page.last;
     }
-    return { items: out, next };
+    const mountsOf = await volumeMountsOfMachines(out);
+    return { items: out.map((m) => listed(m, mountsOf(m))), next };
   }
 
   const listRoute = { config: { e2b: "control", auth: "key" as const }, schema: { hide: true, querystring: ListQuery } };
@@ -362,12 +373,8 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     await machines.updateNetwork(m.id, network);
     return reply.code(204).send();
   });
-  await volumeRoutes(app, deps.services);
-  // The volume content API authenticates with a volume token Kiln does not issue: answered unserved before any check.
-  // Public, so it parses at most a token-sized body (413 past it); a raw upload is answered without being read.
-  const contentUnserved = { config: { e2b: "control", auth: "none" as const }, schema: { hide: true }, bodyLimit: 4096 };
-  const noContent = notYet("E2B's volume content API (/volumecontent: read and write a volume's files through a sandbox that mounts it)");
-  app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: "/volumecontent/*", ...contentUnserved, handler: noContent });
+  await volumeRoutes(app, deps.services, deps.volumeTokenOf);
+  await volumeContentRoutes(app, deps.services);
   // Sandbox logs, refreshes and teams: Kiln keeps no sandbox log stream and has no teams (the SDK calls none of them).
   for (const url of ["/sandboxes/:id/logs", "/v2/sandboxes/:id/logs", "/sandboxes/:id/refreshes"]) {
     app.route({ method: ["GET", "POST"], url, ...unserved, handler: notYet(`${url.replace("/:id", "/{id}")} (Kiln keeps no sandbox log stream; use setTimeout to extend a sandbox)`) });

@@ -16,11 +16,16 @@ import { E2bUnserved } from "./errors.ts";
 const METADATA_HEADER = /^x-metadata-(.+)$/i;
 const METADATA_KEY = /^[A-Za-z0-9!#$%&'*+\-.^_`|~]+$/;
 const METADATA_VALUE = /^[\x20-\x7e]*$/;
-// Bounded so the metadata, URL-encoded into the agent request's query, stays far within Node's 16 KiB header limit.
+// envd's bounds (shared/pkg/filesystem/xattr.go): a key is at most 255 bytes with its `user.e2b.` prefix (the VFS
+// xattr-name limit), and a file's set at most 4 KiB counting each prefix, key and value (ext4 keeps an inode's
+// xattrs in one block). That also keeps the metadata, URL-encoded into the agent request's query, far within
+// Node's 16 KiB header limit.
+const XATTR_PREFIX_BYTES = "user.e2b.".length;
+const MAX_METADATA_KEY_BYTES = 255 - XATTR_PREFIX_BYTES;
 const MAX_METADATA_BYTES = 4 * 1024;
 
 function metadataOf(req: FastifyRequest): Record<string, string> | undefined {
-  const out: Record<string, string> = {};
+  const out = new Map<string, string>(); // a Map: a key may be any token, `__proto__` included
   let bytes = 0;
   const raw = req.raw.rawHeaders;
   for (let i = 0; i + 1 < raw.length; i += 2) {
@@ -28,11 +33,14 @@ function metadataOf(req: FastifyRequest): Record<string, string> | undefined {
     if (!m) continue;
     const [key, value] = [m[1].toLowerCase(), raw[i + 1]];
     if (!METADATA_KEY.test(key) || !METADATA_VALUE.test(value)) throw new KilnError("invalid_request", `Invalid file metadata ${JSON.stringify(key)}`);
-    bytes += key.length + value.length;
+    if (key.length > MAX_METADATA_KEY_BYTES) throw new KilnError("invalid_request", `File metadata key ${JSON.stringify(key.slice(0, 32))}… is longer than ${MAX_METADATA_KEY_BYTES} bytes`);
+    // The first of a repeated header wins, as envd.
+    if (out.has(key)) continue;
+    bytes += XATTR_PREFIX_BYTES + key.length + value.length;
     if (bytes > MAX_METADATA_BYTES) throw new KilnError("invalid_request", `File metadata is larger than ${MAX_METADATA_BYTES} bytes`);
-    out[key] = value;
+    out.set(key, value);
   }
-  return Object.keys(out).length > 0 ? out : undefined;
+  return out.size > 0 ? Object.fromEntries(out) : undefined;
 }
 
 function limitBytes(body: Readable, limit: number): Readable {

@@ -17,7 +17,7 @@ import { machineIdOf } from "./ids.ts";
 import { codeInterpreterRoutes, JUPYTER_PORT } from "./code-interpreter.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import type { Auth } from "../../api/auth.ts";
-import { unauthorized } from "../../api/auth.ts";
+import { presentedKey, unauthorized } from "../../api/auth.ts";
 
 export const ENVD_PORT = 49983;
 /** Active keys whose tokens a signed /files URL is checked against (the signature does not say which). */
@@ -105,6 +105,15 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
     return keyId;
   });
 
+  // The volume content API takes the volume's token (`Authorization: Bearer`, as the SDK sends it): good for the
+  // volume its path names while the key it was issued to is active.
+  opts.auth.provide("e2b-volume-token", async (req) => {
+    const volumeId = (req.params as { id?: unknown } | undefined)?.id;
+    const keyId = typeof volumeId === "string" ? tokens.verifyVolume(volumeId, presentedKey(req)) : undefined;
+    if (keyId === undefined || !(await services.keys.isActive(keyId))) throw unauthorized("invalid or missing volume token (Authorization: Bearer <the volume's token>) for this volume");
+    return keyId;
+  });
+
   // The active keys' ids, read from the store at most once a second: signed requests come from anyone holding a URL
   // (or guessing), so each must not cost a store query. A key revoked meanwhile is refused by isActive below.
   // A miss reads them again if the list is older than a quarter second (a key made just now on another server), so bad
@@ -168,7 +177,7 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
 
   const jupyter = await codeInterpreterRoutes(app, { services, sandboxIdOf: (req) => sandboxIdOf(req)! });
   const readyListeners: ((id: string) => void)[] = [];
-  await controlRoutes(app, { services, tokenOf: tokens.tokenOf, domain: publicDomain(opts.publicUrl), sandboxReady: (id) => readyListeners.forEach((fn) => fn(id)) });
+  await controlRoutes(app, { services, tokenOf: tokens.tokenOf, volumeTokenOf: tokens.volumeTokenOf, domain: publicDomain(opts.publicUrl), sandboxReady: (id) => readyListeners.forEach((fn) => fn(id)) });
   await envdRoutes(app, {
     services,
     processes,

@@ -28,22 +28,30 @@ export async function loadTokenSecret(dataDir: string): Promise<Buffer> {
 
 const KEY_ID = /^key_[0-9a-z]{1,64}$/;
 
+/**
+ * The same scheme scopes two kinds of token: `envd` (a sandbox's access token, over its machine id) and `volume`
+ * (E2B's per-volume token for the volume content API, over the `vol_` id). The purpose is hashed in, so a token of
+ * one kind is never good for the other.
+ */
 export function createTokens(secret: Buffer) {
-  const mac = (sandboxId: string, keyId: string) => createHmac("sha256", secret).update(`envd:${sandboxId}:${keyId}`).digest("base64url");
-  /** The token a holder of key `keyId` uses for sandbox `sandboxId`. */
-  const tokenOf = (sandboxId: string, keyId: string) => `${keyId}.${mac(sandboxId, keyId)}`;
+  const mac = (purpose: "envd" | "volume", id: string, keyId: string) => createHmac("sha256", secret).update(`${purpose}:${id}:${keyId}`).digest("base64url");
+  const verifyAs = (purpose: "envd" | "volume", id: string, presented: unknown): string | undefined => {
+    if (typeof presented !== "string") return undefined;
+    const dot = presented.indexOf(".");
+    const keyId = presented.slice(0, dot);
+    if (dot < 0 || !KEY_ID.test(keyId)) return undefined;
+    const want = Buffer.from(mac(purpose, id, keyId));
+    const got = Buffer.from(presented.slice(dot + 1));
+    return got.length === want.length && timingSafeEqual(got, want) ? keyId : undefined;
+  };
   return {
-    tokenOf,
+    /** The token a holder of key `keyId` uses for sandbox `sandboxId`. */
+    tokenOf: (sandboxId: string, keyId: string) => `${keyId}.${mac("envd", sandboxId, keyId)}`,
     /** The key id a valid token for `sandboxId` was issued to; undefined for anything else (constant-time MAC check). */
-    verify(sandboxId: string, presented: unknown): string | undefined {
-      if (typeof presented !== "string") return undefined;
-      const dot = presented.indexOf(".");
-      const keyId = presented.slice(0, dot);
-      if (dot < 0 || !KEY_ID.test(keyId)) return undefined;
-      const want = Buffer.from(mac(sandboxId, keyId));
-      const got = Buffer.from(presented.slice(dot + 1));
-      return got.length === want.length && timingSafeEqual(got, want) ? keyId : undefined;
-    },
+    verify: (sandboxId: string, presented: unknown) => verifyAs("envd", sandboxId, presented),
+    /** The volume token a holder of key `keyId` gets for volume `volumeId` (E2B's `Volume.token`). */
+    volumeTokenOf: (volumeId: string, keyId: string) => `${keyId}.${mac("volume", volumeId, keyId)}`,
+    verifyVolume: (volumeId: string, presented: unknown) => verifyAs("volume", volumeId, presented),
   };
 }
 

@@ -1,11 +1,10 @@
 // E2B's volumes onto Kiln's volumes service (src/volumes/): `Volume.create/getInfo/list/destroy` are Kiln volumes
 // (`vol_…` ids, E2B's names), and a sandbox's `volumeMounts` ({name, path}) are Kiln volume mounts at create.
-// E2B's volume content API (`/volumecontent/…`, reached with a per-volume token) is not served: files of a volume
-// are read and written through a sandbox that mounts it (docs/e2b.md).
+// A volume's `token` is for its content API (volume-content.ts): per volume and API key, derived, never stored.
 
 import { Type } from "typebox";
 import type { Static } from "typebox";
-import type { FastifyInstance } from "fastify";
+import type { FastifyInstance, FastifyRequest } from "fastify";
 import type { Services } from "../../services/index.ts";
 import type { VolumeMountRequest, VolumeView } from "../../volumes/service.ts";
 import { VOLUME_LIMITS } from "../../volumes/service.ts";
@@ -50,18 +49,17 @@ export async function volumeMountsOf(services: Services, mounts: Static<typeof E
 const NewVolume = Type.Object({ name: Type.String({ minLength: 1, maxLength: 128, pattern: "^[A-Za-z0-9][A-Za-z0-9._-]*$" }) }, { additionalProperties: false });
 const Params = Type.Object({ id: Type.String({ minLength: 1, maxLength: 256 }) });
 
-/** E2B's VolumeAndToken. The token is for the volume content API, which Kiln does not serve: empty. */
-const withToken = (v: VolumeView) => ({ volumeID: v.id, name: v.name, token: "" });
-
-export async function volumeRoutes(app: FastifyInstance, services: Services) {
+export async function volumeRoutes(app: FastifyInstance, services: Services, volumeTokenOf: (volumeId: string, keyId: string) => string) {
   const config = { e2b: "control", auth: "key" as const };
+  /** E2B's VolumeAndToken: the token of the key that asked, for the volume content API. */
+  const withToken = (v: VolumeView, req: FastifyRequest) => ({ volumeID: v.id, name: v.name, token: volumeTokenOf(v.id, req.apiKeyId!) });
 
   app.post("/volumes", { config, schema: { hide: true, body: NewVolume } }, async (req, reply) => {
     const { name } = req.body as Static<typeof NewVolume>;
     // E2B's volume names are unique (a mount names its volume by name); Kiln's are not, so this API keeps them so.
     if (await volumeNamed(services, name)) throw new KilnError("conflict", `a volume named "${name}" already exists`);
     const v = await services.volumes.create({ name, size_mb: VOLUME_LIMITS.defaultSizeMb });
-    return reply.code(201).send(withToken(v));
+    return reply.code(201).send(withToken(v, req));
   });
 
   app.get("/volumes", { config, schema: { hide: true } }, async () => {
@@ -74,7 +72,7 @@ export async function volumeRoutes(app: FastifyInstance, services: Services) {
     const id = (req.params as { id: string }).id;
     const v = await volumeNamed(services, id);
     if (!v || v.status !== "ready") throw new KilnError("not_found", `volume "${id}" not found`);
-    return withToken(v);
+    return withToken(v, req);
   });
 
   app.delete("/volumes/:id", { config, schema: { hide: true, params: Params } }, async (req, reply) => {
