@@ -18,8 +18,10 @@ let key: string;
 let opts: SandboxOpts;
 
 before(async () => {
-  k = await startTestKiln();
-  key = (await k.kiln.services.keys.create("e2b-network", generateKeyIn("e2b"))).key;
+  // The operator's key (KILN_API_KEY, here in E2B's format): opening the host's own address with allowOut is the
+  // operator's call (docs/security/api.md); a lesser key's attempt is test/security/attack-egress-keys.test.ts.
+  key = generateKeyIn("e2b");
+  k = await startTestKiln({ env: { KILN_API_KEY: key } });
   opts = { apiKey: key, apiUrl: k.url, sandboxUrl: k.url, requestTimeoutMs: 60_000, timeoutMs: 300_000 };
   // The SDK's volume content calls go to E2B_VOLUME_API_URL (else https://api.<domain>), as sandbox calls to E2B_SANDBOX_URL.
   process.env.E2B_VOLUME_API_URL = k.url;
@@ -49,7 +51,7 @@ test("network allowOut opens what Kiln's egress closes; denyOut closes a public 
     assert.equal(await connectFrom(ruled, addr, l.port), "ok", "allowOut opens the host's address");
     assert.equal(l.accepted(), 1);
     assert.equal(await connectFrom(ruled, mirror, 80), "refused", "denyOut closes the mirror");
-    assert.deepEqual((await k.call("GET", `/v1/machines/mch_${ruled.sandboxId}`)).body.network, { allow_out: [`${addr}/32`], deny_out: [`${mirror}/32`] });
+    assert.deepEqual((await k.call("GET", `/v1/machines/mch_${ruled.sandboxId}`, { key })).body.network, { allow_out: [`${addr}/32`], deny_out: [`${mirror}/32`] });
 
     // An allow list, E2B's way: deny everything, allow one address.
     const only = await Sandbox.create("base", { ...opts, network: { denyOut: ["0.0.0.0/0"], allowOut: [addr] } });
@@ -101,7 +103,7 @@ test("updateNetwork (PUT …/network) replaces a running sandbox's egress lists 
 });
 
 test("network settings Kiln cannot serve are refused with the reason, and create nothing", async () => {
-  const before = (await k.call("GET", "/v1/machines")).body.machines.length;
+  const before = (await k.call("GET", "/v1/machines", { key })).body.machines.length;
   const refused: [object, RegExp][] = [
     [{ allowOut: ["example.com"] }, /not an IP address or CIDR.*domain names/],
     [{ allowPublicTraffic: true }, /allowPublicTraffic/],
@@ -111,7 +113,7 @@ test("network settings Kiln cannot serve are refused with the reason, and create
   for (const [network, message] of refused) {
     await assert.rejects(Sandbox.create("base", { ...opts, network }), (err: unknown) => err instanceof SandboxError && message.test(String(err)), JSON.stringify(network));
   }
-  assert.equal((await k.call("GET", "/v1/machines")).body.machines.length, before);
+  assert.equal((await k.call("GET", "/v1/machines", { key })).body.machines.length, before);
 });
 
 test("Volume.create, list, getInfo and destroy are Kiln volumes; volumeMounts share one between two sandboxes", async () => {
@@ -119,7 +121,7 @@ test("Volume.create, list, getInfo and destroy are Kiln volumes; volumeMounts sh
   const vol = await Volume.create(name, opts);
   assert.match(vol.volumeId, /^vol_/);
   assert.equal(vol.name, name);
-  assert.equal((await k.call("GET", `/v1/volumes/${vol.volumeId}`)).body.name, name);
+  assert.equal((await k.call("GET", `/v1/volumes/${vol.volumeId}`, { key })).body.name, name);
   assert.ok((await Volume.list(opts)).some((v) => v.volumeId === vol.volumeId && v.name === name));
   assert.equal((await Volume.getInfo(vol.volumeId, opts)).name, name);
   await assert.rejects(Volume.create(name, opts), /already exists/);
