@@ -1,11 +1,12 @@
 // POST /v1/mcp: MCP over Streamable HTTP, stateless (each POST carries its own JSON-RPC messages and gets its own
 // McpServer), authenticated by the route's `key` like every /v1 route; tools act with the key the request carried.
-// An answer ready within QUICK_ANSWER_MS goes back as one JSON body (cheapest for both sides: no stream framing, no
-// SSE parser in the client); a slower one streams as SSE with keep-alive comments from then on, so a long
-// run_command is never cut by a client's idle timeout. MCP lets the server choose either for every POST.
+// The SDK's transport runs in JSON response mode (`enableJsonResponse`): it hands back the whole answer at once, with
+// no stream or SSE framing to build and parse again. An answer ready within QUICK_ANSWER_MS goes back as that JSON
+// body; past it the client gets SSE headers and keep-alive comments, then the answer as `message` events, so a long
+// run_command is never cut by a client's idle timeout. MCP lets the server choose either for every POST. Kiln's tools
+// send no notifications during a call (JSON response mode would have nowhere to put them).
 
-import { Readable } from "node:stream";
-import type { ReadableStream as WebReadableStream, ReadableStreamDefaultReader, ReadableStreamReadResult } from "node:stream/web";
+import { PassThrough } from "node:stream";
 import { Type } from "typebox";
 import { WebStandardStreamableHTTPServerTransport } from "@modelcontextprotocol/sdk/server/webStandardStreamableHttp.js";
 import type { App } from "../api/app-type.ts";
@@ -18,6 +19,12 @@ export const MCP_PATH = "/v1/mcp";
 
 /** How long an answer may take and still go back as plain JSON; past it the client gets SSE headers at once. */
 export const QUICK_ANSWER_MS = 1000;
+/** How often a slow answer's SSE stream carries a comment, so that no proxy or client idle timeout cuts it. */
+export const KEEP_ALIVE_MS = 15_000;
+
+/** The request headers MCP's transport reads (Accept, Content-Type, the protocol version, Host for its checks). */
+const MCP_HEADERS = ["accept", "content-type", "mcp-protocol-version", "mcp-session-id", "host", "origin"];
+const URL_OF_ROUTE = `http://localhost${MCP_PATH}`;
 
 export async function mcpRoutes(app: App) {
   app.post(
@@ -39,75 +46,48 @@ export async function mcpRoutes(app: App) {
         call: injectCaller(app, { key: presentedKey(req)!, host }),
         baseUrl: `${req.protocol}://${host ?? "localhost"}`,
       });
-      const transport = new WebStandardStreamableHTTPServerTransport({ sessionIdGenerator: undefined });
+      const transport = new WebStandardStreamableHTTPServerTransport({ sessionIdGenerator: undefined, enableJsonResponse: true });
       await server.connect(transport);
       const headers = new Headers();
-      for (const [k, v] of Object.entries(req.headers)) if (typeof v === "string") headers.set(k, v);
-      const answer = await transport.handleRequest(new Request(`http://localhost${MCP_PATH}`, { method: "POST", headers }), { parsedBody: req.body });
-      // The server lives as long as its answer: closed when the response ends, or when the client goes away.
-      reply.raw.once("close", () => void server.close().catch(() => undefined));
-      reply.code(answer.status);
-      answer.headers.forEach((value, name) => void reply.header(name, value));
-      if (!answer.body) return reply.send();
-      if (!String(answer.headers.get("content-type")).startsWith("text/event-stream")) return reply.send(Readable.fromWeb(answer.body as WebReadableStream<Uint8Array>));
-      const reader = answer.body.getReader();
-      const quick = await readQuickly(reader, QUICK_ANSWER_MS);
-      const single = quick.done ? onlyMessage(quick.chunks) : undefined;
-      if (single !== undefined) return reply.header("content-type", "application/json").removeHeader("connection").send(single);
-      // Slow, or more than one message (notifications before the result): SSE, what was read first, then the rest.
-      return reply.send(Readable.from(rest(quick.chunks, quick.done ? undefined : reader)));
+      for (const name of MCP_HEADERS) {
+        const v = req.headers[name];
+        if (typeof v === "string") headers.set(name, v);
+      }
+      // A client that goes away before its answer: the server is closed (its handlers' signals abort). Once the answer
+      // is handed over nothing of the server is left open (no stream, no timer) and it is simply dropped: closing it
+      // then would only build a "Connection closed" error for nobody, a tenth of a millisecond on every call.
+      let answered = false;
+      const gone = new Promise<"gone">((resolve) => reply.raw.once("close", () => (resolve("gone"), answered ? undefined : void server.close().catch(() => undefined))));
+      const answer = transport.handleRequest(new Request(URL_OF_ROUTE, { method: "POST", headers }), { parsedBody: req.body });
+      let timer: NodeJS.Timeout | undefined;
+      const late = new Promise<"late">((resolve) => (timer = setTimeout(resolve, QUICK_ANSWER_MS, "late")));
+      const first = await Promise.race([answer, late, gone]);
+      clearTimeout(timer);
+      if (first === "gone") return reply;
+      if (first !== "late") {
+        answered = true;
+        // Quick (or refused by the transport: its JSON-RPC error with its status, or 202 for notifications only).
+        reply.code(first.status);
+        first.headers.forEach((value, name) => void reply.header(name, value));
+        return reply.send(first.body ? await first.text() : undefined);
+      }
+      // Slow: SSE from now on, keep-alive comments until the answer, then each of its messages as a `message` event.
+      const sse = new PassThrough();
+      const keepAlive = setInterval(() => sse.write(": keep-alive\n\n"), KEEP_ALIVE_MS);
+      sse.once("close", () => clearInterval(keepAlive));
+      sse.write(": the answer follows\n\n");
+      void Promise.race([answer, gone]).then(
+        async (done) => {
+          clearInterval(keepAlive);
+          if (done === "gone") return void sse.destroy();
+          answered = true;
+          const body: unknown = done.body ? JSON.parse(await done.text()) : [];
+          for (const message of Array.isArray(body) ? body : [body]) sse.write(`event: message\ndata: ${JSON.stringify(message)}\n\n`);
+          sse.end();
+        },
+        (err: unknown) => sse.destroy(err as Error),
+      );
+      return reply.code(200).header("content-type", "text/event-stream").header("cache-control", "no-cache, no-transform").header("x-accel-buffering", "no").send(sse);
     },
   );
-}
-
-/** Reads the answer's stream until it ends or `ms` pass, whichever is first. */
-async function readQuickly(reader: ReadableStreamDefaultReader<Uint8Array>, ms: number): Promise<{ chunks: Uint8Array[]; done: boolean }> {
-  const chunks: Uint8Array[] = [];
-  let timer: NodeJS.Timeout | undefined;
-  const late = new Promise<"late">((resolve) => (timer = setTimeout(() => resolve("late"), ms)));
-  try {
-    // A read still pending at the deadline is not lost: rest() awaits it first.
-    let pending = reader.read();
-    for (;;) {
-      const got = await Promise.race([pending, late]);
-      if (got === "late") {
-        pendingReads.set(reader, pending);
-        return { chunks, done: false };
-      }
-      if (got.done) return { chunks, done: true };
-      chunks.push(got.value);
-      pending = reader.read();
-    }
-  } finally {
-    clearTimeout(timer);
-  }
-}
-
-const pendingReads = new WeakMap<ReadableStreamDefaultReader<Uint8Array>, Promise<ReadableStreamReadResult<Uint8Array>>>();
-
-async function* rest(first: Uint8Array[], reader: ReadableStreamDefaultReader<Uint8Array> | undefined): AsyncGenerator<Uint8Array> {
-  yield* first;
-  if (!reader) return;
-  let pending = pendingReads.get(reader) ?? reader.read();
-  try {
-    for (;;) {
-      const got = await pending;
-      if (got.done) return;
-      yield got.value;
-      pending = reader.read();
-    }
-  } finally {
-    // The client went away mid-stream: let the transport know.
-    void reader.cancel().catch(() => undefined);
-  }
-}
-
-/** The JSON-RPC message of an SSE answer holding exactly one `message` event (and maybe keep-alive comments). */
-function onlyMessage(chunks: Uint8Array[]): string | undefined {
-  const events = Buffer.concat(chunks).toString("utf8").split(/\r?\n\r?\n/).filter((e) => e.trim() !== "" && !e.startsWith(":"));
-  if (events.length !== 1) return undefined;
-  const lines = events[0]!.split(/\r?\n/);
-  if (lines.some((l) => l.startsWith("event:") && l.slice(6).trim() !== "message")) return undefined;
-  const data = lines.filter((l) => l.startsWith("data:")).map((l) => l.slice(5).replace(/^ /, ""));
-  return data.length > 0 ? data.join("\n") : undefined;
 }

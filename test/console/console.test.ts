@@ -1,6 +1,6 @@
 // The web console (/console) in real headless Chromium against a real server: signing in with a key, a machine
 // made through the API in the list, its terminal answering `echo hi`, its snapshots taken, used and deleted, a
-// build's log followed live, and a dead letter retried and a delivery replayed — with no page errors, and the key never in a URL, a cookie or the server's logs.
+// build's log followed live, a dead letter retried and a delivery replayed, and a host drained and activated — with no page errors, and the key never in a URL, a cookie or the server's logs.
 
 import { after, before, describe, it } from "node:test";
 import assert from "node:assert/strict";
@@ -261,6 +261,55 @@ describe("the web console", () => {
     await w.screenshot("replayed");
     await k.call("DELETE", `/v1/lifecycle/webhooks/${hook.body.id}`);
     await k.call("DELETE", `/v1/machines/${m.body.id}`);
+  });
+
+  it("drains a host after a confirmation and activates it again, the row following each answer; a refusal shows as an error", async () => {
+    const self = (await k.call("GET", "/v1/hosts")).body.hosts.find((h: { self: boolean }) => h.self);
+    assert.equal(self?.status, "active");
+    const row = `tr[data-host="${self.id}"]`;
+    const { page } = w;
+    const other = await k.call("POST", "/v1/keys", { body: { name: "console-not-operator" } });
+    assert.equal(other.status, 201, other.text);
+    try {
+      await page.goto(`${k.url}/console/#/hosts`);
+      await page.waitForSelector(`${row} button.danger`, WAIT);
+      // The first press only asks; the host is still active.
+      await page.click(`${row} button.danger`);
+      await page.waitForSelector(`${row} button.danger.armed`, WAIT);
+      assert.match(await page.$eval(`${row} button.danger`, (el) => el.textContent ?? ""), /Really drain/);
+      assert.equal((await k.call("GET", `/v1/hosts/${self.id}`)).body.status, "active");
+      await page.click(`${row} button.danger`);
+      await page.waitForFunction((sel: string) => document.querySelector(`${sel} .status`)?.textContent === "draining", WAIT, row);
+      assert.equal((await k.call("GET", `/v1/hosts/${self.id}`)).body.status, "draining");
+      await w.screenshot("host-draining");
+
+      await page.waitForSelector(`${row} button:not(.danger)`, WAIT);
+      assert.equal(await page.$eval(`${row} button:not(.danger)`, (el) => el.textContent), "Activate");
+      await page.click(`${row} button:not(.danger)`);
+      await page.waitForFunction((sel: string) => document.querySelector(`${sel} .status`)?.textContent === "active", WAIT, row);
+      assert.equal((await k.call("GET", `/v1/hosts/${self.id}`)).body.status, "active");
+
+      // A key that is not the operator's: the server's 403 shows beside the button, and nothing changes.
+      await page.evaluate((key: string) => sessionStorage.setItem("kiln.apiKey", key), other.body.key);
+      await page.reload();
+      await page.waitForSelector(`${row} button.danger`, WAIT);
+      await page.click(`${row} button.danger`);
+      await page.waitForSelector(`${row} button.danger.armed`, WAIT);
+      await page.click(`${row} button.danger`);
+      await page.waitForFunction((sel: string) => document.querySelector(`${sel} [role=alert]`)?.textContent?.includes("operator's key"), WAIT, row);
+      assert.match(await page.$eval(`${row} [role=alert]`, (el) => el.textContent ?? ""), /\(forbidden, req_/);
+      assert.equal(await page.$eval(`${row} .status`, (el) => el.textContent), "active");
+      assert.equal((await k.call("GET", `/v1/hosts/${self.id}`)).body.status, "active");
+      await w.screenshot("host-drain-refused");
+      // Chromium reports the refused call (403) in the console: that one is expected, nothing else is.
+      assert.equal(w.problems.length, 1, w.problems.join("\n"));
+      assert.match(w.problems[0], /status of 403/);
+      w.problems.length = 0;
+    } finally {
+      await page.evaluate((key: string) => sessionStorage.setItem("kiln.apiKey", key), TEST_KEY);
+      await k.call("POST", `/v1/hosts/${self.id}/activate`);
+      await k.call("DELETE", `/v1/keys/${other.body.id}`);
+    }
   });
 
   it("went through every view with no page error, and the key never left the Authorization header", async () => {

@@ -166,6 +166,43 @@ test("a quick answer is one JSON body; a slower one streams as SSE from the firs
     // The SDK's client takes either.
     const viaClient = await call(http, "run_command", { machine_id: id, command: "sleep 1.2; echo client" });
     assert.equal((viaClient.structuredContent as { stdout: string }).stdout, "client\n");
+
+    // A batch answers every request in it, quick or slow.
+    const batch = (slow: boolean) =>
+      request(`${k.url}/v1/mcp`, {
+        method: "POST",
+        headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json", accept: "application/json, text/event-stream", "mcp-protocol-version": "2025-06-18" },
+        body: JSON.stringify([
+          { jsonrpc: "2.0", id: 1, method: "tools/call", params: { name: "run_command", arguments: { machine_id: id, command: slow ? "sleep 1.2; echo one" : "echo one" } } },
+          { jsonrpc: "2.0", id: 2, method: "tools/call", params: { name: "run_command", arguments: { machine_id: id, command: "echo two" } } },
+        ]),
+      });
+    const quickBatch = await batch(false);
+    assert.match(String(quickBatch.headers["content-type"]), /^application\/json/);
+    const quickAnswers = (await quickBatch.body.json()) as { id: number; result: { structuredContent: { stdout: string } } }[];
+    assert.deepEqual(quickAnswers.map((a) => [a.id, a.result.structuredContent.stdout]).sort(), [[1, "one\n"], [2, "two\n"]]);
+    const slowBatch = await batch(true);
+    assert.match(String(slowBatch.headers["content-type"]), /^text\/event-stream/);
+    const events = (await slowBatch.body.text()).split("\n").filter((l) => l.startsWith("data: ")).map((l) => JSON.parse(l.slice(6)));
+    assert.deepEqual(events.map((a) => [a.id, a.result.structuredContent.stdout]).sort(), [[1, "one\n"], [2, "two\n"]]);
+
+    // A client that goes away during a slow call: the server goes on answering others.
+    const ctl = new AbortController();
+    const abandoned = request(`${k.url}/v1/mcp`, {
+      method: "POST",
+      signal: ctl.signal,
+      headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json", accept: "application/json, text/event-stream", "mcp-protocol-version": "2025-06-18" },
+      body: JSON.stringify({ jsonrpc: "2.0", id: 9, method: "tools/call", params: { name: "run_command", arguments: { machine_id: id, command: "sleep 2; echo late > /tmp/late" } } }),
+    });
+    const headers = await abandoned;
+    assert.match(String(headers.headers["content-type"]), /^text\/event-stream/);
+    ctl.abort();
+    await headers.body.text().catch(() => undefined);
+    assert.equal(JSON.parse((await post("echo still")).text).result.structuredContent.stdout, "still\n");
+    // Once the abandoned command has ended (its answer going to no one), the server still answers.
+    const after = await post("for i in $(seq 100); do [ -f /tmp/late ] && break; sleep 0.1; done; cat /tmp/late");
+    const message = after.type.startsWith("text/event-stream") ? after.text.split("\n").find((l) => l.startsWith("data: "))!.slice(6) : after.text;
+    assert.equal(JSON.parse(message).result.structuredContent.stdout, "late\n");
   } finally {
     await call(http, "destroy_machine", { machine_id: id });
   }

@@ -1,8 +1,10 @@
-// Hosts: every server sharing this store (GET /v1/hosts, where the server has it) and this server's readiness and
-// capacity (GET /v1/ready).
+// Hosts: every server sharing this store (GET /v1/hosts, where the server has it), each drained or activated in
+// place (POST /v1/hosts/{id}/drain|activate: the operator's key), and this server's readiness and capacity
+// (GET /v1/ready).
 
-import { ApiError, authHeaders, get, hasRoute } from "../api.ts";
-import { Empty, ErrorNote, Section, Status, age, bytes, useLoad } from "../ui.tsx";
+import { useEffect, useState } from "preact/hooks";
+import { ApiError, api, authHeaders, enc, get, hasRoute } from "../api.ts";
+import { ConfirmButton, Empty, ErrorNote, Section, Status, age, bytes, useAction, useLoad } from "../ui.tsx";
 
 interface Host {
   id: string;
@@ -17,6 +19,47 @@ interface Ready {
   store: { dialect: string; ok: boolean };
   driver: Record<string, unknown>;
   capacity: { host_cores: number; host_memory_mb: number; live_machines: number; mem_available_mb: number; free_disk_mb: number | null; accepting: boolean };
+}
+
+/**
+ * One host, with the action its status allows: drain an active host (asks first: new machines stop going there),
+ * activate a draining one. The row shows what the server answered; a refusal (403 without the operator's key, 409
+ * for a lost host) shows beside the button.
+ */
+function HostRow({ host, onChanged }: { host: Host; onChanged: () => void }) {
+  // The action's answer is shown at once, until the list's next read (which has the change) replaces it.
+  const [answer, setAnswer] = useState<Host>();
+  useEffect(() => setAnswer(undefined), [host]);
+  const [error, run, busy] = useAction();
+  const h = answer ?? host;
+  const act = (action: "drain" | "activate") =>
+    run(async () => {
+      setAnswer(await api<Host>("POST", `/v1/hosts/${enc(h.id)}/${action}`));
+      onChanged();
+    });
+  return (
+    <tr data-host={h.id}>
+      <td>
+        {h.name} <span class="muted">{h.id}</span>
+      </td>
+      <td>
+        <Status value={h.status} />
+      </td>
+      <td>{h.advertise_url}</td>
+      <td>{age(h.heartbeat_at)} ago</td>
+      <td>
+        <div class="actions">
+          {h.status === "active" ? <ConfirmButton label="Drain" confirm="Really drain? No new machines go there" onConfirm={() => act("drain")} /> : null}
+          {h.status === "draining" ? (
+            <button type="button" disabled={busy} onClick={() => act("activate")}>
+              Activate
+            </button>
+          ) : null}
+        </div>
+        <ErrorNote error={error} />
+      </td>
+    </tr>
+  );
 }
 
 export function Hosts() {
@@ -50,20 +93,12 @@ export function Hosts() {
                     <th>Status</th>
                     <th>Address</th>
                     <th>Heartbeat</th>
+                    <th></th>
                   </tr>
                 </thead>
                 <tbody>
                   {hosts.data.hosts.map((h) => (
-                    <tr>
-                      <td>
-                        {h.name} <span class="muted">{h.id}</span>
-                      </td>
-                      <td>
-                        <Status value={h.status} />
-                      </td>
-                      <td>{h.advertise_url}</td>
-                      <td>{age(h.heartbeat_at)} ago</td>
-                    </tr>
+                    <HostRow key={h.id} host={h} onChanged={hosts.reload} />
                   ))}
                 </tbody>
               </table>

@@ -50,20 +50,14 @@ export async function hostRoutes(app: App, opts: { services: Services }) {
     hosts: await hosts.list(),
   }));
   app.get("/v1/hosts/:id", { config: { auth: "key" }, schema: { tags, summary: "Get a host", params: Params, response: { 200: Host, ...errors(404) } } }, async (req) => hosts.get(req.params.id));
-  app.post(
-    "/v1/hosts/:id/drain",
-    { config: { auth: "key" }, schema: { tags, summary: "Drain a host: no new machines go there; its machines keep running", params: Params, response: { 200: Host, ...errors(403, 404, 409) } } },
-    async (req) => {
+  const actions = {
+    drain: "Drain a host: no new machines go there; its machines keep running",
+    activate: "Activate a drained host: new machines may go there again",
+  } as const;
+  for (const [action, summary] of Object.entries(actions) as [keyof typeof actions, string][]) {
+    app.post(`/v1/hosts/:id/${action}`, { config: { auth: "key" }, schema: { tags, summary, params: Params, response: { 200: Host, ...errors(403, 404, 409) } } }, async (req) => {
       await operatorOnly(req.apiKeyId);
-      return hosts.drain(req.params.id);
-    },
-  );
-  app.post(
-    "/v1/hosts/:id/activate",
-    { config: { auth: "key" }, schema: { tags, summary: "Activate a drained host: new machines may go there again", params: Params, response: { 200: Host, ...errors(403, 404, 409) } } },
-    async (req) => {
-      await operatorOnly(req.apiKeyId);
-      return hosts.activate(req.params.id);
-    },
-  );
+      return hosts[action](req.params.id);
+    });
+  }
 }
