@@ -11,7 +11,8 @@ import { buildConsole } from "../src/console/bundle.ts";
 /** Every test that boots machines; the gVisor job runs exactly these. */
 const MACHINE_SUITES = [
   "test/runtime/*.test.ts",
-  // The CLI's own behaviour does not depend on the runtime (its machine side is covered here by the other suites): runc only.
+  // The CLI's own behaviour does not depend on the runtime (its machine side is covered here by the other suites): runc
+  // only. So do the multi-host cluster tests (test/hosts: placement, forwarding, cluster auth between servers).
   ...readdirSync("test/machines").filter((f) => f.endsWith(".test.ts") && f !== "cli-tools.test.ts").map((f) => `test/machines/${f}`),
   "test/gitcode/*.test.ts",
   "test/volumes/volumes.test.ts",
@@ -19,7 +20,6 @@ const MACHINE_SUITES = [
   "test/deployments/*.test.ts",
   "test/oci/machines.test.ts",
   "test/snapshots/*.test.ts",
-  "test/hosts/*.test.ts",
   "test/builds/checkpoint.test.ts",
   "test/security/edge-proxy.test.ts",
   "test/security/edge-e2b-ports.test.ts",
