@@ -6,8 +6,8 @@ import type { MachineRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
 import type { EgressRules } from "../runtime/driver.ts";
-import { parseCidr, v4ToBigInt, v6ToBigInt } from "../runtime/cidr.ts";
-import { refusedCidrs } from "../net/addresses.ts";
+import { parseCidr } from "../runtime/cidr.ts";
+import { refusedRangeMet } from "../net/addresses.ts";
 import { AgentError } from "../runtime/agent-client.ts";
 import type { TemplateService } from "../templates/service.ts";
 import type { VolumeMountRequest, VolumeService } from "../volumes/service.ts";
@@ -66,34 +66,16 @@ export function egressRules(network: CreateMachineInput["network"]): EgressRules
   return { allowOut: canonical("allow_out"), denyOut: canonical("deny_out") };
 }
 
-/** The ranges machines' egress refuses by default (the host, private, link-local and metadata ranges), as numbers. */
-const REFUSED = (() => {
-  const { v4, v6 } = refusedCidrs();
-  return [...v4.map((c) => cidrRange(c, 32)), ...v6.map((c) => cidrRange(c, 128))];
-})();
-
-function cidrRange(cidr: string, bits: 32 | 128): { bits: number; base: bigint; len: number } {
-  const [addr, len] = cidr.split("/");
-  return { bits, base: bits === 32 ? v4ToBigInt(addr) : v6ToBigInt(addr), len: Number(len) };
-}
-
 /**
  * Opening what the default refuses (the host's other addresses, private networks, cloud metadata) is the operator's
- * call, as webhook `allow_private` is: any other key asking `allow_out` to reach into such a range is 403. Two ranges
- * meet when the shorter prefix holds the other's base.
+ * call, as webhook `allow_private` is: any other key asking `allow_out` to reach into such a range is 403.
  */
 export function checkOpenings(network: CreateMachineInput["network"], operator: boolean): void {
   if (operator || !network?.allow_out?.length) return;
   for (const [i, text] of network.allow_out.entries()) {
     const parsed = parseCidr(text);
     if ("error" in parsed) continue; // egressRules answers 400 for it
-    const want = cidrRange(parsed.cidr, parsed.family === 4 ? 32 : 128);
-    const hit = REFUSED.find((r) => {
-      if (r.bits !== want.bits) return false;
-      const shift = BigInt(r.bits - Math.min(r.len, want.len));
-      return r.base >> shift === want.base >> shift;
-    });
-    if (hit) throw new KilnError("forbidden", `network.allow_out[${i}] (${parsed.cidr}) opens a range machines may not reach by default (the host, private, link-local or metadata addresses): only the operator's key may open it`);
+    if (refusedRangeMet(parsed.cidr, parsed.family)) throw new KilnError("forbidden", `network.allow_out[${i}] (${parsed.cidr}) opens a range machines may not reach by default (the host, private, link-local or metadata addresses): only the operator's key may open it`);
   }
 }
 

@@ -125,6 +125,21 @@ export function refusedCidrs(): { v4: string[]; v6: string[] } {
   return { v4: outermost(v4, 32), v6: outermost(v6, 128) };
 }
 
+let refused: { v4: Range[]; v6: Range[] } | undefined;
+
+/**
+ * The refused range (refusedCidrs) that a canonical CIDR meets — either holding the other — or undefined: what
+ * opening it in a machine's egress would open beyond the default.
+ */
+export function refusedRangeMet(cidr: string, family: 4 | 6): string | undefined {
+  refused ??= (() => {
+    const { v4, v6 } = refusedCidrs();
+    return { v4: v4.map((c) => range(c, 32)), v6: v6.map((c) => range(c, 128)) };
+  })();
+  const want = range(cidr, family === 4 ? 32 : 128);
+  return (family === 4 ? refused.v4 : refused.v6).find((r) => (r.base & want.mask & r.mask) === (want.base & r.mask & want.mask))?.text;
+}
+
 /** The CIDRs of a list that no other CIDR of it contains. */
 function outermost(list: string[], bits: 32 | 128): string[] {
   const ranges = [...new Set(list)].map((c) => ({ ...range(c, bits), len: Number(c.split("/")[1]) }));
