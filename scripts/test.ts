@@ -3,6 +3,7 @@
 
 import { spawnSync } from "node:child_process";
 import { readdirSync } from "node:fs";
+import { join } from "node:path";
 import { ensureBaseTemplate } from "../src/builder/base-template.ts";
 import { createLogger } from "../src/log.ts";
 import { TEST_CACHE_DIR } from "../test/support/paths.ts";
@@ -66,6 +67,9 @@ for (const project of [".", "console"]) {
 await buildConsole();
 
 const files = process.argv.slice(2);
+// Every test file is its own process that loads most of src/: V8's compile cache spares each the type stripping and
+// compilation of modules another has compiled (≈ 1 s of CPU a process).
+process.env.NODE_COMPILE_CACHE ??= join(import.meta.dirname, "..", "node_modules", ".cache", "node-compile-cache");
 // The whole suite also checks that the TypeScript SDK's generated types match the served OpenAPI document.
 if (files.length === 0) {
   const check = spawnSync(process.execPath, ["scripts/sdk-types.ts", "--check"], { stdio: "inherit", env: { ...process.env, KILN_TEST_CACHE_DIR: TEST_CACHE_DIR } });

@@ -83,4 +83,4 @@ fi
 node_modules/.bin/node scripts/build-console.ts
 
 if [ "${1:-}" = "--no-serve" ]; then exit 0; fi
-exec node_modules/.bin/node src/cli/main.ts serve
+exec bin/kiln serve

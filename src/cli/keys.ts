@@ -4,12 +4,12 @@ import { Option } from "commander";
 import type { Command } from "commander";
 import { createKeyService, generateKeyIn, KEY_FORMATS } from "../keys/service.ts";
 import type { KeyFormat } from "../keys/service.ts";
-import { openStoreFor } from "../app.ts";
+import { openStore } from "../store/db.ts";
 import { loadConfigOrExit } from "./client.ts";
 
 async function withKeys<T>(fn: (keys: ReturnType<typeof createKeyService>) => Promise<T>): Promise<T> {
   const config = loadConfigOrExit();
-  const store = await openStoreFor(config);
+  const store = await openStore({ databaseUrl: config.databaseUrl, dataDir: config.dataDir });
   try {
     return await fn(createKeyService(store.db));
   } finally {

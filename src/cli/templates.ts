@@ -6,11 +6,7 @@ import { createHash } from "node:crypto";
 import { readFileSync, readdirSync, statSync } from "node:fs";
 import { join, relative } from "node:path";
 import { request } from "undici";
-import { ensureBaseTemplate } from "../builder/base-template.ts";
-import { createCodeInterpreterTemplate } from "../templates/code-interpreter.ts";
-import { createTemplateService } from "../templates/service.ts";
 import { createLogger } from "../log.ts";
-import { openStoreFor } from "../app.ts";
 import { apiClient, fail, loadConfigOrExit } from "./client.ts";
 import type { ApiClient } from "./client.ts";
 import { createProgress } from "./build-progress.ts";
@@ -297,42 +293,56 @@ export function templateCommands(program: Command) {
   templates
     .command("init-base")
     .description("Make the base template (Debian bookworm minbase + python, git, curl) once and cache it")
-    .action(async () => {
-      const config = loadConfigOrExit();
-      const log = createLogger({ level: "warn" });
-      const started = Date.now();
-      const base = await ensureBaseTemplate({
-        cacheDir: config.cacheDir,
-        mirror: config.debianMirror,
-        log,
-        onProgress: (line) => process.stderr.write(`[${((Date.now() - started) / 1000).toFixed(1)}s] ${line}\n`),
-      });
-      const store = await openStoreFor(config);
-      try {
-        const t = await createTemplateService(store.db).registerBase(base.layerDir, base.digest);
-        process.stdout.write(`${t.template.canonical_ref} ${t.artifact.id} ${base.created ? "made" : "cached"} in ${((Date.now() - started) / 1000).toFixed(1)} s at ${base.layerDir}\n`);
-      } finally {
-        await store.close();
-      }
-    });
+    .action(() =>
+      withLocalTemplates(async ({ base, templates, started }) => {
+        const t = await templates.registerBase(base.layerDir, base.digest);
+        return `${t.template.canonical_ref} ${t.artifact.id} ${base.created ? "made" : "cached"} in ${seconds(started)} s at ${base.layerDir}`;
+      }),
+    );
 
   templates
     .command("init-code-interpreter")
     .description("Make code-interpreter-v1 (the base template + numpy, pandas, matplotlib; E2B's default for @e2b/code-interpreter) once and cache it")
-    .action(async () => {
-      const config = loadConfigOrExit();
-      const log = createLogger({ level: "warn" });
-      const started = Date.now();
-      const onProgress = (line: string) => process.stderr.write(`[${((Date.now() - started) / 1000).toFixed(1)}s] ${line}\n`);
-      const base = await ensureBaseTemplate({ cacheDir: config.cacheDir, mirror: config.debianMirror, log, onProgress });
-      const store = await openStoreFor(config);
-      try {
-        const templates = createTemplateService(store.db);
+    .action(() =>
+      withLocalTemplates(async ({ base, templates, started, log, onProgress, cacheDir }) => {
+        const { createCodeInterpreterTemplate } = await import("../templates/code-interpreter.ts");
         await templates.registerBase(base.layerDir, base.digest);
-        const t = await createCodeInterpreterTemplate({ templates, cacheDir: config.cacheDir, log }).make(onProgress);
-        process.stdout.write(`${t.template.canonical_ref} ${t.artifact.id} ready in ${((Date.now() - started) / 1000).toFixed(1)} s at ${t.layers.at(-1)}\n`);
-      } finally {
-        await store.close();
-      }
-    });
+        const t = await createCodeInterpreterTemplate({ templates, cacheDir, log }).make(onProgress);
+        return `${t.template.canonical_ref} ${t.artifact.id} ready in ${seconds(started)} s at ${t.layers.at(-1)}`;
+      }),
+    );
+}
+
+const seconds = (since: number) => ((Date.now() - since) / 1000).toFixed(1);
+
+/**
+ * The local data dir's templates with the base template made (or found in the cache), for the `init-*` commands; prints
+ * what `fn` answers. The builder and the store load only here, so that every other command starts fast.
+ */
+async function withLocalTemplates(
+  fn: (ctx: {
+    base: Awaited<ReturnType<typeof import("../builder/base-template.ts").ensureBaseTemplate>>;
+    templates: ReturnType<typeof import("../templates/service.ts").createTemplateService>;
+    started: number;
+    log: ReturnType<typeof createLogger>;
+    onProgress: (line: string) => void;
+    cacheDir: string;
+  }) => Promise<string>,
+): Promise<void> {
+  const config = loadConfigOrExit();
+  const log = createLogger({ level: "warn" });
+  const started = Date.now();
+  const onProgress = (line: string) => process.stderr.write(`[${seconds(started)}s] ${line}\n`);
+  const [{ ensureBaseTemplate }, { createTemplateService }, { openStore }] = await Promise.all([
+    import("../builder/base-template.ts"),
+    import("../templates/service.ts"),
+    import("../store/db.ts"),
+  ]);
+  const base = await ensureBaseTemplate({ cacheDir: config.cacheDir, mirror: config.debianMirror, log, onProgress });
+  const store = await openStore({ databaseUrl: config.databaseUrl, dataDir: config.dataDir });
+  try {
+    process.stdout.write((await fn({ base, templates: createTemplateService(store.db), started, log, onProgress, cacheDir: config.cacheDir })) + "\n");
+  } finally {
+    await store.close();
+  }
 }
