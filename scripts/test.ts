@@ -12,14 +12,15 @@ import { buildConsole } from "../src/console/bundle.ts";
 /** Every test that boots machines; the gVisor job runs exactly these. */
 const MACHINE_SUITES = [
   "test/runtime/*.test.ts",
-  // The CLI's own behaviour does not depend on the runtime (its machine side is covered here by the other suites): runc
-  // only. So do the multi-host cluster tests (test/hosts: placement, forwarding, cluster auth between servers), key
-  // revocation closing sockets, the edge proxy's bounds against hostile services, and E2B's file URL signatures.
+  // The CLI's own behaviour does not depend on the runtime (its machine side is covered here by the other suites): the
+  // CLI tests run on runc only (cli-tools and the deployments CLI are left out here; those of git and code skip
+  // themselves). So do the multi-host cluster tests (test/hosts: placement, forwarding, cluster auth between servers),
+  // key revocation closing sockets, the edge proxy's bounds against hostile services, and E2B's file URL signatures.
   ...readdirSync("test/machines").filter((f) => f.endsWith(".test.ts") && f !== "cli-tools.test.ts").map((f) => `test/machines/${f}`),
   "test/gitcode/*.test.ts",
   "test/volumes/volumes.test.ts",
   "test/volumes/watch.test.ts",
-  "test/deployments/*.test.ts",
+  ...readdirSync("test/deployments").filter((f) => f.endsWith(".test.ts") && f !== "cli.test.ts").map((f) => `test/deployments/${f}`),
   "test/oci/machines.test.ts",
   "test/snapshots/*.test.ts",
   "test/builds/checkpoint.test.ts",
