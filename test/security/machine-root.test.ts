@@ -117,7 +117,9 @@ async function peakRssGrowth<T>(fn: () => Promise<T>): Promise<{ value: T; growt
   }
 }
 
-test("an impostor on the agent's socket cannot hang a request or grow the server: giant, endless and silent answers, oversized frames", async () => {
+// The impostor listens on the host side of the agent socket and the bounds are the server's own, whatever the runtime:
+// runc only (30 s of the gVisor pass).
+test("an impostor on the agent's socket cannot hang a request or grow the server: giant, endless and silent answers, oversized frames", { skip: GVISOR && "the server's bounds do not depend on the runtime: runc only" }, async () => {
   const m = await create();
   const impostor = await impostorFor(m.id);
   try {
