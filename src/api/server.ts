@@ -32,7 +32,7 @@ import type { EdgeDomain } from "../deployments/edge-origin.ts";
 import type { IncomingMessage } from "node:http";
 import type { Duplex } from "node:stream";
 import { createServer } from "node:http";
-import { e2bCompat } from "../compat/e2b/index.ts";
+import { e2bBoundOf, e2bCompat } from "../compat/e2b/index.ts";
 import { consoleRoutes } from "../console/routes.ts";
 import { createAuth, WS_BEARER_PREFIX, WS_PROTOCOL } from "./auth.ts";
 import { mcpRoutes } from "../mcp/route.ts";
@@ -111,7 +111,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     auth.provideCluster(clusterAuth.verify);
     const forwarder = createForwarder({ db: opts.services.store.db, hostId: hosts.hostId, auth: clusterAuth, log: opts.log, hosts: hosts.hosts });
     const placement = createPlacement({ db: opts.services.store.db, hostId: hosts.hostId, lostAfterS: opts.cluster.lostAfterS, hosts: hosts.hosts });
-    installClusterRouting(app, { hostId: hosts.hostId, forwarder, placement });
+    installClusterRouting(app, { hostId: hosts.hostId, forwarder, placement, boundOf: opts.e2b ? e2bBoundOf : undefined });
     app.addHook("onClose", async () => forwarder.close());
   }
   const stopRevocationWatch = await opts.services.keys.watchRevocations((err) => opts.log.warn({ err }, "the revocation poll failed: remembered keys are not trusted until it succeeds"));

@@ -105,6 +105,9 @@ export function createForwarder(deps: { db: Db; hostId: string; auth: ClusterAut
     }
     if (!body) delete out["content-length"];
     out["x-forwarded-for"] = req.headers["x-forwarded-for"] ? `${req.headers["x-forwarded-for"]}, ${req.ip}` : req.ip;
+    // The Host the caller used (the peer's own is its address): E2B names a sandbox and its port in it.
+    if (req.headers.host !== undefined) out["x-forwarded-host"] = req.headers.host;
+    else delete out["x-forwarded-host"];
     return { ...out, ...auth.sign(req.method, req.url, to, req.apiKeyId) };
   }
 

@@ -4,19 +4,24 @@
 
 import type { App } from "../api/app-type.ts";
 import { KilnError } from "../errors.ts";
-import type { Forwarder } from "./forward.ts";
+import type { HostRow } from "../store/schema.ts";
+import type { FastifyRequest } from "fastify";
+import type { Bound, Forwarder } from "./forward.ts";
 import { boundTo } from "./forward.ts";
 import type { Placement } from "./placement.ts";
 
 /** A create body placement may hold to try another host; creates are small JSON documents. */
 const CREATE_BODY_MAX = 1024 * 1024;
 
-export function installClusterRouting(app: App, deps: { hostId: string; forwarder: Forwarder; placement: Placement }) {
+/** What a layer outside /v1 (E2B's) says a request is bound to; asked after Kiln's own routes' rule. */
+export type BoundOf = (req: FastifyRequest) => Bound | undefined;
+
+export function installClusterRouting(app: App, deps: { hostId: string; forwarder: Forwarder; placement: Placement; boundOf?: BoundOf }) {
   const { forwarder, placement, hostId } = deps;
 
   app.addHook("onRequest", (req, reply, done) => {
     if (req.is404 || req.forwardedBy !== undefined) return done();
-    const bound = boundTo(req.method, req.routeOptions.url, req.params as Record<string, string | undefined>);
+    const bound = boundTo(req.method, req.routeOptions.url, req.params as Record<string, string | undefined>) ?? deps.boundOf?.(req);
     if (!bound) return done();
     forwarder.ownerOf(bound).then(
       (host) => {
@@ -34,23 +39,17 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
   });
 
   // Placement sees the parsed body (before validation), so it can send the same create to another host if the first
-  // refuses for now (503); the chosen host validates and admits it as any create.
+  // refuses for now (503); the chosen host validates and admits it as any create. Kiln's create and E2B's.
   app.addHook("preValidation", async (req, reply) => {
-    if (req.forwardedBy !== undefined || req.method !== "POST" || req.routeOptions.url !== "/v1/machines") return;
-    const want = (req.body ?? {}) as { snapshot?: unknown; volumes?: unknown[] };
-    // Affinity: a machine from a snapshot goes where the snapshot's files are, one that mounts volumes where their
-    // data is (the first volume's host; that host's own check refuses volumes of another host).
-    const volumeId = Array.isArray(want.volumes) ? (want.volumes[0] as { volume_id?: unknown } | undefined)?.volume_id : undefined;
-    if (Array.isArray(want.volumes) && want.volumes.length > 0) {
-      const host = typeof volumeId === "string" ? await placement.volumeHost(volumeId) : undefined;
-      if (!host || host.id === hostId) return;
-      await forwarder.forwardHttp(req, reply, { id: host.id, url: host.advertise_url }, { body: Buffer.from(JSON.stringify(want)) });
-      return reply;
-    }
-    if (typeof want.snapshot === "string") {
-      const host = await placement.snapshotHost(want.snapshot);
-      if (!host || host.id === hostId) return;
-      await forwarder.forwardHttp(req, reply, { id: host.id, url: host.advertise_url }, { body: Buffer.from(JSON.stringify(want)) });
+    if (req.forwardedBy !== undefined || req.method !== "POST") return;
+    const url = req.routeOptions.url;
+    const affinity = url === "/v1/machines" ? nativeAffinity : url === "/sandboxes" || url === "/v2/sandboxes" ? e2bAffinity : undefined;
+    if (!affinity) return;
+    const want = (req.body ?? {}) as Record<string, unknown>;
+    const fixed = await affinity(want);
+    if (fixed !== undefined) {
+      if (fixed === "here" || fixed.id === hostId) return;
+      await forwarder.forwardHttp(req, reply, { id: fixed.id, url: fixed.advertise_url }, { body: Buffer.from(JSON.stringify(want)) });
       return reply;
     }
     const hosts = await placement.candidates();
@@ -64,7 +63,7 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
         return;
       }
       // Only a create sent on is held here whole; what is too large for that is the route's to refuse as it would.
-      body ??= Buffer.from(JSON.stringify(req.body ?? {}));
+      body ??= Buffer.from(JSON.stringify(want));
       if (body.length > CREATE_BODY_MAX) return;
       const release = placement.hold(host.id);
       try {
@@ -77,4 +76,29 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
     }
     throw new KilnError("unavailable", "Every active host refused the create for now (503); try again later", { detail: { retryable: true } });
   });
+
+  /**
+   * Where a create must go whatever the capacities, if anywhere: a machine from a snapshot goes where the snapshot's
+   * files are, one that mounts volumes where their data is (the first volume's host; that host's own check refuses
+   * volumes of another host). "here": serve it on this server; undefined: place it.
+   */
+  async function nativeAffinity(want: Record<string, unknown>): Promise<HostRow | "here" | undefined> {
+    if (Array.isArray(want.volumes) && want.volumes.length > 0) {
+      const volumeId = (want.volumes[0] as { volume_id?: unknown } | undefined)?.volume_id;
+      return (typeof volumeId === "string" ? await placement.volumeHost(volumeId) : undefined) ?? "here";
+    }
+    if (typeof want.snapshot === "string") return (await placement.snapshotHost(want.snapshot)) ?? "here";
+    return undefined;
+  }
+
+  /**
+   * E2B's create: a snapshot's id as templateID goes where its files are; one with volumeMounts (volumes named as the
+   * layer resolves them) is served here, whose volumes check refuses another host's.
+   */
+  async function e2bAffinity(want: Record<string, unknown>): Promise<HostRow | "here" | undefined> {
+    if (Array.isArray(want.volumeMounts) && want.volumeMounts.length > 0) return "here";
+    const template = want.templateID;
+    if (typeof template === "string" && template.startsWith("snp_")) return (await placement.snapshotHost(template)) ?? "here";
+    return undefined;
+  }
 }

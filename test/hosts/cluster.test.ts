@@ -14,6 +14,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import pg from "pg";
 import { request } from "undici";
+import { Sandbox } from "e2b";
 import { WebSocket } from "ws";
 import { startPostgres } from "../support/postgres.ts";
 import { TEST_KEY } from "../support/kiln.ts";
@@ -198,6 +199,38 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   assert.equal(logs.statusCode, 200);
   assert.match(String(logs.headers["content-type"]), /^text\/event-stream/);
   assert.match(await logs.body.text(), /marker-from-a/, "the build's log stream, read through host b");
+
+  // The E2B layer through any server: a sandbox on host b driven through host a with the published SDK (control
+  // plane, envd's process and filesystem services, a signed file URL, pause and connect, kill); its access token
+  // checked by host a, whose secret is the store's.
+  const e2bKey = (await a.call("POST", "/v1/keys", { name: "e2b-cluster", format: "e2b" })).body;
+  const e2b = { apiKey: e2bKey.key as string, apiUrl: a.url, sandboxUrl: a.url, requestTimeoutMs: 30_000 };
+  const sbx = await Sandbox.connect(mb.slice("mch_".length), e2b);
+  assert.equal((await sbx.commands.run("echo through-a; cat /etc/hostname")).stdout.split("\n")[0], "through-a");
+  await sbx.files.write("/tmp/e2b-through-a.txt", "e2b via a");
+  assert.equal((await b.call("POST", `/v1/machines/${mb}/exec`, { cmd: "cat /tmp/e2b-through-a.txt" })).body.stdout, "e2b via a", "written on host b");
+  // A signed file URL, sent to host a naming the sandbox in the Host as its domain form does (`49983-<id>.<domain>`;
+  // with sandboxUrl set, the SDK's URL is the server's own address).
+  const signed = new URL(await sbx.downloadUrl("/tmp/e2b-through-a.txt", { useSignatureExpiration: 60 }));
+  const byUrl = await request(`${a.url}${signed.pathname}${signed.search}`, { headers: { host: `49983-${sbx.sandboxId}.kiln.test` } });
+  assert.equal(await byUrl.body.text(), "e2b via a", "a signed file URL answered through host a");
+  assert.equal((await Sandbox.getInfo(sbx.sandboxId, e2b)).state, "running");
+  // An E2B create through any server is placed like Kiln's: three land on more than one host.
+  const e2bPlaced = await Promise.all([0, 1, 2].map(() => Sandbox.create("base", { ...e2b, timeoutMs: 120_000 })));
+  const e2bHosts = await Promise.all(e2bPlaced.map((x) => hostOf(db.url, `mch_${x.sandboxId}`)));
+  assert.ok(new Set(e2bHosts).size >= 2, `E2B creates through one server placed on ${e2bHosts.join(", ")}`);
+  // Pause and resume of a sandbox on another host than the one asked.
+  const remote = e2bPlaced[e2bHosts.findIndex((h) => h !== "h-a")]!;
+  await remote.pause();
+  assert.equal((await Sandbox.getInfo(remote.sandboxId, e2b)).state, "paused");
+  const resumed = await Sandbox.connect(remote.sandboxId, e2b);
+  assert.equal((await resumed.commands.run("echo back")).stdout, "back\n");
+  for (const x of e2bPlaced) await x.kill();
+  for (const x of e2bPlaced) assert.equal((await a.call("GET", `/v1/machines/mch_${x.sandboxId}`)).body.status, "destroyed");
+  // A forged token is refused by the first server; nothing reaches host b.
+  const forgedToken = await request(`${a.url}/process.Process/List`, { method: "POST", headers: { "e2b-sandbox-id": sbx.sandboxId, "x-access-token": `${e2bKey.id}.AAAA`, "content-type": "application/json" }, body: "{}" });
+  assert.equal(forgedToken.statusCode, 401);
+  await forgedToken.body.dump();
 
   // Forged cluster headers on what is forwarded now: refused before anything is served, WebSocket or not.
   const forgedHeaders = { "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": "h-b", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-nonce": "forged", "x-kiln-cluster-sig": "AAAA" };

@@ -124,7 +124,7 @@ test("after a machine, a webhook with a secret, a build and a volume, nobody can
 
 test("the data dir and what holds secrets have private modes: dir 0711, store and WAL 0600, disk images 0600", () => {
   assert.equal(statSync(k.dataDir).mode & 0o777, 0o711);
-  for (const f of ["kiln.db", "kiln.db-wal", "e2b-envd-secret", "edge-secret"]) {
+  for (const f of ["kiln.db", "kiln.db-wal", "edge-secret"]) {
     const p = join(k.dataDir, f);
     assert.ok(existsSync(p), f);
     assert.equal(statSync(p).mode & 0o077, 0, `${f} is ${(statSync(p).mode & 0o777).toString(8)}`);
@@ -149,7 +149,7 @@ test("an existing data dir left readable is tightened at the next start, and its
   const blob = candidatePaths().find((p) => p.includes("/blobs/") && statSync(p).isFile())!;
   chmodSync(k.dataDir, 0o755);
   // (The WAL is gone: a clean stop checkpoints it into the store.)
-  for (const f of ["kiln.db", "e2b-envd-secret", "host-id", "edge-secret"]) chmodSync(join(k.dataDir, f), 0o644);
+  for (const f of ["kiln.db", "host-id", "edge-secret"]) chmodSync(join(k.dataDir, f), 0o644);
   chmodSync(join(k.dataDir, "blobs"), 0o755);
   chmodSync(blob, 0o644);
   chmodSync(join(k.dataDir, "machines", machineId), 0o755);

@@ -122,7 +122,7 @@ describe("one server on SQLite", () => {
 
   test("an E2B process stream opened with a token of a key ends when that key is revoked, and the token stops working", async () => {
     const { id, key: _key } = await newKey(k, "e2b-holder");
-    const tokens = createTokens(await loadTokenSecret(k.dataDir));
+    const tokens = createTokens(await loadTokenSecret(k.kiln.services.store.db, k.dataDir));
     const token = tokens.tokenOf(machineId, id);
     const headers = { "e2b-sandbox-id": machineId, "x-access-token": token, "content-type": "application/connect+json" };
     const res = await request(`${k.url}/process.Process/Start`, {

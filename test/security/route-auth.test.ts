@@ -191,7 +191,7 @@ test("unknown paths without a key answer 401 (route existence is not revealed); 
 });
 
 test("envd routes take only a token for that sandbox from a live key: another sandbox's, a revoked key's or a forged one is refused", async () => {
-  const tokens = createTokens(await loadTokenSecret(k.dataDir));
+  const tokens = createTokens(await loadTokenSecret(k.kiln.services.store.db, k.dataDir));
   const liveKeyId = (await k.call("GET", "/v1/keys")).body.keys.find((x: any) => x.revoked_at === null).id;
   const post = (token: string | undefined, sandbox = SANDBOX) =>
     rawRequest(port, "POST", "/filesystem.Filesystem/Stat", { "e2b-sandbox-id": sandbox, "content-type": "application/json", ...(token ? { "x-access-token": token } : {}) }, '{"path":"/"}');

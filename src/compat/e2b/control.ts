@@ -16,6 +16,7 @@ import { CODE_INTERPRETER_REF } from "../../templates/code-interpreter.ts";
 import { findTemplate, parseTemplateRef } from "../../templates/resolver.ts";
 import { E2bUnserved } from "./errors.ts";
 import { machineIdOf, sandboxIdOf } from "./ids.ts";
+import { requestHost } from "./ports.ts";
 import { keepsMemory, snapshotOfTemplateId, snapshotRoutes } from "./snapshots.ts";
 import { E2bNetwork, egressOf } from "./network.ts";
 import type { E2bNetworkBody } from "./network.ts";
@@ -107,7 +108,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
 
   const state = (m: MachineView) => (m.status === "hibernated" ? "paused" : "running");
 
-  const domainFor = (req: FastifyRequest) => deps.domain ?? req.headers.host ?? "localhost";
+  const domainFor = (req: FastifyRequest) => deps.domain ?? requestHost(req) ?? "localhost";
 
   // E2B hands out a traffic token for a sandbox's non-public ports (getHost). Kiln's port route takes the sandbox's
   // envd token there, so both fields carry it: the SDK's `sbx.trafficAccessToken` is set as E2B sets it.

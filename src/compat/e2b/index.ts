@@ -12,12 +12,13 @@ import { e2bError } from "./errors.ts";
 import { sendUnaryError } from "./connect.ts";
 import { createProcessRegistry } from "./processes.ts";
 import { createTokens, fileUrlSignature, loadTokenSecret, sameText } from "./token.ts";
-import { installPortProxy, SANDBOX_HOST_RE } from "./ports.ts";
+import { installPortProxy, requestHost, SANDBOX_HOST_RE } from "./ports.ts";
 import { machineIdOf } from "./ids.ts";
 import { codeInterpreterRoutes, JUPYTER_PORT } from "./code-interpreter.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import type { Auth } from "../../api/auth.ts";
 import { presentedKey, unauthorized } from "../../api/auth.ts";
+import type { Bound } from "../../hosts/forward.ts";
 
 export const ENVD_PORT = 49983;
 /** Active keys whose tokens a signed /files URL is checked against (the signature does not say which). */
@@ -38,8 +39,8 @@ export interface E2bOptions {
 function sandboxPortOf(req: { headers: Record<string, string | string[] | undefined> }): number | undefined {
   const header = req.headers["e2b-sandbox-port"];
   if (typeof header === "string" && /^\d{1,5}$/.test(header)) return Number(header);
-  const host = req.headers.host;
-  const m = typeof host === "string" ? SANDBOX_HOST_RE.exec(host) : null;
+  const host = requestHost(req);
+  const m = host ? SANDBOX_HOST_RE.exec(host) : null;
   return m ? Number(m[1]) : undefined;
 }
 
@@ -50,9 +51,34 @@ function sandboxPortOf(req: { headers: Record<string, string | string[] | undefi
 export function sandboxIdOf(req: { headers: Record<string, string | string[] | undefined> }): string | undefined {
   const header = req.headers["e2b-sandbox-id"];
   if (typeof header === "string" && header) return machineIdOf(header) ?? header;
-  const host = req.headers.host;
-  const m = typeof host === "string" ? SANDBOX_HOST_RE.exec(host) : null;
+  const host = requestHost(req);
+  const m = host ? SANDBOX_HOST_RE.exec(host) : null;
   return m && (Number(m[1]) === ENVD_PORT || Number(m[1]) === JUPYTER_PORT) ? machineIdOf(m[2]) : undefined;
+}
+
+/** The E2B control routes that need the sandbox's own host (its processes, files or runtime), by their :id. */
+const HOST_BOUND_CONTROL = /^\/(v2\/)?sandboxes\/:id(\/|$)/;
+
+/**
+ * What an E2B request is bound to in a cluster (src/hosts/routing.ts): envd and the code interpreter are served by
+ * the sandbox's host, as are the control routes on one sandbox and the volume content API; the rest (create, lists,
+ * templates, volumes' records) any server answers from the store.
+ */
+export function e2bBoundOf(req: FastifyRequest): Bound | undefined {
+  const config = req.routeOptions.config as { e2b?: string } | undefined;
+  if (config?.e2b === "envd" || config?.e2b === "jupyter") {
+    const id = sandboxIdOf(req);
+    return id ? { kind: "machines", id } : undefined;
+  }
+  const url = req.routeOptions.url ?? "";
+  const param = (req.params as { id?: unknown } | undefined)?.id;
+  if (typeof param !== "string") return undefined;
+  if (HOST_BOUND_CONTROL.test(url)) {
+    const id = machineIdOf(param);
+    return id ? { kind: "machines", id } : undefined;
+  }
+  if (url.startsWith("/volumecontent/:id/") || (url === "/volumes/:id" && req.method === "DELETE")) return { kind: "volumes", id: param };
+  return undefined;
 }
 
 /** Which in-sandbox server a request is for: the code interpreter (port 49999) or envd (any other). */
@@ -69,7 +95,7 @@ function publicDomain(publicUrl: string): string | undefined {
 
 export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
   const { services } = opts;
-  const tokens = createTokens(await loadTokenSecret(opts.dataDir));
+  const tokens = createTokens(await loadTokenSecret(services.store.db, opts.dataDir));
   const processes = createProcessRegistry(services.machines);
   app.addHook("onClose", (_app, done) => {
     processes.close();

@@ -7,6 +7,7 @@ import type { IncomingMessage, Server, ServerResponse } from "node:http";
 import type { Duplex } from "node:stream";
 import type { MachineService } from "../../machines/service.ts";
 import { KilnError } from "../../errors.ts";
+import { hasClusterHeaders } from "../../hosts/cluster-auth.ts";
 import { acceptWebSocket, createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHeaders, isWebSocketUpgrade } from "../../deployments/proxy.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import { rememberedCheck, stripKilnCredentials } from "../../deployments/credentials.ts";
@@ -26,6 +27,18 @@ export function portTargetOf(host: string | undefined, servedPorts: readonly num
  * `<digits>-` stays Kiln's. Group 2 is the id as written: machineIdOf turns it into the machine's.
  */
 export const SANDBOX_HOST_RE = new RegExp(`^(\\d{1,5})-((?:mch_)?${SANDBOX_ID_SOURCE})\\.`);
+
+/**
+ * The Host a request was sent to: its own, or for a request another server of the cluster forwarded (it carries the
+ * cluster's headers, which the auth hook verifies before anything is served, and refuses if forged), the Host the
+ * caller used there (`x-forwarded-host`, set by the forwarder), which names the sandbox and port.
+ */
+export function requestHost(req: { headers: Record<string, string | string[] | undefined> }): string | undefined {
+  const forwarded = req.headers["x-forwarded-host"];
+  if (typeof forwarded === "string" && hasClusterHeaders(req.headers)) return forwarded;
+  const host = req.headers.host;
+  return typeof host === "string" ? host : undefined;
+}
 
 export interface PortProxyDeps {
   machines: MachineService;

@@ -1,29 +1,41 @@
-// envd access tokens: one per sandbox and API key, `<key id>.<HMAC-SHA256 of both under a secret kept in the data dir
-// (0600)>`, so no token is ever stored, every server on the same data dir gives the same answer after a restart, and
-// a token dies with the key it was issued to (the auth hook checks the key id it names).
+// envd access tokens: one per sandbox and API key, `<key id>.<HMAC-SHA256 of both under a secret kept in the store>`,
+// so no token is ever stored, every server of the store (one host or many) gives and checks the same tokens across
+// restarts, and a token dies with the key it was issued to (the auth hook checks the key id it names).
 
 import { createHash, createHmac, randomBytes, timingSafeEqual } from "node:crypto";
-import { chmod, mkdir, readFile, writeFile } from "node:fs/promises";
+import { readFile } from "node:fs/promises";
 import { join } from "node:path";
+import type { Db } from "../../store/schema.ts";
 
-const SECRET_FILE = "e2b-envd-secret";
+/** Where a server kept the secret before it moved to the store: read once, so tokens already issued stay good. */
+const LEGACY_SECRET_FILE = "e2b-envd-secret";
+const SECRET_NAME = "e2b-envd";
 
-export async function loadTokenSecret(dataDir: string): Promise<Buffer> {
-  const file = join(dataDir, SECRET_FILE);
+async function legacySecret(dataDir: string): Promise<Buffer | undefined> {
   try {
-    const hex = (await readFile(file, "utf8")).trim();
-    if (/^[0-9a-f]{64}$/.test(hex)) return Buffer.from(hex, "hex");
+    const hex = (await readFile(join(dataDir, LEGACY_SECRET_FILE), "utf8")).trim();
+    return /^[0-9a-f]{64}$/.test(hex) ? Buffer.from(hex, "hex") : undefined;
   } catch (err) {
     if ((err as NodeJS.ErrnoException).code !== "ENOENT") throw err;
+    return undefined;
   }
-  const secret = randomBytes(32);
-  await mkdir(dataDir, { recursive: true });
-  // wx: two servers starting at once keep whichever wrote first.
-  await writeFile(file, secret.toString("hex") + "\n", { mode: 0o600, flag: "wx" }).catch(async (err: NodeJS.ErrnoException) => {
-    if (err.code !== "EEXIST") throw err;
-  });
-  await chmod(file, 0o600);
-  return Buffer.from((await readFile(file, "utf8")).trim(), "hex");
+}
+
+/**
+ * The tokens' secret, shared by every server of the store (in `cluster_secrets`, beside the forwarding secret): the
+ * first server to need it writes it — the one its data dir kept, if any — and every other reads that one.
+ */
+export async function loadTokenSecret(db: Db, dataDir: string): Promise<Buffer> {
+  const existing = await db.selectFrom("cluster_secrets").select("secret").where("name", "=", SECRET_NAME).executeTakeFirst();
+  if (existing) return Buffer.from(existing.secret, "base64url");
+  const made = (await legacySecret(dataDir)) ?? randomBytes(32);
+  await db
+    .insertInto("cluster_secrets")
+    .values({ name: SECRET_NAME, secret: made.toString("base64url"), created_at: new Date().toISOString() })
+    .onConflict((oc) => oc.column("name").doNothing())
+    .execute();
+  const row = await db.selectFrom("cluster_secrets").select("secret").where("name", "=", SECRET_NAME).executeTakeFirstOrThrow();
+  return Buffer.from(row.secret, "base64url");
 }
 
 const KEY_ID = /^key_[0-9a-z]{1,64}$/;
