@@ -11,6 +11,7 @@ import { existsSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { gzipSync } from "node:zlib";
+import { spawnSync } from "node:child_process";
 import { request } from "undici";
 import { Sandbox, Template, BuildError, waitForFile } from "e2b";
 import type { LogEntry } from "e2b";
@@ -25,6 +26,8 @@ const skip = registryAvailable() ?? (hostArchSupported() ? undefined : "x86-64 o
 const UPLOAD_LIMIT = 4 * 1024 * 1024;
 let k: TestKiln;
 let reg: TestRegistry;
+let priv: TestRegistry;
+const password = `pw-${randomBytes(10).toString("hex")}`;
 let key: string;
 let opts: { apiKey: string; apiUrl: string; sandboxUrl: string; requestTimeoutMs: number };
 let ctx: string;
@@ -32,10 +35,12 @@ const machines: string[] = [];
 
 before(async () => {
   if (skip) return;
-  reg = await startRegistry();
-  await pushImage(reg, "mini/shell", "v1", { layers: [{ entries: shellRootfs() }], config: { Env: ["FROM_IMAGE=yes"], WorkingDir: "/" } });
+  [reg, priv] = await Promise.all([startRegistry(), startRegistry({ auth: { username: "u", password } })]);
+  const image = { layers: [{ entries: shellRootfs() }], config: { Env: ["FROM_IMAGE=yes"], WorkingDir: "/" } };
+  await pushImage(reg, "mini/shell", "v1", image);
+  await pushImage(priv, "mini/private", "v1", image);
   key = generateKeyIn("e2b");
-  k = await startTestKiln({ env: { KILN_API_KEY: key, KILN_INSECURE_REGISTRIES: reg.host, KILN_BODY_LIMIT_BYTES: String(UPLOAD_LIMIT) } });
+  k = await startTestKiln({ env: { KILN_API_KEY: key, KILN_INSECURE_REGISTRIES: `${reg.host},${priv.host}`, KILN_BODY_LIMIT_BYTES: String(UPLOAD_LIMIT) } });
   opts = { apiKey: key, apiUrl: k.url, sandboxUrl: k.url, requestTimeoutMs: 120_000 };
   ctx = await mkdtemp(join(tmpdir(), "e2b-tpl-ctx-"));
   await mkdir(join(ctx, "app", "lib"), { recursive: true });
@@ -48,6 +53,7 @@ after(async () => {
   for (const id of machines) await k?.call("DELETE", `/v1/machines/${id}`, { key, settle: true });
   await k?.close();
   await reg?.stop();
+  await priv?.stop();
 });
 
 async function exec(id: string, cmd: string): Promise<{ exit_code: number; stdout: string }> {
@@ -157,6 +163,16 @@ test("buildInBackground + getBuildStatus: logsOffset pages through the durable l
     assert.match((err as Error).message, /step 2\/2 \(.*\) exited with code 3: going-down/);
     return true;
   });
+});
+
+test("fromImage(private image, {username, password}) pulls with the registry's credentials; the password is stored and logged nowhere", { skip }, async () => {
+  await assert.rejects(Template.build(Template().fromImage(`${priv.host}/mini/private:v1`).runCmd("echo x > /x"), "e2b-private-denied", opts), BuildError);
+  const tpl = Template().fromImage(`${priv.host}/mini/private:v1`, { username: "u", password }).runCmd("echo private-ok > /ok");
+  await Template.build(tpl, "e2b-private", opts);
+  const id = await machineFrom("e2b-private");
+  assert.equal((await exec(id, "cat /ok")).stdout, "private-ok\n");
+  assert.equal(spawnSync("grep", ["-rlaF", "--exclude=disk.img", "--exclude=image.ext4", "--exclude=disks.xfs", "--exclude-dir=disks", password, k.dataDir]).stdout.toString(), "", "the password is nowhere in the data dir");
+  assert.ok(!k.logs.join("").includes(password), "nor in the server's logs");
 });
 
 /** The SDK's first two calls by hand: a requested build and an upload link. */
