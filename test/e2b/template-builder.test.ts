@@ -6,7 +6,8 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { createHash, randomBytes } from "node:crypto";
-import { mkdtemp, mkdir, writeFile, readdir } from "node:fs/promises";
+import { mkdtemp, mkdir, writeFile, readdir, utimes } from "node:fs/promises";
+import { Readable } from "node:stream";
 import { existsSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -18,6 +19,7 @@ import type { LogEntry } from "e2b";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { generateKeyIn } from "../../src/keys/service.ts";
+import { createE2bTemplateFiles } from "../../src/compat/e2b/templates.ts";
 import { pushImage, registryAvailable, startRegistry, tarOf } from "../support/oci-registry.ts";
 import type { TestRegistry } from "../support/oci-registry.ts";
 import { hostArchSupported, shellRootfs } from "../support/mini-rootfs.ts";
@@ -104,6 +106,11 @@ test("Template().fromImage(registry image) with runCmd, copy and setEnvs builds 
   await Template.build(Template({ fileContextPath: ctx }).fromImage(`${reg.host}/mini/shell:v1`).copy("hello.txt", "/data/"), "e2b-mini-two", { ...opts, onBuildLogs: (e) => again.push(e) });
   assert.match(again.map((e) => e.message).join("\n"), /Skipping upload of 'hello\.txt', already cached/);
 
+  // fromTemplate builds on the Kiln template just made.
+  await Template.build(Template().fromTemplate("e2b-mini:v1").runCmd("cat /built.txt > /again"), "e2b-mini-child", opts);
+  const child = await machineFrom("e2b-mini-child");
+  assert.equal((await exec(child, "cat /again /data/hello.txt")).stdout, "built hi there yes\nhello from the context\n");
+
   // Uploaded files are private.
   const dir = join(k.dataDir, "e2b-template-files");
   const { statSync } = await import("node:fs");
@@ -116,6 +123,8 @@ test("fromBaseImage() with setStartCmd/readyCmd: Sandbox.create(alias) runs the 
     .fromBaseImage()
     .copy("hello.txt", "/home/user/hello.txt", { user: "user" })
     .runCmd("echo from-run > /etc/e2b-run")
+    .makeDir("/opt/made", { mode: 0o700 })
+    .makeSymlink("/etc/e2b-run", "/opt/made/link")
     .setStartCmd("bash -c 'echo started > /tmp/started; exec sleep infinity'", waitForFile("/tmp/started"));
   assert.equal(await Template.exists("e2b-started", opts), false);
   const info = await Template.build(tpl, { alias: "e2b-started", ...opts });
@@ -128,6 +137,7 @@ test("fromBaseImage() with setStartCmd/readyCmd: Sandbox.create(alias) runs the 
   try {
     assert.equal((await sbx.commands.run("cat /tmp/started /etc/e2b-run ~/hello.txt")).stdout, "started\nfrom-run\nhello from the context\n");
     assert.equal((await sbx.commands.run("stat -c %U ~/hello.txt")).stdout.trim(), "user");
+    assert.equal((await sbx.commands.run("stat -c %a /opt/made; readlink /opt/made/link", { user: "root" })).stdout, "700\n/etc/e2b-run\n");
   } finally {
     await sbx.kill();
   }
@@ -173,6 +183,22 @@ test("fromImage(private image, {username, password}) pulls with the registry's c
   assert.equal((await exec(id, "cat /ok")).stdout, "private-ok\n");
   assert.equal(spawnSync("grep", ["-rlaF", "--exclude=disk.img", "--exclude=image.ext4", "--exclude=disks.xfs", "--exclude-dir=disks", password, k.dataDir]).stdout.toString(), "", "the password is nowhere in the data dir");
   assert.ok(!k.logs.join("").includes(password), "nor in the server's logs");
+});
+
+test("uploaded template files unused for the retention period are removed; young ones stay", async () => {
+  const dir = await mkdtemp(join(tmpdir(), "e2b-tpl-files-"));
+  const files = createE2bTemplateFiles(dir, 1024);
+  const old = "a".repeat(64);
+  const young = "b".repeat(64);
+  await files.put(old, Readable.from([Buffer.from("old")]));
+  await files.put(young, Readable.from([Buffer.from("young")]));
+  const past = new Date(Date.now() - 7200_000);
+  await utimes(join(files.dir, old), past, past);
+  assert.equal(await files.collect(3600), 1);
+  assert.deepEqual([await files.present(old), await files.present(young)], [false, true]);
+  await assert.rejects(files.put("c".repeat(64), Readable.from([Buffer.alloc(2048)])), /at most 1024 bytes/);
+  assert.equal(await files.present("c".repeat(64)), false);
+  assert.deepEqual((await readdir(files.dir)).sort(), [young], "no partial upload left behind");
 });
 
 /** The SDK's first two calls by hand: a requested build and an upload link. */
