@@ -143,6 +143,15 @@ test("fromBaseImage() with setStartCmd/readyCmd: Sandbox.create(alias) runs the 
   }
 });
 
+test("fromDockerfile: the SDK parses the Dockerfile into steps, which Kiln builds (RUN, ENV, WORKDIR, USER)", { skip }, async () => {
+  const dockerfile = "FROM e2bdev/base\nENV DF_GREETING=from-dockerfile\nRUN echo \"$DF_GREETING\" > /df.txt\nWORKDIR /srv/app\nRUN pwd > /df-pwd.txt\n";
+  await Template.build(Template().fromDockerfile(dockerfile), "e2b-dockerfile", opts);
+  const id = await machineFrom("e2b-dockerfile");
+  assert.equal((await exec(id, "cat /df.txt /df-pwd.txt")).stdout, "from-dockerfile\n/srv/app\n");
+  const v = await k.call("GET", "/v1/templates/e2b-dockerfile", { key });
+  assert.equal(v.status, 200, v.text);
+});
+
 test("buildInBackground + getBuildStatus: logsOffset pages through the durable log without repeats; a failing runCmd is a BuildError with Kiln's message", { skip }, async () => {
   const tpl = Template().fromBaseImage().runCmd("echo before-fail").runCmd("echo going-down >&2; exit 3");
   const data = await Template.buildInBackground(tpl, "e2b-fails", opts);
