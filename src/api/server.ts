@@ -61,7 +61,7 @@ export interface ServerOptions {
   /** Each service's (and sandbox port's) share and waits through the edge (KILN_EDGE_*). */
   edgeLimits?: ProxyLimits;
   /** Where the E2B compatibility layer keeps its token secret, and the public URL it reports as `domain`. */
-  e2b?: { dataDir: string; publicUrl: string };
+  e2b?: { dataDir: string; publicUrl: string; buildRetentionS?: number };
   /** Hosts sharing the store: forwarding of machine-bound requests and placement of creates (src/hosts/). */
   cluster?: { lostAfterS: number };
 }

@@ -45,6 +45,8 @@ export interface BuildService {
   cancel(id: string, buildId: string): Promise<BuildView>;
   /** The build's log from after `lastEventId`, then live entries until its terminal one, at the sink's pace. */
   follow(buildId: string, lastEventId: number, sink: LogSink): ReturnType<ReturnType<typeof createBuildLogs>["follow"]>;
+  /** Up to `limit` of the build's log entries after sequence number `afterSeq` (the store, or the unwritten tail). */
+  readLog(buildId: string, afterSeq: number, limit: number): ReturnType<ReturnType<typeof createBuildLogs>["read"]>;
   aliases(ref: string): Promise<{ alias_ref: string; created_at: string }[]>;
   readonly blobs: BlobStore;
   /**
@@ -222,6 +224,7 @@ export function createBuildService(deps: {
     get: async (id, buildId) => history.view(await history.loadBuild(id, buildId)),
     cancel,
     follow: (buildId, lastEventId, sink) => logs.follow(buildId, lastEventId, sink),
+    readLog: (buildId, afterSeq, limit) => logs.read(buildId, afterSeq, limit),
     aliases: history.aliases,
     blobs,
     recoverInterrupted: (lostHosts = [], reason) =>

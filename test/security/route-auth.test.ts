@@ -90,7 +90,7 @@ function routesOf(auth: RouteAuth["auth"][]) {
 
 test("the route table is the server's own: every route declares its auth, and there are routes of every kind in use", () => {
   assert.ok(table.length > 100, `${table.length} routes`);
-  for (const kind of ["key", "none", "envd-token", "e2b-volume-token", "edge-token"] as const) assert.ok(table.some((r) => r.auth === kind), `a route with auth ${kind}`);
+  for (const kind of ["key", "none", "envd-token", "e2b-volume-token", "e2b-upload", "edge-token"] as const) assert.ok(table.some((r) => r.auth === kind), `a route with auth ${kind}`);
   // Public: liveness, the API's description, the web console's page and assets (which hold no data).
   assert.deepEqual(
     routesOf(["none"]).map((r) => `${r.method} ${r.url}`).sort(),
@@ -98,6 +98,8 @@ test("the route table is the server's own: every route declares its auth, and th
   );
   // E2B's volume content API takes its volume's token, nothing else.
   assert.deepEqual([...new Set(table.filter((r) => r.url.startsWith("/volumecontent/")).map((r) => r.auth))], ["e2b-volume-token"]);
+  // E2B template file uploads take their signed link, nothing else.
+  assert.deepEqual(table.filter((r) => r.auth === "e2b-upload").map((r) => `${r.method} ${r.url}`), ["PUT /e2b-template-files/:id/:hash"]);
   for (const r of table) if (r.url.startsWith("/v1/")) assert.ok(r.auth === "key" || r.url === "/v1/openapi.json", `${r.method} ${r.url} is key-authenticated`);
 });
 
@@ -109,7 +111,7 @@ for (const [credential, headers] of [
 ] as const) {
   test(`every non-public route × every spelling of its path, with ${credential}, answers 401 over HTTP`, async () => {
     const auth: Record<string, string> = headers === "revoked" ? { authorization: `Bearer ${revokedKey}` } : headers === "revoked-x-api-key" ? { "x-api-key": revokedKey } : { ...headers };
-    const cases = routesOf(["key", "envd-token", "e2b-volume-token", "edge-token", "cluster"]).flatMap((r) =>
+    const cases = routesOf(["key", "envd-token", "e2b-volume-token", "e2b-upload", "edge-token", "cluster"]).flatMap((r) =>
       spellings(concrete(r.url)).map((s) => ({ r, s, extra: (r.constrained ? { "e2b-sandbox-id": SANDBOX } : {}) as Record<string, string> })),
     );
     const results = await inParallel(cases, 16, async ({ r, s, extra }) => ({ r, s, res: await rawRequest(port, r.method, s.target, { ...auth, ...extra }) }));

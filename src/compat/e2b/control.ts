@@ -390,9 +390,10 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     if (!t || (tag !== undefined && !tags.includes(tag))) throw new KilnError("not_found", `No template ${JSON.stringify(alias)}`);
     return { templateID: t.id, public: false };
   });
+  // The template builder's own routes are templates.ts; the rest of E2B's template API (listing, tag moves, …) is not served.
   for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/secrets", "/teams"]) {
-    const what = `${prefix.replace(/^\/v\d/, "")} (E2B's template builder, secrets and teams APIs)`;
-    app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(what) });
+    const what = `${prefix.replace(/^\/v\d/, "")} (E2B's template listing and tag moves, secrets and teams APIs)`;
+    app.route({ method: prefix === "/v3/templates" ? ["GET", "PUT", "PATCH", "DELETE"] : ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(what) });
     app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: `${prefix}/*`, ...unserved, handler: notYet(what) });
   }
 }

@@ -15,6 +15,7 @@ import { createTokens, fileUrlSignature, loadTokenSecret, sameText } from "./tok
 import { installPortProxy, requestHost, SANDBOX_HOST_RE } from "./ports.ts";
 import { machineIdOf } from "./ids.ts";
 import { codeInterpreterRoutes, JUPYTER_PORT } from "./code-interpreter.ts";
+import { templateBuilderRoutes } from "./templates.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import type { Auth } from "../../api/auth.ts";
 import { presentedKey, unauthorized } from "../../api/auth.ts";
@@ -33,6 +34,8 @@ export interface E2bOptions {
   publicUrl: string;
   /** The port proxy's shares and waits (the edge's, KILN_EDGE_*). */
   limits?: ProxyLimits;
+  /** KILN_BUILD_RETENTION_S: uploaded template files unused this long are removed. */
+  buildRetentionS?: number;
 }
 
 /** The sandbox port a request names: `E2b-Sandbox-Port`, else the port of a `<port>-<id>.` Host. */
@@ -95,7 +98,8 @@ function publicDomain(publicUrl: string): string | undefined {
 
 export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
   const { services } = opts;
-  const tokens = createTokens(await loadTokenSecret(services.store.db, opts.dataDir));
+  const secret = await loadTokenSecret(services.store.db, opts.dataDir);
+  const tokens = createTokens(secret);
   const processes = createProcessRegistry(services.machines);
   app.addHook("onClose", (_app, done) => {
     processes.close();
@@ -204,6 +208,7 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
   const jupyter = await codeInterpreterRoutes(app, { services, sandboxIdOf: (req) => sandboxIdOf(req)! });
   const readyListeners: ((id: string) => void)[] = [];
   await controlRoutes(app, { services, tokenOf: tokens.tokenOf, volumeTokenOf: tokens.volumeTokenOf, domain: publicDomain(opts.publicUrl), sandboxReady: (id) => readyListeners.forEach((fn) => fn(id)) });
+  await templateBuilderRoutes(app, { services, auth: opts.auth, secret, dataDir: opts.dataDir, publicUrl: opts.publicUrl, retentionS: opts.buildRetentionS ?? 604_800, maxBytes: app.initialConfig.bodyLimit ?? 1024 * 1024 });
   await envdRoutes(app, {
     services,
     processes,
