@@ -58,7 +58,7 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
       p99: percentile(times.http, 99),
       baseline,
       goal: "≤ 1.5× REST exec",
-      note: "one stateless McpServer per POST; the tool calls the exec route in-process with the caller's key",
+      note: "one stateless McpServer per POST; run_command calls the exec service directly (no second Fastify request)",
     },
     {
       name: "MCP run_command over stdio (kiln mcp)",

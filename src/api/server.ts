@@ -104,6 +104,8 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   const auth = createAuth(opts.services.keys);
   auth.install(app);
   auth.provide("edge-token", (req) => edge.verifyUpgrade(req));
+  /** Whether a machine runs on another host (then its requests are forwarded): MCP's direct calls ask it. */
+  let machineElsewhere: ((id: string) => Promise<boolean>) | undefined;
   if (opts.cluster) {
     // After authentication (its hook is installed first): the caller is known before anything is forwarded.
     const { hosts } = opts.services;
@@ -112,6 +114,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     const forwarder = createForwarder({ db: opts.services.store.db, hostId: hosts.hostId, auth: clusterAuth, log: opts.log, hosts: hosts.hosts });
     const placement = createPlacement({ db: opts.services.store.db, hostId: hosts.hostId, lostAfterS: opts.cluster.lostAfterS, hosts: hosts.hosts });
     installClusterRouting(app, { hostId: hosts.hostId, forwarder, placement, boundOf: opts.e2b ? e2bBoundOf : undefined });
+    machineElsewhere = async (id) => (await forwarder.ownerOf({ kind: "machines", id })) !== undefined;
     app.addHook("onClose", async () => forwarder.close());
   }
   const stopRevocationWatch = await opts.services.keys.watchRevocations((err) => opts.log.warn({ err }, "the revocation poll failed: remembered keys are not trusted until it succeeds"));
@@ -193,7 +196,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
   await app.register(volumeRoutes, { services: opts.services });
   await app.register(volumeWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs, queueSize: opts.volumeWatchQueue ?? 4096 });
-  await app.register(mcpRoutes);
+  await app.register(mcpRoutes, { direct: { exec: opts.services.exec, elsewhere: machineElsewhere, observe: (m, route, status, s) => metrics.observeRequest(m, route, status, s) } });
   if (opts.e2b) await app.register(e2bCompat, { services: opts.services, auth, ...opts.e2b, limits: opts.edgeLimits });
 
   // Public: client generators and browsers fetch it without a key.

@@ -2,7 +2,7 @@
 // available memory or the data dir of free disk, creates are turned away for now (503, retryable). Idle machines
 // cost little, so pressure is measured (MemAvailable), not inferred from declared sizes, unless an operator caps those.
 
-import { readFile, statfs } from "node:fs/promises";
+import { closeSync, openSync, readSync, statfsSync } from "node:fs";
 import { cpus, totalmem } from "node:os";
 import { sql } from "kysely";
 import type { Db } from "../store/schema.ts";
@@ -23,8 +23,23 @@ export interface AdmissionLimits {
 /** A record that still holds (or is about to hold) host memory. */
 const LIVE_STATUSES = ["creating", "running", "hibernated"];
 
-async function memAvailableMb(): Promise<number> {
-  const text = await readFile("/proc/meminfo", "utf8");
+/** /proc/meminfo, kept open and read again from its start each time (the kernel renders it afresh on every read). */
+let meminfoFd: number | undefined;
+const meminfoBuf = Buffer.alloc(16 * 1024);
+
+/**
+ * The host's MemAvailable. Read synchronously: it is kernel memory, answered in ≈ 20 µs, where an async readFile
+ * took four thread-pool round trips (≈ 130 µs idle, milliseconds under load) on every readiness report and create.
+ */
+function memAvailableMb(): number {
+  let text = "";
+  try {
+    meminfoFd ??= openSync("/proc/meminfo", "r");
+    text = meminfoBuf.toString("latin1", 0, readSync(meminfoFd, meminfoBuf, 0, meminfoBuf.length, 0));
+  } catch {
+    if (meminfoFd !== undefined) closeSync(meminfoFd);
+    meminfoFd = undefined;
+  }
   const kb = Number(/^MemAvailable:\s+(\d+) kB/m.exec(text)?.[1] ?? NaN);
   return Number.isFinite(kb) ? Math.floor(kb / 1024) : Math.floor(totalmem() / MIB);
 }
@@ -63,19 +78,28 @@ export function createAdmission(deps: {
   const hostCores = cpus().length;
   const minFreeMemoryMb = limits.minFreeMemoryMb ?? Math.floor(hostMemoryMb / 10);
 
-  async function freeDiskMb(): Promise<number> {
-    const st = await statfs(limits.dataDir).catch(() => undefined);
-    return st ? Math.floor((Number(st.bavail) * Number(st.bsize)) / MIB) : Number.POSITIVE_INFINITY;
+  /** Free space of the data dir's (local) filesystem: one statfs(2), ≈ 7 µs, so synchronous like memAvailableMb. */
+  function freeDiskMb(): number {
+    let st;
+    try {
+      st = statfsSync(limits.dataDir);
+    } catch {
+      return Number.POSITIVE_INFINITY;
+    }
+    return Math.floor((Number(st.bavail) * Number(st.bsize)) / MIB);
   }
 
+  // Built and compiled once (it never changes): every readiness report runs it, and building it cost more than running it.
+  const liveQuery = db
+    .selectFrom("machines")
+    .select([sql<number>`count(*)`.as("count"), sql<number>`coalesce(sum(memory_mb), 0)`.as("memory")])
+    .where("status", "in", LIVE_STATUSES)
+    // On a shared store, only this host's machines hold this host's memory.
+    .$if(deps.hostId !== undefined, (q) => q.where((eb) => eb.or([eb("host_id", "=", deps.hostId!), eb("host_id", "is", null)])))
+    .compile();
+
   async function liveMachines(): Promise<{ count: number; declaredMemoryMb: number }> {
-    const row = await db
-      .selectFrom("machines")
-      .select([sql<number>`count(*)`.as("count"), sql<number>`coalesce(sum(memory_mb), 0)`.as("memory")])
-      .where("status", "in", LIVE_STATUSES)
-      // On a shared store, only this host's machines hold this host's memory.
-      .$if(deps.hostId !== undefined, (q) => q.where((eb) => eb.or([eb("host_id", "=", deps.hostId!), eb("host_id", "is", null)])))
-      .executeTakeFirst();
+    const row = (await db.executeQuery(liveQuery)).rows[0];
     const cleaning = deps.cleaning?.() ?? { count: 0, memoryMb: 0 };
     return { count: Number(row?.count ?? 0) + cleaning.count, declaredMemoryMb: Number(row?.memory ?? 0) + cleaning.memoryMb };
   }
@@ -83,7 +107,7 @@ export function createAdmission(deps: {
   const busy = (message: string, details: Record<string, unknown>) => new KilnError("unavailable", message, { detail: { code: "unavailable", message, retryable: true, details } });
 
   async function checkDisk(): Promise<number> {
-    const freeDisk = await freeDiskMb();
+    const freeDisk = freeDiskMb();
     if (freeDisk < limits.minFreeDiskMb) {
       metricEvents.admissionRefused({ reason: "disk" });
       throw busy(`The host is short of disk (${freeDisk} MiB free in the data dir, the floor is ${limits.minFreeDiskMb} MiB); try again later`, { free_disk_mb: freeDisk, min_free_disk_mb: limits.minFreeDiskMb });
@@ -102,7 +126,7 @@ export function createAdmission(deps: {
       if (want.vcpus > hostCores) throw new KilnError("invalid_request", `vcpus ${want.vcpus} is more than this host's ${hostCores} cores`);
       if (want.memoryMb > hostMemoryMb) throw new KilnError("invalid_request", `memory_mb ${want.memoryMb} is more than this host's ${hostMemoryMb} MiB of memory`);
       if (want.diskMb > limits.maxDiskMb) throw new KilnError("invalid_request", `disk_mb ${want.diskMb} is more than this server allows (KILN_MAX_DISK_MB=${limits.maxDiskMb})`);
-      const available = await memAvailableMb();
+      const available = memAvailableMb();
       if (available < minFreeMemoryMb) {
         metricEvents.admissionRefused({ reason: "memory" });
         throw busy(`The host is short of memory (${available} MiB available, the floor is ${minFreeMemoryMb} MiB); try again later`, { mem_available_mb: available, min_free_memory_mb: minFreeMemoryMb });
@@ -120,7 +144,9 @@ export function createAdmission(deps: {
 
     /** What GET /v1/ready reports: the host's size, what is in use, and the floors creates are held to. */
     async capacity() {
-      const [available, freeDisk, live] = await Promise.all([memAvailableMb(), freeDiskMb(), liveMachines()]);
+      const live = await liveMachines();
+      const available = memAvailableMb();
+      const freeDisk = freeDiskMb();
       return {
         host_cores: hostCores,
         host_memory_mb: hostMemoryMb,

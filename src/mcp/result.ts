@@ -4,6 +4,7 @@
 import type { CallToolResult } from "@modelcontextprotocol/sdk/types.js";
 import { KilnError } from "../errors.ts";
 import type { KilnCaller } from "./caller.ts";
+import type { DirectCalls } from "./direct.ts";
 
 export type ToolResult = CallToolResult;
 
@@ -11,6 +12,8 @@ export type ToolResult = CallToolResult;
 export interface ToolContext {
   call: KilnCaller;
   baseUrl: string;
+  /** In the server: the calls a tool makes without re-entering the HTTP API (direct.ts). `kiln mcp` has none. */
+  direct?: DirectCalls;
 }
 
 /**

@@ -13,6 +13,8 @@ import type { App } from "../api/app-type.ts";
 import { presentedKey } from "../api/auth.ts";
 import { errors } from "../api/schemas.ts";
 import { injectCaller } from "./caller.ts";
+import { directCalls } from "./direct.ts";
+import type { DirectDeps } from "./direct.ts";
 import { createMcpServer } from "./server.ts";
 
 export const MCP_PATH = "/v1/mcp";
@@ -26,7 +28,7 @@ export const KEEP_ALIVE_MS = 15_000;
 const MCP_HEADERS = ["accept", "content-type", "mcp-protocol-version", "mcp-session-id", "host", "origin"];
 const URL_OF_ROUTE = `http://localhost${MCP_PATH}`;
 
-export async function mcpRoutes(app: App) {
+export async function mcpRoutes(app: App, opts: { direct?: DirectDeps }) {
   app.post(
     MCP_PATH,
     {
@@ -41,10 +43,12 @@ export async function mcpRoutes(app: App) {
     },
     async (req, reply) => {
       const host = req.headers.host;
+      // The auth hook accepted this key for this request; the tools' calls are checked again, route by route.
+      const call = injectCaller(app, { key: presentedKey(req)!, host });
       const server = createMcpServer({
-        // The auth hook accepted this key for this request; the tools' calls are checked again, route by route.
-        call: injectCaller(app, { key: presentedKey(req)!, host }),
+        call,
         baseUrl: `${req.protocol}://${host ?? "localhost"}`,
+        direct: opts.direct ? directCalls(opts.direct, { call, requestId: req.id, log: req.log }) : undefined,
       });
       const transport = new WebStandardStreamableHTTPServerTransport({ sessionIdGenerator: undefined, enableJsonResponse: true });
       await server.connect(transport);

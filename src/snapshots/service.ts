@@ -319,14 +319,17 @@ export function createSnapshotService(deps: {
     return { failed: stale.length, removed };
   }
 
+  // Compiled once: every readiness report runs it.
+  const heldQuery = db
+    .selectFrom("snapshots")
+    .select([db.fn.countAll<number>().as("n"), db.fn.sum<number>("size_bytes").as("bytes")])
+    .where("host_id", "=", hostId)
+    .where("status", "=", "ready")
+    .compile();
+
   /** How many ready snapshots this host keeps and the bytes they hold (GET /v1/ready's capacity). */
   async function held(): Promise<{ count: number; bytes: number }> {
-    const row = await db
-      .selectFrom("snapshots")
-      .select([db.fn.countAll<number>().as("n"), db.fn.sum<number>("size_bytes").as("bytes")])
-      .where("host_id", "=", hostId)
-      .where("status", "=", "ready")
-      .executeTakeFirst();
+    const row = (await db.executeQuery(heldQuery)).rows[0];
     return { count: Number(row?.n ?? 0), bytes: Number(row?.bytes ?? 0) };
   }
 

@@ -139,6 +139,16 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
     assert.equal(ex.status, 200, JSON.stringify(ex.body));
     assert.match(ex.body.stdout, /ok\n$/);
   }
+  // MCP's run_command, which a server serves without re-entering its API, still reaches a machine of another host.
+  const viaMcp = await request(`${a.url}/v1/mcp`, {
+    method: "POST",
+    headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json", accept: "application/json, text/event-stream", "mcp-protocol-version": "2025-06-18" },
+    body: JSON.stringify({ jsonrpc: "2.0", id: 1, method: "tools/call", params: { name: "run_command", arguments: { machine_id: mb, command: "cat /etc/hostname; echo mcp-ok" } } }),
+  });
+  const mcpAnswer = (await viaMcp.body.json()) as { result?: { isError?: boolean; structuredContent?: { stdout?: string } } };
+  assert.equal(viaMcp.statusCode, 200, JSON.stringify(mcpAnswer));
+  assert.equal(mcpAnswer.result?.isError, undefined, JSON.stringify(mcpAnswer));
+  assert.match(mcpAnswer.result?.structuredContent?.stdout ?? "", /mcp-ok\n$/);
   // Identical requests forwarded in the same moment are each their own signed forward, never taken for a replay.
   const same = await Promise.all(Array.from({ length: 8 }, () => a.call("POST", `/v1/machines/${mb}/exec`, { cmd: "true" })));
   assert.deepEqual(same.map((r) => r.status), Array(8).fill(200), JSON.stringify(same.find((r) => r.status !== 200)?.body));

@@ -370,6 +370,32 @@ test("envs given through the MCP tools reach the machine but neither the logs no
   }
 });
 
+test("an operator-only action through a tool is a tool error for another key, and nothing is made; the operator's key may do it", async () => {
+  const made = await k.call("POST", "/v1/keys", { body: { name: "mcp-not-operator" } });
+  assert.equal(made.status, 201, made.text);
+  const other = await httpClient(made.body.key);
+  try {
+    const before = (await k.call("GET", "/v1/machines")).body.machines.length;
+    // Opening a private range for a machine's egress takes the operator's key (the create route decides).
+    const refused = await call(other, "create_machine", { allow_out: ["10.0.0.0/8"] });
+    assert.equal(refused.isError, true, text(refused));
+    assert.match(text(refused), /^forbidden: .*operator's key.*\(request req_/);
+    assert.equal((await k.call("GET", "/v1/machines")).body.machines.length, before, "no machine was made");
+    // run_command (served without re-entering the API) still holds its arguments to the exec route's schema.
+    const unknown = await call(other, "run_command", { machine_id: "mch_00000000000000000000000000", command: "true", cwd: "/tmp\u0000x" });
+    assert.equal(unknown.isError, true);
+    assert.match(text(unknown), /^invalid_request: body\/cwd /);
+    // TEST_KEY is the server's KILN_API_KEY: the operator's.
+    const opened = await call(http, "create_machine", { allow_out: ["10.0.0.0/8"] });
+    assert.equal(opened.isError, undefined, text(opened));
+    const machine = (opened.structuredContent as { machine: { id: string } }).machine;
+    assert.equal((await call(http, "destroy_machine", { machine_id: machine.id })).isError, undefined);
+  } finally {
+    await other.close();
+    await k.call("DELETE", `/v1/keys/${made.body.id}`);
+  }
+});
+
 test("each POST's tools act with that POST's key: after a key is revoked, calls of another key on the servers it used all succeed, and its own are refused", async () => {
   const made = await k.call("POST", "/v1/keys", { body: { name: "mcp-first" } });
   assert.equal(made.status, 201, made.text);

@@ -37,7 +37,7 @@ const MachineMetrics = Type.Object({
 });
 
 const TimeoutS = Type.Integer({ minimum: 1, maximum: MACHINE_LIMITS.maxTimeoutS });
-const Params = Type.Object({ id: Id });
+export const Params = Type.Object({ id: Id });
 const CidrList = Type.Array(Type.String({ minLength: 1, maxLength: 64, description: "IPv4 or IPv6 CIDR (a bare address is one host)" }), { maxItems: MACHINE_LIMITS.maxCidrs });
 
 const Lifecycle = {
@@ -81,7 +81,7 @@ const UpdateMachine = Type.Object(
   { additionalProperties: false, minProperties: 1 },
 );
 
-const ExecRequest = Type.Object(
+export const ExecRequest = Type.Object(
   {
     cmd: NoNul({ minLength: 1, maxLength: INPUT_LIMITS.cmdChars, description: "Shell line for /bin/sh -c, or the program when args is given" }),
     args: Type.Optional(Type.Array(NoNul({ maxLength: INPUT_LIMITS.argChars }), { maxItems: INPUT_LIMITS.args })),

@@ -42,9 +42,10 @@ export function commandTools(server: McpServer, ctx: ToolContext) {
       inputSchema: runCommandInput,
       annotations: { openWorldHint: true },
     },
-    guarded(ctx, async ({ call }, args) => {
+    guarded(ctx, async ({ call, direct }, args) => {
       const { machine_id, command, ...rest } = args;
-      const r = await callJson<ExecResult>(call, "POST", `/v1/machines/${seg(machine_id)}/exec`, { json: { cmd: command, timeout_s: 60, ...withoutUndefined(rest) } });
+      const input = { cmd: command, timeout_s: 60, ...withoutUndefined(rest) };
+      const r: ExecResult = direct ? await direct.exec(machine_id, input) : await callJson<ExecResult>(call, "POST", `/v1/machines/${seg(machine_id)}/exec`, { json: input });
       const stdout = truncate(r.stdout, COMMAND_OUTPUT_MAX_CHARS, CUT_HINT);
       const stderr = truncate(r.stderr, COMMAND_OUTPUT_MAX_CHARS, CUT_HINT);
       const ended = r.exit_code !== null ? `exit code ${r.exit_code}` : `killed by ${r.signal ?? "a signal"}${r.oom_killed ? " (out of memory)" : ""}`;

@@ -32,6 +32,11 @@ const createMachineInput = z.object({
   memory_mb: z.number().int().min(1).optional().describe("Memory limit in MiB (default 1024)"),
   disk_mb: z.number().int().min(1).optional().describe("Size of the machine's writable disk in MiB (the server's default when omitted)"),
   internet: z.boolean().optional().describe("Outbound internet access (default true)"),
+  allow_out: z
+    .array(z.string().min(1).max(64))
+    .max(64)
+    .optional()
+    .describe("Destinations (CIDRs) opened beyond the default, which refuses the host, private and link-local ranges; opening those takes the operator's key"),
   envs: z.record(z.string(), z.string()).optional().describe("Environment variables for every command in the machine"),
   name: z.string().min(1).max(128).optional(),
   metadata: z.record(z.string(), z.string()).optional().describe("Free-form labels kept with the machine"),
@@ -56,7 +61,10 @@ export function machineTools(server: McpServer, ctx: ToolContext) {
       annotations: { openWorldHint: false },
     },
     guarded(ctx, async ({ call }, args) => {
-      const m = await callJson<Machine>(call, "POST", "/v1/machines", { json: withoutUndefined(args) });
+      // Through the API, never directly: the route decides who may open which ranges (the operator's key).
+      const { allow_out, ...rest } = args;
+      const body = { ...withoutUndefined(rest), ...(allow_out ? { network: { allow_out } } : {}) };
+      const m = await callJson<Machine>(call, "POST", "/v1/machines", { json: body });
       return textResult(`Created machine ${m.id} (${m.status}); working directory ${m.cwd ?? "/workspace"}, user ${m.user}.\n${describe(m)}`, { machine: m });
     }),
   );
