@@ -12,7 +12,7 @@ import { WebStandardStreamableHTTPServerTransport } from "@modelcontextprotocol/
 import type { App } from "../api/app-type.ts";
 import { presentedKey } from "../api/auth.ts";
 import { errors } from "../api/schemas.ts";
-import { injectCaller } from "./caller.ts";
+import { heldAnswersBudget, injectCaller } from "./caller.ts";
 import { createMcpServer } from "./server.ts";
 
 export const MCP_PATH = "/v1/mcp";
@@ -27,6 +27,7 @@ const MCP_HEADERS = ["accept", "content-type", "mcp-protocol-version", "mcp-sess
 const URL_OF_ROUTE = `http://localhost${MCP_PATH}`;
 
 export async function mcpRoutes(app: App) {
+  const budget = heldAnswersBudget();
   app.post(
     MCP_PATH,
     {
@@ -41,9 +42,12 @@ export async function mcpRoutes(app: App) {
     },
     async (req, reply) => {
       const host = req.headers.host;
+      // What this request's tools read stays counted against the server's budget until its answer is gone.
+      const held = budget.ledger();
+      reply.raw.once("close", held.release);
       const server = createMcpServer({
         // The auth hook accepted this key for this request; the tools' calls are checked again, route by route.
-        call: injectCaller(app, { key: presentedKey(req)!, host }),
+        call: injectCaller(app, { key: presentedKey(req)!, host, take: held.take }),
         baseUrl: `${req.protocol}://${host ?? "localhost"}`,
       });
       const transport = new WebStandardStreamableHTTPServerTransport({ sessionIdGenerator: undefined, enableJsonResponse: true });
