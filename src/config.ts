@@ -63,6 +63,8 @@ export interface Config {
   webhookHistoryS: number;
   /** Volume watch frames a socket may hold unsent per watch before it drops them for a resync_required. */
   volumeWatchQueue: number;
+  /** Bytes of answers the MCP requests in flight may hold together (src/mcp/caller.ts). */
+  mcpHeldMaxBytes: number;
   /** Supervised deployment services: crashes in a row before `failed`, and the first restart delay. */
   serviceMaxCrashes: number;
   serviceBackoffMs: number;
@@ -139,6 +141,7 @@ export const CONFIG_VARS = [
   ["KILN_WEBHOOK_HISTORY_S", "2592000", "seconds a finished webhook delivery (succeeded or dead-lettered), its attempts and its event are kept (0: forever)"],
   ["KILN_WEBHOOK_ROTATION_GRACE_MS", "86400000", "how long a rotated-out webhook signing secret keeps signing"],
   ["KILN_VOLUME_WATCH_QUEUE", "4096", "volume watch events held per watch for a slow client before resync_required"],
+  ["KILN_MCP_HELD_MAX_MB", "128", "MiB of Kiln's answers all MCP requests in flight may hold; past it a tool call answers unavailable (retryable)"],
   ["KILN_SERVICE_MAX_CRASHES", "5", "crashes in a row after which a deployment's service ends failed"],
   ["KILN_SERVICE_BACKOFF_MS", "500", "first delay before a crashed service starts again (doubles per crash, up to 30 s)"],
   ["KILN_EDGE_TOKEN_TTL_S", "3600", "lifetime of the signed edge_token of a deployment with access: signed (a fresh one on every read)"],
@@ -224,6 +227,7 @@ export function loadConfig(env: Env = process.env): Config {
     webhookRotationGraceMs: intVar(env, "KILN_WEBHOOK_ROTATION_GRACE_MS", 86_400_000, 0, 30 * 86_400_000),
     webhookHistoryS: intVar(env, "KILN_WEBHOOK_HISTORY_S", 2_592_000, 0, 10 * 365 * 86_400),
     volumeWatchQueue: intVar(env, "KILN_VOLUME_WATCH_QUEUE", 4096, 1, 1_000_000),
+    mcpHeldMaxBytes: intVar(env, "KILN_MCP_HELD_MAX_MB", 128, 1, 65_536) * 1024 * 1024,
     serviceMaxCrashes: intVar(env, "KILN_SERVICE_MAX_CRASHES", 5, 1, 1000),
     serviceBackoffMs: intVar(env, "KILN_SERVICE_BACKOFF_MS", 500, 0, 600_000),
     edgeTokenTtlS: intVar(env, "KILN_EDGE_TOKEN_TTL_S", 3600, 1, 30 * 24 * 3600),

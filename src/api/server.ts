@@ -54,6 +54,8 @@ export interface ServerOptions {
   wsPingIntervalMs: number;
   /** Per-watch bound of unsent volume watch frames (KILN_VOLUME_WATCH_QUEUE). */
   volumeWatchQueue?: number;
+  /** KILN_MCP_HELD_MAX_MB in bytes: what MCP requests in flight may hold of Kiln's answers together. */
+  mcpHeldMaxBytes?: number;
   /** Base of public edge URLs; an https one makes the edge cookie Secure. */
   publicUrl?: string;
   /** KILN_EDGE_DOMAIN: deployments' pages on origins of their own (`<label>.<domain>`). */
@@ -196,7 +198,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(machineWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs });
   await app.register(volumeRoutes, { services: opts.services });
   await app.register(volumeWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs, queueSize: opts.volumeWatchQueue ?? 4096 });
-  await app.register(mcpRoutes, { direct: { exec: opts.services.exec, elsewhere: machineElsewhere, observe: (m, route, status, s) => metrics.observeRequest(m, route, status, s) } });
+  await app.register(mcpRoutes, { heldMaxBytes: opts.mcpHeldMaxBytes, direct: { exec: opts.services.exec, elsewhere: machineElsewhere, observe: (m, route, status, s) => metrics.observeRequest(m, route, status, s) } });
   if (opts.e2b) await app.register(e2bCompat, { services: opts.services, auth, ...opts.e2b, limits: opts.edgeLimits });
 
   // Public: client generators and browsers fetch it without a key.

@@ -43,6 +43,12 @@ export function createClusterAuth(opts: { secret: Buffer; hostId: string; now?: 
   const { secret, hostId } = opts;
   const now = opts.now ?? Date.now;
   const seen = new Map<string, number>();
+  /**
+   * Signatures dated before this are refused: this server cannot know whether they were used. It starts at the
+   * server's start (the used ones are remembered in memory only, so a request captured before a restart would
+   * otherwise be good again for the rest of its window) and rises past any signature forgotten early (the cap).
+   */
+  let floor = now();
 
   /** Headers for a request this server forwards to host `to` for key `keyId`. */
   function sign(method: string, path: string, to: string, keyId: string | undefined): Record<string, string> {
@@ -79,6 +85,7 @@ export function createClusterAuth(opts: { secret: Buffer; hostId: string; now?: 
     if (to !== hostId) refuse("the request is addressed to another host");
     const t = Number(ts);
     if (!/^\d{1,16}$/.test(ts) || Math.abs(now() - t) > CLUSTER_AUTH_WINDOW_MS) refuse("the signature is outside its validity window");
+    if (t < floor) refuse("the signature predates what this server remembers of used signatures (it restarted since)");
     const expected = Buffer.from(mac(secret, [method.toUpperCase(), path, ts, nonce, key, from, to]));
     const given = Buffer.from(sig);
     if (given.length !== expected.length || !timingSafeEqual(given, expected)) refuse("bad signature");
@@ -92,6 +99,8 @@ export function createClusterAuth(opts: { secret: Buffer; hostId: string; now?: 
     // Oldest first (insertion order): expired ones go, and past the cap the oldest too.
     for (const [s, exp] of seen) {
       if (exp >= t && seen.size < SEEN_MAX) break;
+      // Forgotten while still within its window: nothing as old may be accepted any more.
+      if (exp >= t) floor = Math.max(floor, exp - CLUSTER_AUTH_WINDOW_MS + 1);
       seen.delete(s);
     }
     seen.set(sig, until);

@@ -31,6 +31,38 @@ export const DEFAULT_MAX_BYTES = 64 * 1024 * 1024;
 /** One call to Kiln's HTTP API as the MCP client's key holder. */
 export type KilnCaller = (method: "GET" | "POST" | "PUT" | "DELETE", path: string, req?: KilnRequest) => Promise<KilnResponse>;
 
+/**
+ * Bytes of Kiln's answers that the MCP requests in flight on one server may hold at once. A tool's answer is held until
+ * its POST is answered (in JSON response mode, every answer of a batch until the last is ready), and one run_code
+ * answer may carry 32 MB of images: a batch of them held gigabytes (five: +700 MB of RSS; twenty never answered).
+ * Past the budget a tool call answers 503 `unavailable` (retryable) instead of reading more.
+ */
+export const MCP_HELD_MAX_BYTES = 128 * 1024 * 1024;
+
+/** The server's budget for held answers; each MCP request takes from it through its own ledger, given back when it ends. */
+export function heldAnswersBudget(max = MCP_HELD_MAX_BYTES) {
+  let held = 0;
+  return {
+    ledger() {
+      let mine = 0;
+      return {
+        /** Takes `n` bytes, or false when the server holds too much already. */
+        take(n: number): boolean {
+          if (held + n > max) return false;
+          held += n;
+          mine += n;
+          return true;
+        },
+        release() {
+          held -= mine;
+          mine = 0;
+        },
+      };
+    },
+    held: () => held,
+  };
+}
+
 /** Longest a stdio call waits for Kiln's answer: past the longest bound a route itself keeps (exec and code, 3600 s). */
 const STDIO_CALL_TIMEOUT_MS = 3_660_000;
 
@@ -52,7 +84,7 @@ function bodyOf(req: KilnRequest): { payload?: string | Buffer; contentType?: st
  * Calls into the server that received the MCP request, with the key that request carried and its Host (so URLs the
  * API builds name the address the client used). Nothing leaves the process.
  */
-export function injectCaller(app: App, auth: { key: string; host: string | undefined }): KilnCaller {
+export function injectCaller(app: App, auth: { key: string; host: string | undefined; take?: (bytes: number) => boolean }): KilnCaller {
   return async (method, path, req = {}) => {
     const { payload, contentType } = bodyOf(req);
     const res = await app.inject({
@@ -62,7 +94,7 @@ export function injectCaller(app: App, auth: { key: string; host: string | undef
       payload,
       payloadAsStream: true,
     });
-    const { body, truncated } = await readBounded(res.stream(), req.maxBytes ?? DEFAULT_MAX_BYTES);
+    const { body, truncated } = await readBounded(res.stream(), req.maxBytes ?? DEFAULT_MAX_BYTES, auth.take);
     return { status: res.statusCode, contentType: String(res.headers["content-type"] ?? ""), body, truncated };
   };
 }
@@ -90,12 +122,19 @@ export function httpCaller(baseUrl: string, key: string): KilnCaller {
 }
 
 /** Reads a stream up to `max` bytes; past it the stream is destroyed (the request ends) instead of being buffered. */
-async function readBounded(stream: Readable, max: number): Promise<{ body: Buffer; truncated: boolean }> {
+async function readBounded(stream: Readable, max: number, take?: (bytes: number) => boolean): Promise<{ body: Buffer; truncated: boolean }> {
   const chunks: Buffer[] = [];
   let size = 0;
   let truncated = false;
+  let refused = false;
   for await (const chunk of stream) {
     const b = Buffer.isBuffer(chunk) ? chunk : Buffer.from(chunk as string);
+    // Over the budget the rest is read and dropped, not cut: a route cut mid-answer (an in-process inject) stalls on
+    // its full buffer, and a code execute would then hold its kernel for every later call.
+    if (refused || (take && !take(Math.min(b.length, max - size)))) {
+      refused = true;
+      continue;
+    }
     if (size + b.length > max) {
       chunks.push(b.subarray(0, max - size));
       size = max;
@@ -105,6 +144,7 @@ async function readBounded(stream: Readable, max: number): Promise<{ body: Buffe
     chunks.push(b);
     size += b.length;
   }
+  if (refused) throw new KilnError("unavailable", `The server holds ${MCP_HELD_MAX_BYTES / 1024 / 1024} MiB of MCP tool answers not yet sent; try again when fewer are in flight`, { detail: { retryable: true } });
   if (truncated) stream.destroy();
   return { body: Buffer.concat(chunks, size), truncated };
 }

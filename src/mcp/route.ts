@@ -12,7 +12,7 @@ import { WebStandardStreamableHTTPServerTransport } from "@modelcontextprotocol/
 import type { App } from "../api/app-type.ts";
 import { presentedKey } from "../api/auth.ts";
 import { errors } from "../api/schemas.ts";
-import { injectCaller } from "./caller.ts";
+import { heldAnswersBudget, injectCaller } from "./caller.ts";
 import { directCalls } from "./direct.ts";
 import type { DirectDeps } from "./direct.ts";
 import { createMcpServer } from "./server.ts";
@@ -28,7 +28,8 @@ export const KEEP_ALIVE_MS = 15_000;
 const MCP_HEADERS = ["accept", "content-type", "mcp-protocol-version", "mcp-session-id", "host", "origin"];
 const URL_OF_ROUTE = `http://localhost${MCP_PATH}`;
 
-export async function mcpRoutes(app: App, opts: { direct?: DirectDeps }) {
+export async function mcpRoutes(app: App, opts: { direct?: DirectDeps; heldMaxBytes?: number }) {
+  const budget = heldAnswersBudget(opts.heldMaxBytes);
   app.post(
     MCP_PATH,
     {
@@ -43,8 +44,11 @@ export async function mcpRoutes(app: App, opts: { direct?: DirectDeps }) {
     },
     async (req, reply) => {
       const host = req.headers.host;
+      // What this request's tools read stays counted against the server's budget until its answer is gone.
+      const held = budget.ledger();
+      reply.raw.once("close", held.release);
       // The auth hook accepted this key for this request; the tools' calls are checked again, route by route.
-      const call = injectCaller(app, { key: presentedKey(req)!, host });
+      const call = injectCaller(app, { key: presentedKey(req)!, host, take: held.take });
       const server = createMcpServer({
         call,
         baseUrl: `${req.protocol}://${host ?? "localhost"}`,

@@ -22,6 +22,8 @@ const DIR_FLAGS = fsc.O_RDONLY | fsc.O_DIRECTORY | fsc.O_NOFOLLOW;
 /** O_NONBLOCK: a FIFO a machine made must not hang the API's open. */
 const READ_FLAGS = fsc.O_RDONLY | fsc.O_NOFOLLOW | fsc.O_NONBLOCK;
 const CREATE_FLAGS = fsc.O_WRONLY | fsc.O_CREAT | fsc.O_EXCL | fsc.O_NOFOLLOW;
+/** Directories a recursive remove holds open at once, however deep the tree (removeTree). */
+const REMOVE_OPEN_DIRS = 32;
 /** Uploads in flight; the watcher hides them, so a watch sees the finished file appear once. */
 export const UPLOAD_PREFIX = ".kiln-upload-";
 /** The letter after the prefix of an upload that replaces an existing file. */
@@ -80,6 +82,9 @@ function failure(err: unknown, path: string): KilnError {
     case "ENOSPC":
     case "EDQUOT":
       return new KilnError("payload_too_large", `The volume is full: ${path}`, { detail: { details: { reason: "volume_full" } } });
+    case "ENXIO": // a socket opened as a file
+    case "ENODEV":
+      return new KilnError("invalid_request", `${path} is not a regular file`);
     case "ENAMETOOLONG":
       return new KilnError("invalid_request", `A name in ${path} is too long`);
     case "EACCES":
@@ -264,22 +269,92 @@ export function volumeFiles(mountPath: string) {
     return info(path);
   }
 
+  /**
+   * rm -r of `name` in `parent`, depth first, never following a symlink. Depth is machine root's to choose (a chain
+   * of directories deeper than the server's open-file limit costs a machine a few MB), so at most
+   * REMOVE_OPEN_DIRS directories are held open: a deeper one's ancestors are closed and, on the way back up, opened
+   * again through `..` and used only if they are still the directory (device and inode) that was left.
+   */
   async function removeTree(parent: FileHandle, name: string): Promise<void> {
-    let dir: FileHandle;
+    const top = await openChildDir(parent, name);
+    if (!top) return;
+    interface Frame {
+      name: string;
+      fh: FileHandle | undefined;
+      dev: number;
+      ino: number;
+      names?: string[];
+      next: number;
+    }
+    const stack: Frame[] = [];
+    let openCount = 0;
+    /** Index of the lowest frame still open (the ones below it were closed to stay within the bound). */
+    let lowestOpen = 0;
+    const push = async (fh: FileHandle, childName: string) => {
+      const st = await fh.stat().catch(async (err: unknown) => {
+        await fh.close();
+        throw err;
+      });
+      stack.push({ name: childName, fh, dev: st.dev, ino: st.ino, next: 0 });
+      if (++openCount > REMOVE_OPEN_DIRS) {
+        const oldest = stack[lowestOpen++];
+        await oldest.fh!.close();
+        oldest.fh = undefined;
+        openCount--;
+      }
+    };
     try {
-      dir = await open(at(parent, name), DIR_FLAGS);
+      await push(top, name);
+      while (stack.length > 0) {
+        const frame = stack.at(-1)!;
+        const dir = frame.fh!;
+        frame.names ??= await readdir(`/proc/self/fd/${dir.fd}`);
+        if (frame.next < frame.names.length) {
+          const childName = frame.names[frame.next++];
+          const sub = await openChildDir(dir, childName);
+          if (sub) await push(sub, childName);
+          continue;
+        }
+        // Every child is gone: this directory goes from its parent.
+        stack.pop();
+        const up = stack.at(-1);
+        if (up && !up.fh) {
+          const fh = await open(at(dir, ".."), DIR_FLAGS);
+          const st = await fh.stat().catch(async (err: unknown) => {
+            await fh.close();
+            throw err;
+          });
+          if (st.dev !== up.dev || st.ino !== up.ino) {
+            await fh.close();
+            throw new KilnError("conflict", "A directory was moved while it was being removed; nothing outside it was touched");
+          }
+          up.fh = fh;
+          openCount++;
+          lowestOpen = stack.length - 1;
+        }
+        await dir.close();
+        frame.fh = undefined;
+        openCount--;
+        await rmdir(at(up ? up.fh! : parent, frame.name)).catch((e: NodeJS.ErrnoException) => (e.code === "ENOENT" ? undefined : Promise.reject(e)));
+      }
+    } finally {
+      for (const f of stack) await f.fh?.close().catch(() => undefined);
+    }
+  }
+
+  /** The directory `name` in `dir` opened (O_NOFOLLOW); anything else at that name is unlinked, a missing one skipped. */
+  async function openChildDir(dir: FileHandle, name: string): Promise<FileHandle | undefined> {
+    try {
+      return await open(at(dir, name), DIR_FLAGS);
     } catch (err) {
       const code = (err as NodeJS.ErrnoException).code;
-      if (code === "ENOENT") return;
-      if (code === "ELOOP" || code === "ENOTDIR") return unlink(at(parent, name)).catch((e: NodeJS.ErrnoException) => (e.code === "ENOENT" ? undefined : Promise.reject(e)));
+      if (code === "ENOENT") return undefined;
+      if (code === "ELOOP" || code === "ENOTDIR") {
+        await unlink(at(dir, name)).catch((e: NodeJS.ErrnoException) => (e.code === "ENOENT" ? undefined : Promise.reject(e)));
+        return undefined;
+      }
       throw err;
     }
-    try {
-      for (const child of await readdir(`/proc/self/fd/${dir.fd}`)) await removeTree(dir, child);
-    } finally {
-      await dir.close();
-    }
-    await rmdir(at(parent, name)).catch((e: NodeJS.ErrnoException) => (e.code === "ENOENT" ? undefined : Promise.reject(e)));
   }
 
   async function remove(path: string, recursive: boolean): Promise<void> {

@@ -227,7 +227,10 @@ export function createVolumeService(deps: {
     if (known) return known;
     // Under the volume's lock: a plane is never made for a volume whose delete is under way.
     return withLock(id, async () => {
-      await load(id);
+      const row = await load(id);
+      // Its image is in another host's data dir: a route that is not forwarded there (E2B's volume content API, or a
+      // volume whose host is lost) must not try to mount it here (that left directories behind and answered 500).
+      if (!ownedHere(row)) throw new KilnError("conflict", `Volume ${row.id} lives on host ${row.host_id}; its files are served by that host's server`, { detail: { details: { host_id: row.host_id } } });
       let plane = planes.get(id);
       if (!plane) {
         const paths = volumePaths(dataDir, id);
