@@ -17,8 +17,8 @@ export type ClusterVerifier = (method: string, path: string, headers: FastifyReq
 
 /**
  * DESIGN.md §6. `key`: an API key (Authorization: Bearer, or E2B's X-API-Key); `none`: public; `envd-token`: an E2B
- * sandbox's access token; `e2b-volume-token`: an E2B volume's token (its content API); `edge-token`: a deployment service's signed edge token; `cluster`: host-to-host calls (no
- * route uses it yet, so it refuses everything). A request forwarded by another host of the store carries a cluster
+ * sandbox's access token; `e2b-volume-token`: an E2B volume's token (its content API); `edge-token`: a deployment service's signed edge token; `cluster`: host-to-host calls (a
+ * peer's own request, signed with the cluster secret for no key: the layer fetch; refused without a signature). A request forwarded by another host of the store carries a cluster
  * signature instead of the caller's key: for a `key` route the signed key id stands for the key the first server
  * checked; for any other kind the route's own credential is checked as usual. Cluster headers that do not verify
  * are refused (401), whatever the route.
@@ -187,7 +187,8 @@ export function createAuth(keys: KeyService) {
         }
       }
       if (kind === "none") return done();
-      const verifier = req.forwardedBy !== undefined && (kind === "key" || kind === "cluster") ? forwardedVerifier(forwardedKey) : verifiers.get(kind);
+      // A `cluster` route (a peer's own call, as a layer fetch) is answered on the signature alone, for no key.
+      const verifier = req.forwardedBy !== undefined && kind === "cluster" ? () => undefined : req.forwardedBy !== undefined && kind === "key" ? forwardedVerifier(forwardedKey) : verifiers.get(kind);
       if (!verifier) return done(unauthorized(`This route's credential (${kind}) is not accepted by this server`));
       const accept = (keyId: string | undefined) => {
         if (keyId !== undefined) {

@@ -10,6 +10,8 @@ export interface ArtifactConfig {
   image: ImageConfig;
   /** One per entry of the artifact's layers, lowest first. */
   layerDigests?: string[];
+  /** On a store shared by hosts: each layer's content digest (src/hosts/layers/), by which a host lacking it fetches it. */
+  layerContent?: string[];
   /** runtime_defaults as requested, kept for inspection. */
   runtimeDefaults?: { envs?: Record<string, string>; cwd?: string; user?: string };
   startCmd?: string;

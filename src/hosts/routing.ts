@@ -11,7 +11,7 @@ import type { Placement } from "./placement.ts";
 /** A create body placement may hold to try another host; creates are small JSON documents. */
 const CREATE_BODY_MAX = 1024 * 1024;
 
-export function installClusterRouting(app: App, deps: { hostId: string; forwarder: Forwarder; placement: Placement }) {
+export function installClusterRouting(app: App, deps: { hostId: string; forwarder: Forwarder; placement: Placement; locality?: (templateRef: string | undefined) => Promise<Set<string> | undefined> }) {
   const { forwarder, placement, hostId } = deps;
 
   app.addHook("onRequest", (req, reply, done) => {
@@ -37,7 +37,7 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
   // refuses for now (503); the chosen host validates and admits it as any create.
   app.addHook("preValidation", async (req, reply) => {
     if (req.forwardedBy !== undefined || req.method !== "POST" || req.routeOptions.url !== "/v1/machines") return;
-    const want = (req.body ?? {}) as { snapshot?: unknown; volumes?: unknown[] };
+    const want = (req.body ?? {}) as { snapshot?: unknown; volumes?: unknown[]; template?: unknown };
     // Affinity: a machine from a snapshot goes where the snapshot's files are, one that mounts volumes where their
     // data is (the first volume's host; that host's own check refuses volumes of another host).
     const volumeId = Array.isArray(want.volumes) ? (want.volumes[0] as { volume_id?: unknown } | undefined)?.volume_id : undefined;
@@ -53,7 +53,9 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
       await forwarder.forwardHttp(req, reply, { id: host.id, url: host.advertise_url }, { body: Buffer.from(JSON.stringify(want)) });
       return reply;
     }
-    const hosts = await placement.candidates();
+    // Template locality: hosts that already hold the template's layers first; the others fetch them if chosen.
+    const holders = await deps.locality?.(typeof want.template === "string" ? want.template : undefined);
+    const hosts = await placement.candidates(holders);
     if (hosts.length === 0) throw new KilnError("unavailable", "No active host can take a machine now (all are draining, lost or under their admission floors); try again later", { detail: { retryable: true } });
     let body: Buffer | undefined;
     for (const host of hosts) {
