@@ -72,7 +72,7 @@ function localityOf(services: Services) {
   return async (ref: string | undefined): Promise<Set<string> | undefined> => {
     if (!services.layers) return undefined;
     const resolved = await services.templates.resolve(ref ?? BASE_TEMPLATE_REF).catch(() => undefined);
-    const content = resolved && services.layers.contentOf(resolved.artifact);
+    const content = resolved && services.layers.travelling(resolved.artifact);
     return content ? services.layers.holdersOfAll(content) : undefined;
   };
 }

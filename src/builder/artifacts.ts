@@ -38,8 +38,10 @@ export function createArtifactStore(deps: { db: Db; retentionS: number; contentD
     const id = newId("art");
     // On a shared store each layer's content digest goes with the artifact: other hosts fetch the layers by it.
     if (deps.contentDigest && !config.layerContent) {
-      const content: string[] = [];
-      for (const dir of layers) content.push(await deps.contentDigest(dir));
+      // Layers of the templates Kiln makes itself on every host (the base, in its cache) are each host's own.
+      const builtIn = new Set((await db.selectFrom("artifacts").select("layers_json").where("build_id", "is", null).execute()).flatMap((a) => JSON.parse(a.layers_json) as string[]));
+      const content: (string | null)[] = [];
+      for (const dir of layers) content.push(builtIn.has(dir) ? null : await deps.contentDigest(dir));
       config = { ...config, layerContent: content };
     }
     const now = new Date().toISOString();

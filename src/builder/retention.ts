@@ -41,7 +41,7 @@ export function createBuildRetention(deps: { db: Db; layersDir: string; retentio
     for (const a of await db.selectFrom("artifacts").select(["layers_json", "config_json"]).execute()) {
       for (const d of JSON.parse(a.layers_json) as string[]) keep.add(d);
       const config = artifactConfig(a);
-      for (const d of config.layerContent ?? []) content.add(d);
+      for (const d of config.layerContent ?? []) if (d) content.add(d);
       if (config.checkpoint) keep.add(dirname(config.checkpoint.imageDir));
     }
     // A layer this host fetched (or holds under another path) stays while a live artifact names its content.

@@ -399,7 +399,8 @@ async function query<T>(url: string, text: string, params: unknown[] = []): Prom
 /** The content digests of a template's default artifact's layers, lowest first. */
 async function layerContent(url: string, name: string): Promise<string[]> {
   const rows = await query<{ config_json: string }>(url, "select a.config_json from artifacts a join templates t on t.id = a.template_id where t.name = $1 order by a.created_at desc limit 1", [name]);
-  return JSON.parse(rows[0].config_json).layerContent as string[];
+  // The base template's layer (made by every host itself) is null: only the built layers travel.
+  return (JSON.parse(rows[0].config_json).layerContent as (string | null)[]).filter((d): d is string => d !== null);
 }
 
 async function hostOf(url: string, machineId: string): Promise<string> {

@@ -82,8 +82,14 @@ export function createLayerService(deps: {
   }
 
   /** Content digests of an artifact's layers, lowest first (recorded with the artifact on a shared store). */
-  function contentOf(artifact: Pick<ArtifactRow, "config_json">): string[] | undefined {
+  function contentOf(artifact: Pick<ArtifactRow, "config_json">): (string | null)[] | undefined {
     return artifactConfig(artifact).layerContent;
+  }
+
+  /** The digests of the layers that travel (not those every host makes itself). */
+  function travelling(artifact: Pick<ArtifactRow, "config_json">): string[] | undefined {
+    const content = contentOf(artifact);
+    return content?.filter((d): d is string => d !== null);
   }
 
   /**
@@ -96,7 +102,13 @@ export function createLayerService(deps: {
     if (!content || content.length !== layers.length) return layers;
     const out: string[] = [];
     for (let i = 0; i < layers.length; i++) {
-      const digest = content[i]!;
+      const digest = content[i];
+      if (digest === null || digest === undefined) {
+        // A layer of a template every host makes itself (the base): here at its path, as on the host that built.
+        if (!existsSync(layers[i]!)) throw new KilnError("unavailable", `This host has no copy of the built-in template layer ${layers[i]} the template builds on (is its KILN_CACHE_DIR the same as the other hosts'?)`);
+        out.push(layers[i]!);
+        continue;
+      }
       const held = await own(digest);
       if (held) out.push(held.dir);
       else if (existsSync(layers[i]!) && (await digestOf(layers[i]!)) === digest) out.push(layers[i]!);
@@ -168,7 +180,7 @@ export function createLayerService(deps: {
 
   /** Whether every layer of an artifact is held by a host that is not lost (the cluster's view, not this disk's). */
   async function availableInCluster(artifact: ArtifactRow): Promise<boolean | undefined> {
-    const content = contentOf(artifact);
+    const content = travelling(artifact);
     if (!content) return undefined;
     const live = hosts ? await hosts() : new Map([[hostId, { id: hostId, advertise_url: "", status: "active" }]]);
     const rows = content.length ? await db.selectFrom("layer_holders").select(["host_id", "digest"]).where("digest", "in", [...new Set(content)]).execute() : [];
@@ -186,7 +198,7 @@ export function createLayerService(deps: {
     await db.deleteFrom("layer_holders").where("host_id", "=", hostId).where("dir", "=", dir).execute();
   }
 
-  return { connect, digestOf, localize, served, holdersOfAll, availableInCluster, ownHoldings, forget, contentOf, close: () => agent.close() };
+  return { connect, digestOf, localize, served, holdersOfAll, availableInCluster, ownHoldings, forget, travelling, close: () => agent.close() };
 }
 
 export type LayerService = ReturnType<typeof createLayerService>;
