@@ -2,8 +2,8 @@
 // of a freshly built template on a host that lacks its layers (it fetches the built layer from the host that built
 // it, by content digest, checks the digest and unpacks it, then boots), beside the first machine of the same
 // template on the host that built it. Each round builds a template of its own whose built layer holds `LAYER_MB` MiB
-// of random bytes. A warm-up template first, so the one-time hashing of the base layer by the second host (it
-// checks that its own copy of the base has the recorded digest) is not in the rounds; it is reported as a note.
+// of random bytes (the base template's layer does not travel: each host has its own). A warm-up template first, so
+// the first fetch's connection set-up is not in the rounds.
 
 import { median } from "./report.ts";
 import type { BenchResult } from "./report.ts";
@@ -50,7 +50,7 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
         better: "lower",
         median: median(lacking),
         baseline: { name: "the first create of the same template on the host that built it", median: median(holding) },
-        note: `${ROUNDS} templates; the lacking host's first-ever fetch also hashed its base layer once (${(warmup / 1000).toFixed(1)} s for the warm-up create)`,
+        note: `${ROUNDS} templates, one round each; warm-up create on the lacking host ${(warmup / 1000).toFixed(1)} s`,
       },
     ];
   } finally {
