@@ -117,7 +117,13 @@ async function isOpaque(path: string): Promise<boolean> {
 }
 
 function add(out: Pack, header: Partial<Headers> & { name: string }): Promise<void> {
-  return new Promise((resolve, reject) => out.entry(header, (err) => (err ? reject(err) : resolve())));
+  // A file entry without a body (a whiteout, an opaque marker) is given its empty body, or it would wait for one.
+  const empty = header.type === undefined || header.type === "file" ? Buffer.alloc(0) : null;
+  return new Promise((resolve, reject) => {
+    const done = (err?: Error | null) => (err ? reject(err) : resolve());
+    if (empty) out.entry(header, empty, done);
+    else out.entry(header, done);
+  });
 }
 
 async function addFile(out: Pack, header: Partial<Headers> & { name: string }, path: string): Promise<void> {

@@ -93,9 +93,8 @@ export function createLayerService(deps: {
   }
 
   /**
-   * The directories of an artifact's layers on this host: each one this host holds, else the artifact's own path
-   * when it is here with the same content, else fetched from a holder. An artifact without content digests (made
-   * by this host alone, as the base template) is used as recorded.
+   * The directories of an artifact's layers on this host: each one this host holds, else fetched from a holder. An
+   * artifact without content digests (recorded on a store of one host) is used as recorded.
    */
   async function localize(artifact: ArtifactRow, layers: string[]): Promise<string[]> {
     const content = contentOf(artifact);
@@ -109,10 +108,10 @@ export function createLayerService(deps: {
         out.push(layers[i]!);
         continue;
       }
+      // Only what this host holds by its own record (built or fetched here): a directory at the artifact's path that
+      // is another host's (a shared file system, a test on one machine) is not this host's to use.
       const held = await own(digest);
-      if (held) out.push(held.dir);
-      else if (existsSync(layers[i]!) && (await digestOf(layers[i]!)) === digest) out.push(layers[i]!);
-      else out.push(await fetchShared(digest));
+      out.push(held ? held.dir : await fetchShared(digest));
     }
     return out;
   }
