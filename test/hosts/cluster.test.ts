@@ -271,8 +271,12 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   // Templates travel: with a and c draining, a machine of the template built on a, created through b, runs on b: b
   // fetched the layer it lacked from a by content digest, checked it, and now holds it under the same digest.
   assert.equal((await b.call("POST", "/v1/hosts/h-a/drain")).status, 200);
-  const travelled = await create(b, { template: "built-on-a" });
+  // Two creates at once share one fetch.
+  const [travelled, twin] = await Promise.all([create(b, { template: "built-on-a" }), create(b, { template: "built-on-a" })]);
   assert.equal(await hostOf(db.url, travelled.id), "h-b", "placed on the only active host");
+  assert.equal(await hostOf(db.url, twin.id), "h-b");
+  assert.equal(b.output().split("fetched a template layer from a peer").length - 1, 1, "one fetch for both creates");
+  assert.equal((await b.call("DELETE", `/v1/machines/${twin.id}`)).status, 200);
   const ran = await b.call("POST", `/v1/machines/${travelled.id}/exec`, { cmd: "cat /opt/from-a" });
   assert.equal(ran.body.stdout, "travelled\n", JSON.stringify(ran.body));
   const content = await layerContent(db.url, "built-on-a");
