@@ -17,17 +17,19 @@ export type ClusterVerifier = (method: string, path: string, headers: FastifyReq
 
 /**
  * DESIGN.md §6. `key`: an API key (Authorization: Bearer, or E2B's X-API-Key); `none`: public; `envd-token`: an E2B
- * sandbox's access token; `e2b-volume-token`: an E2B volume's token (its content API); `e2b-upload`: a signed E2B template file upload link; `edge-token`: a deployment service's signed edge token; `cluster`: host-to-host calls (no
- * route uses it yet, so it refuses everything). A request forwarded by another host of the store carries a cluster
- * signature instead of the caller's credential: for a `key`, `envd-token` or `e2b-volume-token` route the signed key
- * id stands for the key the first server found behind the credential (the token's key for E2B's), and that key must
- * still be active here; an `edge-token` route checks its own credential as usual. Cluster headers that do not verify
+ * sandbox's access token; `e2b-volume-token`: an E2B volume's token (its content API); `e2b-upload`: a signed E2B
+ * template file upload link; `edge-token`: a deployment service's signed edge token; `cluster`: host-to-host calls (a
+ * peer's own request, signed with the cluster secret for no key: the layer fetch; refused without a signature). A
+ * request forwarded by another host of the store carries a cluster signature instead of the caller's credential: for
+ * a `key`, `envd-token` or `e2b-volume-token` route the signed key id stands for the key the first server found behind
+ * the credential (the token's key for E2B's), and that key must still be active here; an `edge-token` route checks its
+ * own credential as usual. Cluster headers that do not verify
  * are refused (401), whatever the route.
  */
 export const AUTH_KINDS = ["key", "none", "envd-token", "e2b-volume-token", "e2b-upload", "edge-token", "cluster"] as const;
 export type AuthKind = (typeof AUTH_KINDS)[number];
 /** The kinds whose credential a forwarded request carries as the signed key id (the first server checked it). */
-const FORWARDED_KINDS = new Set<AuthKind>(["key", "cluster", "envd-token", "e2b-volume-token"]);
+const FORWARDED_KINDS = new Set<AuthKind>(["key", "envd-token", "e2b-volume-token"]);
 
 /**
  * Checks a request's credential for one kind: answers the id of the API key the credential stands for (undefined
@@ -190,7 +192,8 @@ export function createAuth(keys: KeyService) {
         }
       }
       if (kind === "none") return done();
-      const verifier = req.forwardedBy !== undefined && FORWARDED_KINDS.has(kind) ? forwardedVerifier(forwardedKey) : verifiers.get(kind);
+      // A `cluster` route (a peer's own call, as a layer fetch) is answered on the signature alone, for no key.
+      const verifier = req.forwardedBy !== undefined && kind === "cluster" ? () => undefined : req.forwardedBy !== undefined && FORWARDED_KINDS.has(kind) ? forwardedVerifier(forwardedKey) : verifiers.get(kind);
       if (!verifier) return done(unauthorized(`This route's credential (${kind}) is not accepted by this server`));
       const accept = (keyId: string | undefined) => {
         if (keyId !== undefined) {

@@ -44,6 +44,7 @@ import { createClusterAuth } from "../hosts/cluster-auth.ts";
 import { createForwarder } from "../hosts/forward.ts";
 import { createPlacement } from "../hosts/placement.ts";
 import { installClusterRouting } from "../hosts/routing.ts";
+import { BASE_TEMPLATE_REF } from "../templates/resolver.ts";
 
 export type { App } from "./app-type.ts";
 
@@ -66,6 +67,16 @@ export interface ServerOptions {
   e2b?: { dataDir: string; publicUrl: string; buildRetentionS?: number };
   /** Hosts sharing the store: forwarding of machine-bound requests and placement of creates (src/hosts/). */
   cluster?: { lostAfterS: number };
+}
+
+/** The hosts that already hold every layer of the template a create names (undefined: no preference). */
+function localityOf(services: Services) {
+  return async (ref: string | undefined): Promise<Set<string> | undefined> => {
+    if (!services.layers) return undefined;
+    const resolved = await services.templates.resolve(ref ?? BASE_TEMPLATE_REF).catch(() => undefined);
+    const content = resolved && services.layers.travelling(resolved.artifact);
+    return content ? services.layers.holdersOfAll(content) : undefined;
+  };
 }
 
 export async function buildServer(opts: ServerOptions): Promise<App> {
@@ -115,8 +126,10 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     auth.provideCluster(clusterAuth.verify);
     const forwarder = createForwarder({ db: opts.services.store.db, hostId: hosts.hostId, auth: clusterAuth, log: opts.log, hosts: hosts.hosts });
     const placement = createPlacement({ db: opts.services.store.db, hostId: hosts.hostId, lostAfterS: opts.cluster.lostAfterS, hosts: hosts.hosts });
-    installClusterRouting(app, { hostId: hosts.hostId, forwarder, placement, boundOf: opts.e2b ? e2bBoundOf : undefined });
+    installClusterRouting(app, { hostId: hosts.hostId, forwarder, placement, boundOf: opts.e2b ? e2bBoundOf : undefined, locality: localityOf(opts.services) });
     machineElsewhere = async (id) => (await forwarder.ownerOf({ kind: "machines", id })) !== undefined;
+    opts.services.layers?.connect(clusterAuth, hosts.hosts);
+    app.addHook("onClose", async () => opts.services.layers?.close());
     app.addHook("onClose", async () => forwarder.close());
   }
   const stopRevocationWatch = await opts.services.keys.watchRevocations((err) => opts.log.warn({ err }, "the revocation poll failed: remembered keys are not trusted until it succeeds"));

@@ -10,6 +10,11 @@ export interface ArtifactConfig {
   image: ImageConfig;
   /** One per entry of the artifact's layers, lowest first. */
   layerDigests?: string[];
+  /**
+   * On a store shared by hosts: each layer's content digest (src/hosts/layers/), by which a host lacking it fetches
+   * it; null for a layer of a template every host makes itself (the base template), used at its path on each host.
+   */
+  layerContent?: (string | null)[];
   /** runtime_defaults as requested, kept for inspection. */
   runtimeDefaults?: { envs?: Record<string, string>; cwd?: string; user?: string };
   startCmd?: string;

@@ -17,7 +17,7 @@ export interface ArtifactStore {
   record(p: PreparedBuild, layers: string[], config: ArtifactConfig, srcDigest: string | null): Promise<string>;
 }
 
-export function createArtifactStore(deps: { db: Db; retentionS: number }): ArtifactStore {
+export function createArtifactStore(deps: { db: Db; retentionS: number; contentDigest?: (dir: string) => Promise<string> }): ArtifactStore {
   const { db } = deps;
 
   /** An artifact built from the same input whose layers are all still on disk. */
@@ -36,6 +36,14 @@ export function createArtifactStore(deps: { db: Db; retentionS: number }): Artif
 
   async function recordArtifact(p: PreparedBuild, layers: string[], config: ArtifactConfig, srcDigest: string | null): Promise<string> {
     const id = newId("art");
+    // On a shared store each layer's content digest goes with the artifact: other hosts fetch the layers by it.
+    if (deps.contentDigest && !config.layerContent) {
+      // Layers of the templates Kiln makes itself on every host (the base, in its cache) are each host's own.
+      const builtIn = new Set((await db.selectFrom("artifacts").select("layers_json").where("build_id", "is", null).execute()).flatMap((a) => JSON.parse(a.layers_json) as string[]));
+      const content: (string | null)[] = [];
+      for (const dir of layers) content.push(builtIn.has(dir) ? null : await deps.contentDigest(dir));
+      config = { ...config, layerContent: content };
+    }
     const now = new Date().toISOString();
     const digest = sha256(JSON.stringify({ layers: config.layerDigests ?? layers, image: config.image, start: config.startCmd ?? null, ready: config.readyCmd ?? null }));
     await db.insertInto("artifacts").values({ id, template_id: p.template.id, build_id: p.buildId, layers_json: JSON.stringify(layers), digest, created_at: now, config_json: JSON.stringify(config), source_digest: srcDigest, retention_expires_at: null }).execute();

@@ -2,7 +2,7 @@
 // (filtered, newest first, keyset-paged) and a template's aliases.
 
 import { existsSync } from "node:fs";
-import type { BuildRow, Db } from "../store/schema.ts";
+import type { ArtifactRow, BuildRow, Db } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
 import { findTemplate, parseTemplateRef, templateIdOf } from "../templates/resolver.ts";
 import type { BuildBackendName, BuildStatus, SourceType } from "./enums.ts";
@@ -17,14 +17,17 @@ export interface BuildListQuery {
   after?: PageKey;
 }
 
-export function createBuildHistory(db: Db) {
+/** The cluster's answer to "are an artifact's layers still held somewhere" (undefined: judge by this disk). */
+export type ClusterAvailability = (artifact: ArtifactRow) => Promise<boolean | undefined>;
+
+export function createBuildHistory(db: Db, inCluster?: ClusterAvailability) {
   async function view(row: BuildRow) {
     const artifactIds = JSON.parse(row.artifact_ids_json) as string[];
     const artifact = artifactIds[0] ? await db.selectFrom("artifacts").selectAll().where("id", "=", artifactIds[0]).executeTakeFirst() : undefined;
     let availability: { status: string; reason: string };
     if (row.status === "building" || row.status === "waiting") availability = { status: "pending", reason: "the build is still running" };
     else if (row.status !== "ready") availability = { status: "unavailable", reason: row.status === "cancelled" ? "the build was cancelled" : "the build failed and produced no artifact" };
-    else if (!artifact || !(JSON.parse(artifact.layers_json) as string[]).every((d) => existsSync(d))) availability = { status: "expired", reason: "the artifact's layers were removed by retention" };
+    else if (!artifact || !((await inCluster?.(artifact)) ?? (JSON.parse(artifact.layers_json) as string[]).every((d) => existsSync(d)))) availability = { status: "expired", reason: "the artifact's layers were removed by retention" };
     else availability = { status: "available", reason: artifact.retention_expires_at ? "no tag points at it any more; kept until retention_expires_at" : "tagged and on disk" };
     const promotable = availability.status === "available";
     return {

@@ -111,7 +111,7 @@ export function createPreparer(deps: { db: Db; templates: TemplateService; blobs
       // SPEC's source types have no word for a snapshot: it is a template base (its template) plus the machine's files.
       if (!deps.snapshots) throw new KilnError("build_rejected", "This server keeps no snapshots to build from");
       const snap = await deps.snapshots.buildBase(req.from_snapshot);
-      source = templateBaseSource(await templates.resolve(snap.artifactId), "template_base");
+      source = templateBaseSource(await templates.resolve(snap.artifactId, { local: true }), "template_base");
       sourceType = "template_base";
       fromSnapshot = { id: snap.id, memory: snap.memory };
     } else if (req.base_image) {
@@ -124,7 +124,7 @@ export function createPreparer(deps: { db: Db; templates: TemplateService; blobs
         sourceType = "oci_import";
       }
     } else if (!req.dockerfile) {
-      source = templateBaseSource(await templates.resolve(BASE_TEMPLATE_REF), "declarative");
+      source = templateBaseSource(await templates.resolve(BASE_TEMPLATE_REF, { local: true }), "declarative");
     } else {
       // A Dockerfile names its own FROM: the buildkit backend produces every layer.
       source = { type: "dockerfile", digest: sha256(""), description: req.dockerfile_path ?? "Dockerfile", layers: [], config: emptyConfig() };
@@ -161,7 +161,7 @@ export function createPreparer(deps: { db: Db; templates: TemplateService; blobs
 
   async function resolveTemplate(ref: string) {
     try {
-      return await templates.resolve(ref);
+      return await templates.resolve(ref, { local: true });
     } catch (err) {
       if (err instanceof KilnError && (err.code === "not_found" || err.code === "invalid_request")) return null;
       throw err;

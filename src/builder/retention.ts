@@ -7,7 +7,13 @@ import type { Db } from "../store/schema.ts";
 import { artifactConfig } from "./artifact-config.ts";
 import type { OciCacheRetention } from "./oci/cache-retention.ts";
 
-export function createBuildRetention(deps: { db: Db; layersDir: string; retentionS: number; buildsRunning: () => boolean; ociCache?: OciCacheRetention }) {
+/** This host's layer holdings on a shared store (src/hosts/layers/): fetched copies are kept while an artifact needs them. */
+export interface HeldLayers {
+  ownHoldings(): Promise<{ digest: string; dir: string }[]>;
+  forget(dir: string): Promise<void>;
+}
+
+export function createBuildRetention(deps: { db: Db; layersDir: string; retentionS: number; buildsRunning: () => boolean; ociCache?: OciCacheRetention; held?: HeldLayers }) {
   const { db, layersDir } = deps;
 
   /**
@@ -31,11 +37,15 @@ export function createBuildRetention(deps: { db: Db; layersDir: string; retentio
     const staleBefore = new Date(now.getTime() - deps.retentionS * 1000).toISOString();
     await db.deleteFrom("build_cache").where("last_used_at", "<", staleBefore).execute();
     const keep = new Set<string>();
+    const content = new Set<string>();
     for (const a of await db.selectFrom("artifacts").select(["layers_json", "config_json"]).execute()) {
       for (const d of JSON.parse(a.layers_json) as string[]) keep.add(d);
-      const saved = artifactConfig(a).checkpoint;
-      if (saved) keep.add(dirname(saved.imageDir));
+      const config = artifactConfig(a);
+      for (const d of config.layerContent ?? []) if (d) content.add(d);
+      if (config.checkpoint) keep.add(dirname(config.checkpoint.imageDir));
     }
+    // A layer this host fetched (or holds under another path) stays while a live artifact names its content.
+    for (const h of (await deps.held?.ownHoldings()) ?? []) if (content.has(h.digest)) keep.add(h.dir);
     for (const c of await db.selectFrom("build_cache").select("layer_dir").execute()) if (c.layer_dir) keep.add(c.layer_dir);
     let layers = 0;
     const entries = await readdir(layersDir).catch(() => [] as string[]);
@@ -47,6 +57,7 @@ export function createBuildRetention(deps: { db: Db; layersDir: string; retentio
       if (!st || (deps.buildsRunning() && now.getTime() - st.mtimeMs < 3600_000)) continue;
       await db.deleteFrom("build_cache").where("layer_dir", "=", dir).execute();
       await rm(dir, { recursive: true, force: true });
+      await deps.held?.forget(dir);
       layers++;
     }
     // The image importer's cache: what no artifact names and nothing used since the oldest running build began.

@@ -20,6 +20,8 @@ import { createNativeBackend } from "./backends/native.ts";
 import { createLayerCache } from "./cache/layers.ts";
 import { decideEnding, errorDetail } from "./failure.ts";
 import { createBuildRetention } from "./retention.ts";
+import type { HeldLayers } from "./retention.ts";
+import type { ClusterAvailability } from "./history.ts";
 import { createArtifactStore } from "./artifacts.ts";
 import { createBuildHistory } from "./history.ts";
 import type { BuildListQuery, BuildView } from "./history.ts";
@@ -74,6 +76,8 @@ export function createBuildService(deps: {
   snapshots?: SnapshotBases;
   /** The host this server runs builds on (recorded on each build; recovery ends only this host's). */
   hostId?: string;
+  /** On a store shared by hosts: layers' content digests, holdings and the cluster's availability (src/hosts/layers/). */
+  layers?: HeldLayers & { digestOf(dir: string): Promise<string>; availableInCluster: ClusterAvailability };
 }): BuildService {
   const { db, log } = deps;
   const logs = createBuildLogs({ db, log, maxBytes: deps.logMaxBytes });
@@ -81,12 +85,12 @@ export function createBuildService(deps: {
   const layersDir = join(deps.dataDir, "layers");
   const layerCache = createLayerCache(db);
   const native = createNativeBackend({ driver: deps.driver, layerCache, layersDir, log, timeouts: deps.extensions?.nativeTimeouts });
-  const artifacts = createArtifactStore({ db, retentionS: deps.retentionS });
-  const history = createBuildHistory(db);
+  const artifacts = createArtifactStore({ db, retentionS: deps.retentionS, contentDigest: deps.layers?.digestOf });
+  const history = createBuildHistory(db, deps.layers?.availableInCluster);
   const prepare = createPreparer({ db, templates: deps.templates, blobs, layersDir, extensions: deps.extensions, snapshots: deps.snapshots });
   const env: PhaseEnv = { db, driver: deps.driver, dataDir: deps.dataDir, layersDir, native, extensions: deps.extensions, artifacts, logs, layerCache, snapshots: deps.snapshots };
   const running = new Map<string, { abort: AbortController; done: Promise<void> }>();
-  const retention = createBuildRetention({ db, layersDir, retentionS: deps.retentionS, buildsRunning: () => running.size > 0, ociCache: deps.extensions?.ociCache });
+  const retention = createBuildRetention({ db, layersDir, retentionS: deps.retentionS, buildsRunning: () => running.size > 0, ociCache: deps.extensions?.ociCache, held: deps.layers });
   let collector: NodeJS.Timeout | undefined;
   /** Set by close(): builds stopped by a shutdown end `error` (the server stopped), not `cancelled`. */
   let shuttingDown = false;

@@ -1,6 +1,7 @@
 // Placement of new machines across the hosts of one store: active hosts only (draining and lost ones get nothing),
-// whose heartbeat is fresh and whose admission floors still accept, fewest live machines first (counting the
-// creates this server is placing right now), then the most memory above the floor.
+// whose heartbeat is fresh and whose admission floors still accept; those that already hold the template's layers
+// (template locality) first, then fewest live machines (counting the creates this server is placing right now),
+// then the most memory above the floor.
 
 import { sql } from "kysely";
 import type { Db, HostRow } from "../store/schema.ts";
@@ -14,7 +15,7 @@ export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: numb
   const inFlight = new Map<string, number>();
 
   /** The hosts a create may go to, best first. Empty: no host can take one now. */
-  async function candidates(): Promise<HostRow[]> {
+  async function candidates(holders?: Set<string>): Promise<HostRow[]> {
     const fresh = Date.now() - deps.lostAfterS * 1000;
     const usable = [...(await deps.hosts()).values()].filter((h) => {
       if (h.status !== "active") return false;
@@ -33,7 +34,8 @@ export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: numb
       return (c.mem_available_mb ?? 0) - (c.min_free_memory_mb ?? 0);
     };
     const tiebreak = new Map(usable.map((h) => [h.id, Math.random()]));
-    return usable.sort((a, b) => Number(accepting(b)) - Number(accepting(a)) || load(a) - load(b) || headroom(b) - headroom(a) || tiebreak.get(a.id)! - tiebreak.get(b.id)!);
+    const local = (h: HostRow) => Number(holders?.has(h.id) ?? false);
+    return usable.sort((a, b) => Number(accepting(b)) - Number(accepting(a)) || local(b) - local(a) || load(a) - load(b) || headroom(b) - headroom(a) || tiebreak.get(a.id)! - tiebreak.get(b.id)!);
   }
 
   function accepting(h: HostRow): boolean {

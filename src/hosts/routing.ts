@@ -16,7 +16,10 @@ const CREATE_BODY_MAX = 1024 * 1024;
 /** What a layer outside /v1 (E2B's) says a request is bound to; asked after Kiln's own routes' rule. */
 export type BoundOf = (req: FastifyRequest) => Bound | undefined;
 
-export function installClusterRouting(app: App, deps: { hostId: string; forwarder: Forwarder; placement: Placement; boundOf?: BoundOf }) {
+export function installClusterRouting(
+  app: App,
+  deps: { hostId: string; forwarder: Forwarder; placement: Placement; boundOf?: BoundOf; locality?: (templateRef: string | undefined) => Promise<Set<string> | undefined> },
+) {
   const { forwarder, placement, hostId } = deps;
 
   app.addHook("onRequest", (req, reply, done) => {
@@ -52,7 +55,10 @@ export function installClusterRouting(app: App, deps: { hostId: string; forwarde
       await forwarder.forwardHttp(req, reply, { id: fixed.id, url: fixed.advertise_url }, { body: Buffer.from(JSON.stringify(want)) });
       return reply;
     }
-    const hosts = await placement.candidates();
+    // Template locality: hosts that already hold the template's layers first; the others fetch them if chosen.
+    const template = url === "/v1/machines" ? want.template : want.templateID;
+    const holders = await deps.locality?.(typeof template === "string" ? template : undefined);
+    const hosts = await placement.candidates(holders);
     if (hosts.length === 0) throw new KilnError("unavailable", "No active host can take a machine now (all are draining, lost or under their admission floors); try again later", { detail: { retryable: true } });
     let body: Buffer | undefined;
     for (const host of hosts) {

@@ -47,6 +47,8 @@ function memAvailableMb(): number {
 export interface Admission {
   /** Snapshots take disk (their blocks once the machine rewrites them): refused (503, retryable) under the floor. */
   admitDisk(): Promise<void>;
+  /** Refused (503, retryable) when writing this many bytes would take the data dir under its disk floor (a fetched layer). */
+  admitBytes(bytes: number): Promise<void>;
   /** Throws 400 for a machine the host can never hold, 503 (retryable) while the host is under pressure. */
   admit(want: { vcpus: number; memoryMb: number; diskMb: number }): Promise<void>;
   /** What GET /v1/ready reports: the host's size, what is in use, and the floors creates are held to. */
@@ -119,6 +121,15 @@ export function createAdmission(deps: {
     /** Snapshots take disk (their blocks once the machine rewrites them): refused (503, retryable) under the floor. */
     async admitDisk(): Promise<void> {
       await checkDisk();
+    },
+
+    async admitBytes(bytes: number): Promise<void> {
+      const freeDisk = await checkDisk();
+      const wantMb = Math.ceil(bytes / MIB);
+      if (freeDisk - wantMb < limits.minFreeDiskMb) {
+        metricEvents.admissionRefused({ reason: "disk" });
+        throw busy(`The host is short of disk for a template layer of ${wantMb} MiB (${freeDisk} MiB free in the data dir, the floor is ${limits.minFreeDiskMb} MiB); try again later`, { free_disk_mb: freeDisk, min_free_disk_mb: limits.minFreeDiskMb, layer_mb: wantMb });
+      }
     },
 
     /** Throws 400 for a machine the host can never hold, 503 (retryable) while the host is under pressure. */

@@ -102,7 +102,7 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
       }
       input = { ...input, disk_mb: from.diskMb, internet: from.memory ? from.internet : input.internet };
     }
-    const resolved = await templates.resolve(from ? from.artifactId : (input.template ?? deps.baseTemplateRef));
+    const resolved = await templates.resolve(from ? from.artifactId : (input.template ?? deps.baseTemplateRef), { local: true });
     // A built template's image config gives the defaults: its envs, working directory and user.
     const image = artifactConfig(resolved.artifact);
     const now = new Date();

@@ -1,6 +1,7 @@
 // The composition root: every domain's service made once at start, wired to the others it needs, and handed to the
 // routes as one Services object. Nothing else lives here; each domain owns its story in its own folder.
 
+import { join } from "node:path";
 import type { Store } from "../store/db.ts";
 import type { MachineDriver } from "../runtime/driver.ts";
 import type { Logger } from "../log.ts";
@@ -47,6 +48,8 @@ import type { DeploymentService } from "../deployments/service.ts";
 import { createSnapshotService } from "../snapshots/service.ts";
 import type { SnapshotService } from "../snapshots/service.ts";
 import { createHostService } from "../hosts/service.ts";
+import { createLayerService } from "../hosts/layers/service.ts";
+import type { LayerService } from "../hosts/layers/service.ts";
 import type { HostService } from "../hosts/service.ts";
 
 export interface WebhookSettings {
@@ -81,6 +84,8 @@ export interface Services {
   volumes: VolumeService;
   deployments: DeploymentService;
   hosts: HostService;
+  /** On a store shared by hosts: which host holds which layer, fetching and serving them (src/hosts/layers/). */
+  layers?: LayerService;
 }
 
 export interface HostSettings {
@@ -117,9 +122,12 @@ export function createServices(deps: {
   const teardown = createTeardown({ driver, log });
   const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log, hostId, machinesCleaned: (ids) => teardown.cleaned(ids) });
   const admission = createAdmission({ db: store.db, limits: deps.limits, cleaning: () => teardown.pending(), hostId });
+  // On a store shared by hosts, templates travel: layers are recorded by content digest and fetched from holders.
+  const layers = store.dialect === "postgres" ? createLayerService({ db: store.db, hostId, layersDir: join(deps.dataDir, "layers"), log, admitBytes: (n) => admission.admitBytes(n) }) : undefined;
+  if (layers) templates.setLocalizer(layers.localize);
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, teardown, boots, maxHibernationS: deps.snapshots?.maxHibernationS });
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
-  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots, hostId });
+  const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots, hostId, layers });
   const templateCatalog = createTemplateCatalog({ db: store.db });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate, historyS: deps.webhooks.historyS });
   const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });
@@ -174,6 +182,7 @@ export function createServices(deps: {
     volumes,
     deployments,
     hosts,
+    layers,
   };
 }
 

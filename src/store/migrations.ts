@@ -383,6 +383,22 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.createIndex("events_occurred").on("events").columns(["occurred_at"]).execute();
       },
     },
+    // Which hosts hold which layers, by content digest (the sha256 of the layer's packed tar, src/hosts/layers/):
+    // a host lacking a template's layers fetches them from a holder; placement prefers holders; retention forgets.
+    "0028_layer_holders": {
+      async up(db: Kysely<any>) {
+        await db.schema
+          .createTable("layer_holders")
+          .addColumn("digest", "text", (c) => c.notNull())
+          .addColumn("host_id", "text", (c) => c.notNull())
+          .addColumn("dir", "text", (c) => c.notNull())
+          .addColumn("bytes", "bigint", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .addPrimaryKeyConstraint("layer_holders_pk", ["digest", "host_id"])
+          .execute();
+        await db.schema.createIndex("layer_holders_dir").on("layer_holders").columns(["host_id", "dir"]).execute();
+      },
+    },
     // A volume's data lives on one host: its file routes and WebSocket are served there, machines mounting it are
     // placed there, and each server mounts only its own at start. Null: made before hosts (the host that has it).
     "0027_volume_hosts": {

@@ -331,6 +331,15 @@ export interface ClusterSecretsTable {
   created_at: string;
 }
 
+/** A host that holds a layer (room: hosts): its content digest, where it is in that host's data dir, its tar's size. */
+export interface LayerHoldersTable {
+  digest: string;
+  host_id: string;
+  dir: string;
+  bytes: number;
+  created_at: string;
+}
+
 export interface Database {
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
@@ -354,6 +363,7 @@ export interface Database {
   snapshots: SnapshotsTable;
   hosts: HostsTable;
   cluster_secrets: ClusterSecretsTable;
+  layer_holders: LayerHoldersTable;
 }
 
 export type Db = Kysely<Database>;

@@ -13,9 +13,14 @@ export interface ResolvedTemplate {
   layers: string[];
 }
 
+/** An artifact's layer directories on this host, lowest first. */
+export type Localizer = (artifact: ArtifactRow, layers: string[]) => Promise<string[]>;
+
 export interface TemplateService {
   /** The artifact a reference names (`local/base`, `base`, `base:tag`, an alias, `art_…`) and its layers. */
-  resolve(ref: string): Promise<ResolvedTemplate>;
+  resolve(ref: string, opts?: { local?: boolean }): Promise<ResolvedTemplate>;
+  /** How `resolve(ref, { local: true })` finds an artifact's layers on this host (fetching what it lacks; src/hosts/layers/). */
+  setLocalizer(fn: Localizer): void;
   /** Records (once) the logical template local/base and its artifact tagged `default` for a built base layer. */
   registerBase(layerDir: string, digest: string): Promise<ResolvedTemplate>;
   /** The same for another template Kiln makes itself in its cache (`local/code-interpreter-v1`): its layers, lowest first. */
@@ -29,7 +34,10 @@ export function createTemplateService(db: Db): TemplateService {
   // While the base template is still being made, asking for it is "try again later", not "no such template".
   let pending: string | null = null;
 
-  async function resolve(ref: string): Promise<ResolvedTemplate> {
+  let localizer: Localizer | undefined;
+
+  /** `local`: the layers as directories of this host (what a machine or build mounts), fetched from a peer if need be. */
+  async function resolve(ref: string, opts: { local?: boolean } = {}): Promise<ResolvedTemplate> {
     let artifact: ArtifactRow | undefined;
     if (ref.startsWith("art_")) {
       artifact = await db.selectFrom("artifacts").selectAll().where("id", "=", ref).executeTakeFirst();
@@ -57,7 +65,8 @@ export function createTemplateService(db: Db): TemplateService {
       throw new KilnError("not_found", `No template ${JSON.stringify(ref)}`);
     }
     const template = await db.selectFrom("templates").selectAll().where("id", "=", artifact.template_id).executeTakeFirstOrThrow();
-    return { template, artifact, layers: JSON.parse(artifact.layers_json) as string[] };
+    const layers = JSON.parse(artifact.layers_json) as string[];
+    return { template, artifact, layers: opts.local && localizer ? await localizer(artifact, layers) : layers };
   }
 
   /** Records (once) the logical template local/base and its artifact tagged `default` for a built base layer. */
@@ -103,5 +112,5 @@ export function createTemplateService(db: Db): TemplateService {
     return pending;
   }
 
-  return { resolve, registerBase, registerBuiltIn, setPending, pendingReason };
+  return { setLocalizer: (fn: Localizer) => void (localizer = fn), resolve, registerBase, registerBuiltIn, setPending, pendingReason };
 }

@@ -7,9 +7,9 @@
 import { test, after } from "node:test";
 import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
-import { createHmac } from "node:crypto";
+import { createHash, createHmac } from "node:crypto";
 import { existsSync } from "node:fs";
-import { mkdtemp, rm } from "node:fs/promises";
+import { mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import pg from "pg";
@@ -198,7 +198,7 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   assert.equal(snapDeleted.body.status, "deleted");
 
   // A build runs on the host that took it; its record names that host, and its log stream answers through another.
-  const built = await request(`${a.url}/v1/templates/build`, { method: "POST", headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json" }, body: JSON.stringify({ name: "built-on-a", steps: [{ type: "run", command: "echo marker-from-a" }] }) });
+  const built = await request(`${a.url}/v1/templates/build`, { method: "POST", headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json" }, body: JSON.stringify({ name: "built-on-a", steps: [{ type: "run", command: "echo marker-from-a; echo travelled > /opt/from-a" }] }) });
   assert.equal(built.statusCode, 200);
   const buildText = await built.body.text();
   const buildId = /"build_id":"(bld_[a-z0-9]+)"/.exec(buildText)?.[1];
@@ -209,6 +209,12 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   assert.equal(logs.statusCode, 200);
   assert.match(String(logs.headers["content-type"]), /^text\/event-stream/);
   assert.match(await logs.body.text(), /marker-from-a/, "the build's log stream, read through host b");
+  // artifact_availability is the cluster's knowledge: host c, which lacks the layers, still reads them available.
+  assert.equal(buildRec.body.artifact_availability.status, "available", JSON.stringify(buildRec.body.artifact_availability));
+  // A second template of host a, whose layer a will serve corrupted (below).
+  const lying = await request(`${a.url}/v1/templates/build`, { method: "POST", headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json" }, body: JSON.stringify({ name: "lying-a", steps: [{ type: "write_file", path: "/opt/lie", content: "honest\n" }] }) });
+  const lyingText = await lying.body.text();
+  assert.ok(lyingText.includes("event: end") && lyingText.includes('"artifact_id":"art_'), `lying-a was built: ${lyingText.slice(-500)}`);
 
   // The E2B layer through any server: a sandbox on host b driven through host a with the published SDK (control
   // plane, envd's process and filesystem services, a signed file URL, pause and connect, kill); its access token
@@ -304,8 +310,67 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
     assert.notEqual(await hostOf(db.url, m.id), "h-c", "nothing placed on a draining host, even through it");
   }
   for (const id of during) assert.equal((await c.call("DELETE", `/v1/machines/${id}`)).status, 200);
+
+  // Templates travel: with a and c draining, a machine of the template built on a, created through b, runs on b: b
+  // fetched the layer it lacked from a by content digest, checked it, and now holds it under the same digest.
+  assert.equal((await b.call("POST", "/v1/hosts/h-a/drain")).status, 200);
+  // Two creates at once share one fetch.
+  const [travelled, twin] = await Promise.all([create(b, { template: "built-on-a" }), create(b, { template: "built-on-a" })]);
+  assert.equal(await hostOf(db.url, travelled.id), "h-b", "placed on the only active host");
+  assert.equal(await hostOf(db.url, twin.id), "h-b");
+  assert.equal(b.output().split("fetched a template layer from a peer").length - 1, 1, "one fetch for both creates");
+  assert.equal((await b.call("DELETE", `/v1/machines/${twin.id}`)).status, 200);
+  const ran = await b.call("POST", `/v1/machines/${travelled.id}/exec`, { cmd: "cat /opt/from-a" });
+  assert.equal(ran.body.stdout, "travelled\n", JSON.stringify(ran.body));
+  const content = await layerContent(db.url, "built-on-a");
+  const holdings = await query<{ digest: string; host_id: string; dir: string }>(db.url, "select digest, host_id, dir from layer_holders where digest = any($1)", [content]);
+  for (const d of content) for (const h of ["h-a", "h-b"]) assert.ok(holdings.some((r) => r.digest === d && r.host_id === h), `${h} holds ${d}`);
+  const builtLayer = content.at(-1)!;
+  const fetchedDir = holdings.find((r) => r.digest === builtLayer && r.host_id === "h-b")!.dir;
+  assert.ok(fetchedDir.startsWith(join(dirOf.get("h-b")!, "layers")), "the fetched layer is in b's own data dir");
+  assert.equal((await b.call("DELETE", `/v1/machines/${travelled.id}`)).status, 200);
+
+  // The layer endpoint answers peers only: an API key and a stranger get 401; a signature (the store's secret) gets
+  // the tar, whose sha256 is the digest.
+  const layerPath = `/v1/cluster/layers/${builtLayer}`;
+  assert.equal((await raw(a.url + layerPath, "GET", { authorization: `Bearer ${TEST_KEY}` })).status, 401, "an API key cannot read a peer's layer");
+  assert.equal((await raw(a.url + layerPath, "GET", {})).status, 401, "nor a stranger");
+  const peerSign = (to: string) => {
+    const ts = String(Date.now());
+    const nonce = `layer${ts}`;
+    const h = createHmac("sha256", secret);
+    for (const p of ["GET", layerPath, ts, nonce, "", "h-b", to]) h.update(`${p.length}:${p}\n`);
+    return { "x-kiln-cluster-from": "h-b", "x-kiln-cluster-to": to, "x-kiln-cluster-ts": ts, "x-kiln-cluster-nonce": nonce, "x-kiln-cluster-key": "", "x-kiln-cluster-sig": h.digest("base64url") };
+  };
+  assert.equal((await raw(a.url + layerPath, "GET", peerSign("h-c"))).status, 401, "a signature for another host");
+  const tar = await request(a.url + layerPath, { headers: peerSign("h-a") });
+  assert.equal(tar.statusCode, 200);
+  const tarHash = createHash("sha256");
+  for await (const chunk of tar.body) tarHash.update(chunk as Buffer);
+  assert.equal(`sha256:${tarHash.digest("hex")}`, builtLayer, "the served tar hashes to the layer's digest");
+
+  // A peer serving other bytes is refused: a's copy of lying-a's layer has one byte changed, and host c is recorded
+  // as a holder it is not. The create through b fails naming both, and b keeps nothing of it.
+  const lie = (await layerContent(db.url, "lying-a")).at(-1)!;
+  const aDir = (await query<{ dir: string }>(db.url, "select dir from layer_holders where digest = $1 and host_id = 'h-a'", [lie]))[0].dir;
+  await writeFile(join(aDir, "opt", "lie"), "hOnest\n");
+  await query(db.url, "insert into layer_holders (digest, host_id, dir, bytes, created_at) values ($1, 'h-c', '/nowhere', 1, $2)", [lie, new Date().toISOString()]);
+  const refused = await b.call("POST", "/v1/machines", { template: "lying-a" });
+  assert.equal(refused.status, 503, JSON.stringify(refused.body));
+  assert.match(refused.body.error, /could not be fetched/);
+  assert.match(refused.body.error, /host h-a: .*does not match/, "a's corrupt bytes are named");
+  assert.match(refused.body.error, /host h-c: /, "and the next holder was tried");
+  assert.equal((await query(db.url, "select 1 from layer_holders where digest = $1 and host_id = 'h-b'", [lie])).length, 0, "b does not hold it");
+  const bLayers = await readdir(join(dirOf.get("h-b")!, "layers"));
+  assert.equal(bLayers.some((n) => n.includes(lie.slice(7)) || n.startsWith(".fetching-")), false, `nothing of it on b's disk: ${bLayers.join(" ")}`);
+  await query(db.url, "delete from layer_holders where host_id = 'h-c' and digest = $1", [lie]);
+  assert.equal((await b.call("POST", "/v1/hosts/h-a/activate")).status, 200);
   assert.equal((await a.call("POST", "/v1/hosts/h-c/activate")).body.status, "active");
   await until("host c's warm pool to be refilled", async () => (await warmReady(c)) === 1, 120_000);
+  // Template locality: a create of built-on-a through c goes to a host that holds its layers, not to c.
+  const near = await create(c, { template: "built-on-a" });
+  assert.notEqual(await hostOf(db.url, near.id), "h-c", "placed where the template's layers are");
+  assert.equal((await c.call("DELETE", `/v1/machines/${near.id}`)).status, 200);
 
   // A host killed with SIGKILL: lost within the bound, its machine failed with the reason, its webhook once.
   const mc = on("h-c");
@@ -376,6 +441,13 @@ async function query<T>(url: string, text: string, params: unknown[] = []): Prom
   } finally {
     await client.end();
   }
+}
+
+/** The content digests of a template's default artifact's layers, lowest first. */
+async function layerContent(url: string, name: string): Promise<string[]> {
+  const rows = await query<{ config_json: string }>(url, "select a.config_json from artifacts a join templates t on t.id = a.template_id where t.name = $1 order by a.created_at desc limit 1", [name]);
+  // The base template's layer (made by every host itself) is null: only the built layers travel.
+  return (JSON.parse(rows[0].config_json).layerContent as (string | null)[]).filter((d): d is string => d !== null);
 }
 
 async function hostOf(url: string, machineId: string): Promise<string> {

@@ -6,6 +6,8 @@ import type { App } from "../app-type.ts";
 import type { Services } from "../../services/index.ts";
 import { KilnError } from "../../errors.ts";
 import { errors } from "../schemas.ts";
+import { packLayer } from "../../hosts/layers/pack.ts";
+import { LAYER_DIGEST } from "../../hosts/layers/service.ts";
 
 const tags = ["Hosts"];
 const HostId = Type.String({ pattern: "^[A-Za-z0-9_.-]{1,64}$", description: "a host's id (KILN_HOST_ID, or made once per data dir)" });
@@ -54,6 +56,21 @@ export async function hostRoutes(app: App, opts: { services: Services }) {
     drain: "Drain a host: no new machines go there; its machines keep running",
     activate: "Activate a drained host: new machines may go there again",
   } as const;
+  // Templates travel: a peer fetches a layer this host holds, by its content digest, as a tar streamed from the
+  // layer directory. Cluster authentication only (an API key is refused, 401); the fetcher checks the digest.
+  app.get(
+    "/v1/cluster/layers/:digest",
+    { config: { auth: "cluster" }, schema: { hide: true, params: Type.Object({ digest: Type.String({ maxLength: 80 }) }) } },
+    async (req, reply) => {
+      if (!LAYER_DIGEST.test(req.params.digest)) throw new KilnError("invalid_request", "A layer is named by its sha256 digest (sha256:<64 hex>)");
+      const held = await opts.services.layers?.served(req.params.digest);
+      if (!held) throw new KilnError("not_found", `This host holds no layer ${req.params.digest}`);
+      const abort = new AbortController();
+      reply.raw.once("close", () => abort.abort());
+      reply.header("content-type", "application/x-tar").header("content-length", String(held.bytes));
+      return reply.send(packLayer(held.dir, abort.signal));
+    },
+  );
   for (const [action, summary] of Object.entries(actions) as [keyof typeof actions, string][]) {
     app.post(`/v1/hosts/:id/${action}`, { config: { auth: "key" }, schema: { tags, summary, params: Params, response: { 200: Host, ...errors(403, 404, 409) } } }, async (req) => {
       await operatorOnly(req.apiKeyId);
