@@ -114,7 +114,21 @@ export function createDockerfileSource(deps: DockerfileSourceDeps) {
         logBackpressure?: () => Promise<void> | undefined;
       },
     ): Promise<SourceLayers & { digest: string }> {
-      const events = call.log && call.count ? importLogEvents(call.log, call.count) : {};
+      const events: Partial<ReturnType<typeof importLogEvents>> = call.log && call.count ? importLogEvents(call.log, call.count) : {};
+      // The builder's own steps (`STEP n/m: …`) are the build's steps: their lines carry phase `step` and the index,
+      // and the import of the result is `finalize`; progress lines fill any silence.
+      if (call.log && events.onMessage) {
+        const log = call.log;
+        let step: { index: number; total: number } | undefined;
+        let imported = false;
+        events.onMessage = (message: string) => {
+          const m = /^STEP (\d+)\/(\d+): /.exec(message);
+          if (m) step = { index: Number(m[1]), total: Number(m[2]) };
+          if (/^(Getting image source signatures|\d+ layers?, )/.test(message)) imported = true;
+          const phase = imported ? "finalize" : step ? "step" : "preparing";
+          log({ kind: "message", phase, message, ...(step && !imported ? { step_index: step.index, total_steps: step.total } : {}) });
+        };
+      }
       const out = await buildDockerfile({
         ...input(req),
         target: req.target,
