@@ -149,6 +149,7 @@ export function createPreparer(deps: { db: Db; templates: TemplateService; blobs
       if ("from" in plan && base && fits) {
         source = templateBaseSource(base, "dockerfile");
         steps = plan.steps;
+        for (const s of steps) keyInputs.push(...(s.keyInputs ?? []));
         dockerfileExecutor = { kind: "native", setsUser: plan.setsUser, from: plan.from };
       } else {
         source = { type: "dockerfile", digest: sha256(""), description: req.dockerfile_path ?? "Dockerfile", layers: [], config: emptyConfig() };
