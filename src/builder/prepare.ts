@@ -20,7 +20,7 @@ import { contextDigest } from "./cache/keys.ts";
 import { templateBaseSource } from "./sources/template-base.ts";
 import type { BuildSource } from "./sources/source.ts";
 import { emptyConfig } from "./sources/source.ts";
-import { argDigest, argKeyIn, planDockerfile } from "./sources/dockerfile-plan.ts";
+import { argDigest, argKeyIn, instructionCount, planDockerfile } from "./sources/dockerfile-plan.ts";
 import { dockerfileImages, externalFroms } from "./backends/dockerfile-images.ts";
 import type { BuildExtensions } from "./extensions.ts";
 import type { SnapshotBases } from "./sources/snapshot.ts";
@@ -49,7 +49,7 @@ export interface PreparedBuild {
    * A Dockerfile build run by Kiln's own executor (`native`, its one stage on a Kiln template: `steps` are its
    * instructions), or by the Dockerfile builder (`builder`, with why). Declarative builds: undefined.
    */
-  dockerfileExecutor?: { kind: "native"; setsUser: boolean; from: string } | { kind: "builder"; why: string };
+  dockerfileExecutor?: { kind: "native"; setsUser: boolean; from: string } | { kind: "builder"; why: string; instructions: number };
   /** What the whole build's input digest covers besides the Dockerfile text: build args (as HMACs), FROM templates' digests. */
   keyInputs: string[];
 }
@@ -153,7 +153,7 @@ export function createPreparer(deps: { db: Db; templates: TemplateService; blobs
         dockerfileExecutor = { kind: "native", setsUser: plan.setsUser, from: plan.from };
       } else {
         source = { type: "dockerfile", digest: sha256(""), description: req.dockerfile_path ?? "Dockerfile", layers: [], config: emptyConfig() };
-        dockerfileExecutor = { kind: "builder", why: "builder" in plan ? plan.builder : !base ? `FROM ${plan.from} is not a Kiln template` : `its ${plan.steps.length} instructions would stack more layers than a machine root takes` };
+        dockerfileExecutor = { kind: "builder", instructions: instructionCount(req.dockerfile), why: "builder" in plan ? plan.builder : !base ? `FROM ${plan.from} is not a Kiln template` : `its ${plan.steps.length} instructions would stack more layers than a machine root takes` };
         // The builder's output depends on the build args and on the Kiln templates it stands on: a rebuilt template
         // or another arg value is another input.
         for (const [k, v] of Object.entries(req.build_args ?? {}).sort()) keyInputs.push(argDigest(argKey, k, v));

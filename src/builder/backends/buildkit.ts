@@ -226,7 +226,21 @@ export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers 
       await buildWithBuildah(b, contextDir, dir, dockerfile, secretArgs, authFile, out, onLine, sandbox, guard);
     }
     guard.check();
-    return await importOciLayout(out, { cacheDir: b.cacheDir, limits: b.ociLimits, onMessage: b.onMessage, onLayer: b.onLayer });
+    // Hashing and unpacking a large image prints nothing for a while: a progress line every 10 s of silence.
+    const t0 = Date.now();
+    let last = t0;
+    const said = (m: string) => {
+      last = Date.now();
+      b.onMessage?.(m);
+    };
+    const ticker = setInterval(() => {
+      if (Date.now() - last >= 10_000) said(`still importing the built image (${Math.round((Date.now() - t0) / 1000)} s)`);
+    }, 2_000);
+    try {
+      return await importOciLayout(out, { cacheDir: b.cacheDir, limits: b.ociLimits, onMessage: said, onLayer: b.onLayer });
+    } finally {
+      clearInterval(ticker);
+    }
   } catch (err) {
     // A build killed by its timeout fails for that reason, whatever the killed builder said on its way out.
     guard.check();

@@ -47,6 +47,11 @@ function logicalLines(text: string): { text: string; line: number }[] {
   return out;
 }
 
+/** How many instructions (FROMs included) a Dockerfile has: the builder's `STEP n/m` numbering. */
+export function instructionCount(text: string): number {
+  return logicalLines(text).length;
+}
+
 const VAR = /\$/;
 
 /** `K=V K2="v 2"` (no variables, no escapes) or the legacy `K V`: null when the form is not plain. */
