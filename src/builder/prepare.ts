@@ -143,8 +143,11 @@ export function createPreparer(deps: { db: Db; templates: TemplateService; blobs
       // One stage on a Kiln template, in plain instructions: Kiln's executor runs it, an instruction a step, on the
       // template's own layers. Anything else: the Dockerfile builder produces every layer.
       const argKey = await argKeyIn(join(layersDir, "..", "builder"));
-      const plan = req.dockerfile_path === undefined ? planDockerfile(req.dockerfile, { buildArgs: req.build_args, target: req.target, secrets: req.secrets, argKey }) : { builder: "dockerfile_path names a file of the context" };
-      const base = "from" in plan ? await resolveTemplate(plan.from) : null;
+      // The one FROM first: its template's env is what ENV and WORKDIR values expand against.
+      const froms = dockerfileImages(req.dockerfile).froms;
+      const base = froms.length === 1 && !froms[0].image.includes("$") ? await resolveTemplate(froms[0].image) : null;
+      const baseEnv = base ? templateBaseSource(base).config.env : {};
+      const plan = req.dockerfile_path === undefined ? planDockerfile(req.dockerfile, { buildArgs: req.build_args, target: req.target, secrets: req.secrets, argKey, baseEnv }) : { builder: "dockerfile_path names a file of the context" };
       const fits = "from" in plan && base && stackFits(base.layers, plan.steps.filter(touchesFiles).length, layersDir);
       if ("from" in plan && base && fits) {
         source = templateBaseSource(base, "dockerfile");

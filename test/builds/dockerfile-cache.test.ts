@@ -94,26 +94,34 @@ test("what the executor does not take goes to the Dockerfile builder, and why is
     ["FROM local/base AS a\nFROM a\nRUN true", /several stages/],
     ["FROM local/base\nADD x /x", /ADD is left to the builder/],
     ["FROM local/base\nRUN --mount=type=cache,target=/c true", /RUN has flags/],
-    ["FROM local/base\nENV A=$B", /ENV uses variables/],
+    ["FROM local/base\nENV A=${B:-x}", /ENV uses variables/],
+    ["FROM local/base\nWORKDIR \\$HOME", /WORKDIR uses a variable form/],
     ["FROM local/base\nCOPY *.txt /x/", /pattern/],
     ["FROM local/base\nCOPY --from=other /x /x", /flag other than/],
     ["FROM local/base\nRUN <<EOF\necho hi\nEOF", /heredoc/],
     ["# syntax=docker/dockerfile:1\nFROM local/base", /parser directive/],
     ["FROM local/base\nCMD [\"x\"]", /CMD is left to the builder/],
+    ["FROM local/base\nUSER 1000", /not a plain user name/],
+    ["FROM local/base\nUSER user:staff", /not a plain user name/],
   ] as const) {
     const p = plan(text);
     assert.ok("builder" in p && why.test(p.builder), `${text}: ${JSON.stringify(p)}`);
   }
   assert.ok("builder" in plan("FROM local/base\nRUN true", { secrets: [{ id: "s", value: "v" }] }), "a build with secrets goes to the builder");
-  const ok = plan("FROM local/base\n# comment\nRUN echo a \\\n  b\nRUN [\"/bin/echo\", \"it's\"]\nENV A=1 B=\"two words\"\nENV C 3 4\nUSER 1000");
+  const ok = plan("FROM local/base\n# comment\nRUN echo a \\\n  b\nRUN [\"/bin/echo\", \"it's\"]\nENV A=1 B=\"two words\"\nENV C 3 4\nUSER user");
   assert.ok("steps" in ok);
   assert.deepEqual(ok.steps.map((s) => s.instructions), [
     [{ op: "RUN", script: "echo a   b", envs: [] }],
     [{ op: "RUN", script: `exec '/bin/echo' 'it'\\''s'`, envs: [] }],
     [{ op: "ENV", envs: [["A", "1"], ["B", "two words"]] }],
     [{ op: "ENV", envs: [["C", "3 4"]] }],
-    [{ op: "USER", user: "1000" }],
+    [{ op: "USER", user: "user" }],
   ]);
+  // $X and ${X} expand as Docker expands them: the image's env, then the args in scope; '…' stays literal.
+  const x = plan("FROM local/base\nARG DIR=/opt\nENV PATH=$DIR/bin:${PATH} LIT='$DIR'\nWORKDIR ${DIR}/app", { baseEnv: { PATH: "/usr/bin" } });
+  assert.ok("steps" in x);
+  assert.deepEqual(x.steps[1].instructions, [{ op: "ENV", envs: [["PATH", "/opt/bin:/usr/bin"], ["LIT", "$DIR"]] }]);
+  assert.deepEqual(x.steps[2].instructions, [{ op: "WORKDIR", path: "/opt/app" }]);
   // A build arg's value changes the key inputs of the RUN steps after its ARG, never the text.
   const a = plan("FROM local/base\nARG V\nRUN echo $V", { buildArgs: { V: "1" } });
   const b = plan("FROM local/base\nARG V\nRUN echo $V", { buildArgs: { V: "2" } });

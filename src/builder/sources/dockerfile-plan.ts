@@ -53,13 +53,25 @@ export function instructionCount(text: string): number {
 }
 
 const VAR = /\$/;
+const REF = /\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))/g;
 
-/** `K=V K2="v 2"` (no variables, no escapes) or the legacy `K V`: null when the form is not plain. */
-function parseEnv(rest: string): [string, string][] | null {
-  if (VAR.test(rest) || rest.includes("\\")) return null;
+/**
+ * `$NAME` and `${NAME}` replaced as Docker replaces them (the image's env first, then the build args in scope, else
+ * empty); null when any other form (`${NAME:-x}`, an escaped `\$`) is left, which is the builder's.
+ */
+function expand(text: string, env: Map<string, string>, args: Map<string, string | undefined>): string | null {
+  if (text.includes("\\") || VAR.test(text.replace(REF, ""))) return null;
+  return text.replace(REF, (_, a: string | undefined, b: string | undefined) => env.get((a ?? b)!) ?? args.get((a ?? b)!) ?? "");
+}
+
+/** `K=V K2="v 2"` (no escapes) or the legacy `K V`, each value expanded: null when the form is not plain. */
+function parseEnv(raw: string, env: Map<string, string>, args: Map<string, string | undefined>): [string, string][] | null {
+  if (raw.includes("\\")) return null;
+  const rest = raw;
   if (!/^[A-Za-z_][A-Za-z0-9_]*=/.test(rest)) {
     const m = /^([A-Za-z_][A-Za-z0-9_]*)\s+(.*)$/.exec(rest);
-    return m ? [[m[1], m[2]]] : null;
+    const value = m ? expand(m[2], env, args) : null;
+    return m && value !== null ? [[m[1], value]] : null;
   }
   const out: [string, string][] = [];
   const re = /\s*([A-Za-z_][A-Za-z0-9_]*)=(?:"([^"]*)"|'([^']*)'|([^\s"']*))(?=\s|$)/y;
@@ -68,7 +80,9 @@ function parseEnv(rest: string): [string, string][] | null {
     re.lastIndex = at;
     const m = re.exec(rest);
     if (!m) return null;
-    out.push([m[1], m[2] ?? m[3] ?? m[4] ?? ""]);
+    const value = m[3] !== undefined ? m[3] : expand(m[2] ?? m[4] ?? "", env, args); // '…' is literal, as in Docker
+    if (value === null) return null;
+    out.push([m[1], value]);
     at = re.lastIndex;
     while (rest[at] === " " || rest[at] === "\t") at++;
   }
@@ -101,7 +115,7 @@ export function argDigest(hmacKey: Buffer, name: string, value: string): string 
  * The plan, or why the Dockerfile goes to the builder instead. `buildArgs` are the request's; an ARG without one
  * uses its default.
  */
-export function planDockerfile(text: string, o: { buildArgs?: Record<string, string>; target?: string; secrets?: unknown[]; argKey: Buffer }): DockerfilePlan | { builder: string } {
+export function planDockerfile(text: string, o: { buildArgs?: Record<string, string>; target?: string; secrets?: unknown[]; argKey: Buffer; baseEnv?: Record<string, string> }): DockerfilePlan | { builder: string } {
   if ((o.secrets ?? []).length) return { builder: "it uses secrets" };
   if (/^\s*#\s*(escape|syntax|check)\s*=/im.test(text.split(/\r?\n/).slice(0, 5).join("\n"))) return { builder: "it has a parser directive" };
   const lines = logicalLines(text);
@@ -110,6 +124,7 @@ export function planDockerfile(text: string, o: { buildArgs?: Record<string, str
   let setsUser = false;
   let workdir = "/";
   const args = new Map<string, string | undefined>();
+  const env = new Map(Object.entries(o.baseEnv ?? {}));
   const clip = (s: string) => (s.length > 80 ? s.slice(0, 77) + "…" : s);
   for (const { text: l, line } of lines) {
     const m = /^(\S+)\s*([\s\S]*)$/.exec(l)!;
@@ -154,21 +169,26 @@ export function planDockerfile(text: string, o: { buildArgs?: Record<string, str
         break;
       }
       case "ENV": {
-        const envs = parseEnv(rest);
+        const envs = parseEnv(rest, env, args);
         if (!envs) return why("ENV uses variables, escapes or a form other than K=V");
-        for (const [k] of envs) args.delete(k); // an ENV of the same name hides the ARG
+        for (const [k, v] of envs) env.set(k, v); // and hides an ARG of the same name
+        keyInputs = keyArgs; // a value may come from an arg
         instructions = [{ op: "ENV", envs }];
         description = `ENV ${envs.map(([k]) => k).join(" ")}`;
         break;
       }
-      case "WORKDIR":
-        if (VAR.test(rest) || !rest || /\s/.test(rest)) return why("WORKDIR uses variables or spaces");
-        workdir = posix.resolve(workdir, rest);
-        instructions = [{ op: "WORKDIR", path: rest }];
+      case "WORKDIR": {
+        const path = expand(rest, env, args);
+        if (path === null || !path || /\s/.test(path)) return why("WORKDIR uses a variable form other than $X/${X}, or spaces");
+        workdir = posix.resolve(workdir, path);
+        instructions = [{ op: "WORKDIR", path }];
+        keyInputs = keyArgs;
         break;
+      }
       case "USER":
-        if (VAR.test(rest) || !/^[A-Za-z0-9_.][A-Za-z0-9_.-]*(:[A-Za-z0-9_.][A-Za-z0-9_.-]*)?$/.test(rest)) return why("USER is not a plain name or id");
-        if (rest.includes(":")) return why("USER names a group");
+        // A name, resolved in the machine's /etc/passwd; a bare id (which Docker takes even without an entry) and a
+        // group are the builder's.
+        if (VAR.test(rest) || !/^[A-Za-z_][A-Za-z0-9_.-]*$/.test(rest)) return why("USER is not a plain user name");
         setsUser = true;
         instructions = [{ op: "USER", user: rest }];
         break;
