@@ -203,7 +203,7 @@ export function planDockerfile(text: string, o: { buildArgs?: Record<string, str
           const f = /^--(chown|chmod)=(.+)$/.exec(words.shift()!);
           if (!f) return why("COPY has a flag other than --chown/--chmod");
           if (f[1] === "chown") {
-            if (!/^[A-Za-z0-9_.-]+$/.test(f[2])) return why("COPY --chown names a group");
+            if (!/^[A-Za-z_][A-Za-z0-9_.-]*$/.test(f[2])) return why("COPY --chown is not a plain user name");
             owner = f[2];
           } else {
             if (!/^0?[0-7]{3,4}$/.test(f[2])) return why("COPY --chmod is not octal");
