@@ -6,6 +6,7 @@ import { join } from "node:path";
 import { buildDockerfile, sweepDockerfileBuilds, validateDockerfileBuild } from "../backends/buildkit.ts";
 import type { ContextFileInput, DockerfileBuild } from "../backends/buildkit.ts";
 import { importLogEvents } from "../oci/events.ts";
+import { instructionCount } from "./dockerfile-plan.ts";
 import type { ImportLogEntry } from "../oci/events.ts";
 import { dockerfileImages, finalStageBase } from "../backends/dockerfile-images.ts";
 import { BASE_USER } from "../base-template.ts";
@@ -119,12 +120,14 @@ export function createDockerfileSource(deps: DockerfileSourceDeps) {
       // and the import of the result is `finalize`; progress lines fill any silence.
       if (call.log && events.onMessage) {
         const log = call.log;
+        // Buildah numbers each stage's steps (`[2/3] STEP 1/4: …`); the log numbers them through the whole file.
+        const total = req.dockerfile ? instructionCount(req.dockerfile) : 0;
         let step: { index: number; total: number } | undefined;
         let imported = false;
         events.onMessage = (message: string) => {
-          const m = /^STEP (\d+)\/(\d+): /.exec(message);
-          if (m) step = { index: Number(m[1]), total: Number(m[2]) };
-          if (/^(Getting image source signatures|\d+ layers?, )/.test(message)) imported = true;
+          const m = /^(?:\[\d+\/\d+\] )?STEP \d+\/\d+: /.exec(message);
+          if (m) step = { index: (step?.index ?? 0) + 1, total: Math.max(total, (step?.index ?? 0) + 1) };
+          if (/^(COMMIT kiln-build-output|\d+ layers?, |still importing)/.test(message)) imported = true; // the last stage's commit, push and import
           const phase = imported ? "finalize" : step ? "step" : "preparing";
           log({ kind: "message", phase, message, ...(step && !imported ? { step_index: step.index, total_steps: step.total } : {}) });
         };
