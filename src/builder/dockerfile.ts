@@ -4,7 +4,7 @@
 import { createHash } from "node:crypto";
 
 export type Instruction =
-  | { op: "RUN"; script: string }
+  | { op: "RUN"; script: string; /** A Dockerfile's build args in scope: environment under the image's ENV. */ envs?: [string, string][] }
   | { op: "ENV"; envs: [string, string][] }
   | { op: "WORKDIR"; path: string }
   | { op: "USER"; user: string }

@@ -2,6 +2,7 @@
 // the name and alias (claimed here), context blobs, the source, the planned steps and the layer budget.
 
 import { createHash, timingSafeEqual } from "node:crypto";
+import { join } from "node:path";
 import type { Db, TemplateRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
@@ -19,6 +20,8 @@ import { contextDigest } from "./cache/keys.ts";
 import { templateBaseSource } from "./sources/template-base.ts";
 import type { BuildSource } from "./sources/source.ts";
 import { emptyConfig } from "./sources/source.ts";
+import { argDigest, argKeyIn, instructionCount, planDockerfile } from "./sources/dockerfile-plan.ts";
+import { dockerfileImages, externalFroms } from "./backends/dockerfile-images.ts";
 import type { BuildExtensions } from "./extensions.ts";
 import type { SnapshotBases } from "./sources/snapshot.ts";
 
@@ -42,6 +45,13 @@ export interface PreparedBuild {
   triggeredBy: string | null;
   /** from_snapshot: the snapshot whose files the source phase lays over `source` (its template). */
   fromSnapshot: { id: string; memory: boolean } | null;
+  /**
+   * A Dockerfile build run by Kiln's own executor (`native`, its one stage on a Kiln template: `steps` are its
+   * instructions), or by the Dockerfile builder (`builder`, with why). Declarative builds: undefined.
+   */
+  dockerfileExecutor?: { kind: "native"; setsUser: boolean; from: string } | { kind: "builder"; why: string; instructions: number };
+  /** What the whole build's input digest covers besides the Dockerfile text: build args (as HMACs), FROM templates' digests. */
+  keyInputs: string[];
 }
 
 export function buildVm(req: BuildRequestT) {
@@ -125,12 +135,38 @@ export function createPreparer(deps: { db: Db; templates: TemplateService; blobs
       }
     } else if (!req.dockerfile) {
       source = templateBaseSource(await templates.resolve(BASE_TEMPLATE_REF, { local: true }), "declarative");
-    } else {
-      // A Dockerfile names its own FROM: the buildkit backend produces every layer.
-      source = { type: "dockerfile", digest: sha256(""), description: req.dockerfile_path ?? "Dockerfile", layers: [], config: emptyConfig() };
+    }
+    let steps = planSteps(req.steps ?? [], source?.config.user ?? "root");
+    let dockerfileExecutor: PreparedBuild["dockerfileExecutor"];
+    const keyInputs: string[] = [];
+    if (req.dockerfile) {
+      // One stage on a Kiln template, in plain instructions: Kiln's executor runs it, an instruction a step, on the
+      // template's own layers. Anything else: the Dockerfile builder produces every layer.
+      const argKey = await argKeyIn(join(layersDir, "..", "builder"));
+      // The one FROM first: its template's env is what ENV and WORKDIR values expand against.
+      const froms = dockerfileImages(req.dockerfile).froms;
+      const base = froms.length === 1 && !froms[0].image.includes("$") ? await resolveTemplate(froms[0].image) : null;
+      const baseEnv = base ? templateBaseSource(base).config.env : {};
+      const plan = req.dockerfile_path === undefined ? planDockerfile(req.dockerfile, { buildArgs: req.build_args, target: req.target, secrets: req.secrets, argKey, baseEnv }) : { builder: "dockerfile_path names a file of the context" };
+      const fits = "from" in plan && base && stackFits(base.layers, plan.steps.filter(touchesFiles).length, layersDir);
+      if ("from" in plan && base && fits) {
+        source = templateBaseSource(base, "dockerfile");
+        steps = plan.steps;
+        for (const s of steps) keyInputs.push(...(s.keyInputs ?? []));
+        dockerfileExecutor = { kind: "native", setsUser: plan.setsUser, from: plan.from };
+      } else {
+        source = { type: "dockerfile", digest: sha256(""), description: req.dockerfile_path ?? "Dockerfile", layers: [], config: emptyConfig() };
+        dockerfileExecutor = { kind: "builder", instructions: instructionCount(req.dockerfile), why: "builder" in plan ? plan.builder : !base ? `FROM ${plan.from} is not a Kiln template` : `its ${plan.steps.length} instructions would stack more layers than a machine root takes` };
+        // The builder's output depends on the build args and on the Kiln templates it stands on: a rebuilt template
+        // or another arg value is another input.
+        for (const [k, v] of Object.entries(req.build_args ?? {}).sort()) keyInputs.push(argDigest(argKey, k, v));
+        for (const f of externalFroms(dockerfileImages(req.dockerfile))) {
+          const t = f.image.includes("$") ? null : await resolveTemplate(f.image);
+          if (t) keyInputs.push(`from ${f.image} ${t.artifact.digest}`);
+        }
+      }
     }
 
-    const steps = planSteps(req.steps ?? [], source?.config.user ?? "root");
     const added = steps.filter(touchesFiles).length + (fromSnapshot ? 1 : 0);
     const stack = (source?.layers.length ?? 0) + added;
     if (!stackFits(source?.layers.map((l) => l.dir) ?? [], added, layersDir)) {
@@ -156,6 +192,8 @@ export function createPreparer(deps: { db: Db; templates: TemplateService; blobs
       dockerfile,
       triggeredBy,
       fromSnapshot,
+      dockerfileExecutor,
+      keyInputs,
     };
   }
 

@@ -139,7 +139,8 @@ export function createBuildService(deps: {
     const started = Date.now();
     const summary = emptyCacheSummary();
     let phase: BuildPhase = "preparing";
-    const total = p.steps.length;
+    // A Dockerfile the builder runs has its instructions as steps (its `STEP n/m` lines), not planned ones.
+    const total = p.dockerfileExecutor?.kind === "builder" ? p.dockerfileExecutor.instructions : p.steps.length;
     const emit = (e: LogInput) => {
       if (e.phase) phase = e.phase;
       const entry: LogEntry = { level: "info", ...e, timestamp: new Date().toISOString(), build_id: p.buildId, template_id: p.template.id } as LogEntry;

@@ -125,6 +125,11 @@ test("a Dockerfile build through the endpoint: secret mount, build args, target,
     context: { files: [{ path: "app.txt", sha256: appSha }] },
   });
   assert.ok(events.some((e) => e.event === "message" && /STEP/.test(e.data.message)), "the builder's output is in the log");
+  assert.match(events.find((e) => e.event === "start")!.data.message, /with 9 steps/, "the start line counts the Dockerfile's instructions");
+  const stepLine = events.find((e) => e.event === "message" && /^(\[\d+\/\d+\] )?STEP \d+\/\d+: RUN echo final/.test(e.data.message));
+  assert.equal(stepLine?.data.phase, "step", `the builder's steps are in phase step: ${JSON.stringify(events.filter((e) => /STEP|final/.test(e.data.message ?? "")).map((e) => [e.data.phase, e.data.message]))}`);
+  assert.ok(Number.isInteger(stepLine?.data.step_index) && stepLine!.data.total_steps === 9, "with their index through the whole file");
+  assert.ok(events.some((e) => e.event === "message" && /goes to the Dockerfile builder \(it uses secrets\)/.test(e.data.message)), "the log says why the builder runs it");
   const id = await machineFrom(k, "from-dockerfile");
   assert.equal((await sh(k, id, "cat /hello /app.txt /final /etc/motd")).stdout, "hello kiln\nfrom the context\nfinal\nimported\n");
   assert.equal((await sh(k, id, "cat /len")).stdout.trim(), String(secret.length));

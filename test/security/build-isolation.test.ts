@@ -207,3 +207,35 @@ test("a memory hog fails its step at vm.memory_mb and a fork bomb at the pids li
     "no process of the bomb is left",
   );
 });
+
+test("a Dockerfile on a Kiln template runs its RUNs in build machines: no host, Kiln API or private range; memory and pids capped", { skip }, async () => {
+  const loop = await listener("127.0.0.1");
+  const addr = hostAddress();
+  const onHost = await listener(addr);
+  const kilnPort = new URL(k.url).port;
+  try {
+    const probe = (name: string, host: string, port: string | number) => `curl -s -m 4 -o /tmp/o http://${host}:${port}/v1/health; echo "${name}=$(head -c 40 /tmp/o 2>/dev/null | tr -d '\\r\\n')"`;
+    const r = await build(k, {
+      name: `probe-native-${randomBytes(4).toString("hex")}`,
+      dockerfile: [
+        "FROM local/base",
+        `RUN ${probe("gateway", "10.0.2.2", loop.port)}`,
+        `RUN ${probe("kiln", "10.0.2.2", kilnPort)}`,
+        `RUN ${probe("hostaddr", addr, onHost.port)}; ${probe("kilnaddr", addr, kilnPort)}; ${probe("private", "10.1.2.3", 80)}; ${probe("metadata", "169.254.169.254", 80)}`,
+        `RUN echo "memmax=$(cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max)"; echo "pidsmax=$(cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max)"`,
+      ].join("\n"),
+      vm: { memory_mb: 256 },
+      skip_cache: true,
+    });
+    const events = r.events;
+    assert.equal(terminal(events).event, "end", JSON.stringify(terminal(events).data));
+    assert.ok(lines(events).some((l) => /run as steps on template local\/base/.test(l)), "Kiln's executor ran it");
+    for (const name of ["gateway", "kiln", "hostaddr", "kilnaddr", "private", "metadata"]) assert.doesNotMatch(printed(events, name) ?? "", /\{|HTTP|ok/, `${name}: nothing answered`);
+    assert.equal(loop.accepted() + onHost.accepted(), 0, "no connection reached a listener on the host");
+    assert.equal(printed(events, "memmax"), String(256 * 1024 * 1024), `the RUN's cgroup has the build's memory limit: ${lines(events).filter((l) => /max=/.test(l)).join(" | ")}`);
+    assert.match(printed(events, "pidsmax") ?? "", /^\d+$/, "and a pids limit");
+  } finally {
+    await loop.close();
+    await onHost.close();
+  }
+});

@@ -17,6 +17,8 @@ export interface PlannedStep {
   text: string;
   /** Steps that fetch from the network retry on failure; a user command that exits non-zero does not. */
   transient: boolean;
+  /** More cache-key inputs than the text and the copied files' digests (a Dockerfile instruction's build args, as HMACs). */
+  keyInputs?: string[];
 }
 
 /** A Dockerfile build's inputs (buildkit only). Secret and credential values go to the worker, never to a record. */

@@ -34,7 +34,7 @@ export function createGuard(stepMs: number, buildMs: number): Guard {
   let stepTimer = setTimeout(() => fire(`a step ran longer than ${stepMs / 1000} s and was stopped`), stepMs);
   return {
     line(text) {
-      const m = /^STEP (\d+\/\d+): /.exec(text);
+      const m = /^(?:\[\d+\/\d+\] )?STEP (\d+\/\d+): /.exec(text);
       if (!m) return;
       step = `${m[1]} (${text.slice(m[0].length, m[0].length + 80)})`;
       clearTimeout(stepTimer);

@@ -226,7 +226,21 @@ export async function buildDockerfile(b: DockerfileBuild): Promise<SourceLayers 
       await buildWithBuildah(b, contextDir, dir, dockerfile, secretArgs, authFile, out, onLine, sandbox, guard);
     }
     guard.check();
-    return await importOciLayout(out, { cacheDir: b.cacheDir, limits: b.ociLimits, onMessage: b.onMessage, onLayer: b.onLayer });
+    // Hashing and unpacking a large image prints nothing for a while: a progress line every 10 s of silence.
+    const t0 = Date.now();
+    let last = t0;
+    const said = (m: string) => {
+      last = Date.now();
+      b.onMessage?.(m);
+    };
+    const ticker = setInterval(() => {
+      if (Date.now() - last >= 10_000) said(`still importing the built image (${Math.round((Date.now() - t0) / 1000)} s)`);
+    }, 2_000);
+    try {
+      return await importOciLayout(out, { cacheDir: b.cacheDir, limits: b.ociLimits, onMessage: said, onLayer: b.onLayer });
+    } finally {
+      clearInterval(ticker);
+    }
   } catch (err) {
     // A build killed by its timeout fails for that reason, whatever the killed builder said on its way out.
     guard.check();
@@ -365,7 +379,19 @@ type Buildah = (args: string[], o?: Partial<RunOptions>) => Promise<string>;
  * looking at any registry. The commit shifts every owner into the build's range, keeping setuid bits and file caps.
  */
 async function importTemplate(unmapped: Buildah, mapped: Buildah, scratch: string, name: string, layers: SourceLayers, onLine: (l: string) => void) {
-  onLine(`FROM ${name}: Kiln template (${layers.layers.length} layers)`);
+  onLine(`FROM ${name}: Kiln template (${layers.layers.length} layers), copied into the builder's storage`);
+  // The copy and commit take a while for a large template: a progress line every 10 s says the build is alive.
+  const t0 = Date.now();
+  const ticker = setInterval(() => onLine(`FROM ${name}: still preparing the template for the builder (${Math.round((Date.now() - t0) / 1000)} s)`), 10_000);
+  try {
+    await copyTemplate(unmapped, mapped, scratch, name, layers, onLine);
+  } finally {
+    clearInterval(ticker);
+  }
+  onLine(`FROM ${name}: ready in the builder's storage after ${((Date.now() - t0) / 1000).toFixed(1)} s`);
+}
+
+async function copyTemplate(unmapped: Buildah, mapped: Buildah, scratch: string, name: string, layers: SourceLayers, onLine: (l: string) => void) {
   const templateMap = `0:${HOST_ID_BASE}:${ID_RANGE}`;
   const quiet = { onLine: () => {}, keepStdout: true };
   const ctr = (await unmapped(["from", "--quiet", "--userns-uid-map", templateMap, "--userns-gid-map", templateMap, "scratch"], quiet)).trim();

@@ -60,7 +60,7 @@ export function touchesFiles(step: PlannedStep): boolean {
 
 /** The digests a step's result depends on besides its text: the context files a COPY reads. */
 function inputDigests(step: PlannedStep, context: ContextFile[]): string[] {
-  const out: string[] = [];
+  const out: string[] = [...(step.keyInputs ?? [])];
   for (const i of step.instructions) {
     if (i.op !== "COPY") continue;
     for (const { file } of selectContext(context, i.src)) out.push(`${file.path}\0${file.sha256}\0${file.mode ?? ""}`);
@@ -156,7 +156,7 @@ export function createNativeBackend(deps: { driver: MachineDriver; layerCache: L
           const code = await runScript(
             agent,
             ins.script,
-            { cwd: config.workingDir ?? "/", user: config.user ?? "root", envs: { ...config.env, ...ctx.buildEnvs } },
+            { cwd: config.workingDir ?? "/", user: config.user ?? "root", envs: { ...Object.fromEntries(ins.envs ?? []), ...config.env, ...ctx.buildEnvs } },
             (line) => {
               last.push(line);
               ctx.log({ kind: "message", phase: "step", message: line, ...common });

@@ -6,8 +6,10 @@ import type { ImportEvents } from "./types.ts";
 /** The slice of the build pipeline's log entry an import emits (structurally the pipeline's LogInput). */
 export interface ImportLogEntry {
   kind: "message" | "cache";
-  phase: "preparing" | "cache" | "finalize";
+  phase: "preparing" | "cache" | "finalize" | "step";
   message: string;
+  step_index?: number;
+  total_steps?: number;
   level?: "debug" | "info";
   cache_layer?: "layer";
   cache_outcome?: "hit" | "miss" | "stored";

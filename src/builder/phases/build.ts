@@ -5,6 +5,7 @@ import type { ArtifactConfig } from "../artifact-config.ts";
 import { BuildCancelled } from "../failure.ts";
 import { BUILD_DEFAULTS, buildVm, dockerfileInput } from "../prepare.ts";
 import type { BuilderPhase } from "./phase.ts";
+import { BASE_USER } from "../base-template.ts";
 
 export const buildPhase: BuilderPhase = {
   name: "build",
@@ -13,7 +14,12 @@ export const buildPhase: BuilderPhase = {
     const { p, signal } = run;
     const req = p.request;
     const source = run.source!;
-    const backend = p.backend === "native" ? env.native : env.extensions!.buildkit!;
+    // A Dockerfile on a Kiln template in plain instructions runs on Kiln's executor (prepare.ts decided).
+    const native = p.backend === "native" || p.dockerfileExecutor?.kind === "native";
+    const backend = native ? env.native : env.extensions!.buildkit!;
+    const executor = p.dockerfileExecutor;
+    if (executor?.kind === "native") run.emit({ kind: "message", phase: "step", message: `the Dockerfile's ${p.steps.length} instructions run as steps on template ${executor.from}'s layers, each cached like a declarative step`, total_steps: p.steps.length });
+    else if (executor) run.emit({ kind: "message", phase: "preparing", message: `the Dockerfile goes to the Dockerfile builder (${executor.why}): no per-instruction cache` });
     const out = await backend.run({
       buildId: p.buildId,
       source,
@@ -30,6 +36,10 @@ export const buildPhase: BuilderPhase = {
       logBackpressure: () => env.logs.backpressure(p.buildId),
     });
     if (signal.aborted) throw new BuildCancelled();
+    if (executor?.kind === "native") {
+      const why = executor.setsUser ? "the image's USER" : `the Dockerfile sets no USER, so machines keep the user of template ${executor.from}`;
+      run.emit({ kind: "message", phase: "finalize", message: `machines from this template run as ${JSON.stringify(out.config.user ?? BASE_USER)} (${why})` });
+    }
     run.emit({ kind: "message", phase: "finalize", message: "recording the artifact" });
     const layers = [...source.layers, ...out.layers];
     const image = { ...out.config, env: { ...out.config.env, ...(req.runtime_defaults?.envs ?? {}) } };

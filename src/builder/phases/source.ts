@@ -21,7 +21,7 @@ export const sourcePhase: BuilderPhase = {
     }
     run.source = source;
     const req = p.request;
-    run.srcDigest = sourceDigest({ sourceDigest: source.digest, dockerfile: p.dockerfile, contextDigest: p.contextDigest, startCmd: req.start_cmd, readyCmd: req.ready_cmd, runtimeDefaults: req.runtime_defaults });
+    run.srcDigest = sourceDigest({ sourceDigest: source.digest, dockerfile: [p.dockerfile, ...p.keyInputs].join("\n"), contextDigest: p.contextDigest, startCmd: req.start_cmd, readyCmd: req.ready_cmd, runtimeDefaults: req.runtime_defaults });
     await env.db.updateTable("builds").set({ source_digest: run.srcDigest }).where("id", "=", p.buildId).execute();
   },
 };

@@ -6,6 +6,7 @@ import { join } from "node:path";
 import { buildDockerfile, sweepDockerfileBuilds, validateDockerfileBuild } from "../backends/buildkit.ts";
 import type { ContextFileInput, DockerfileBuild } from "../backends/buildkit.ts";
 import { importLogEvents } from "../oci/events.ts";
+import { instructionCount } from "./dockerfile-plan.ts";
 import type { ImportLogEntry } from "../oci/events.ts";
 import { dockerfileImages, finalStageBase } from "../backends/dockerfile-images.ts";
 import { BASE_USER } from "../base-template.ts";
@@ -114,7 +115,23 @@ export function createDockerfileSource(deps: DockerfileSourceDeps) {
         logBackpressure?: () => Promise<void> | undefined;
       },
     ): Promise<SourceLayers & { digest: string }> {
-      const events = call.log && call.count ? importLogEvents(call.log, call.count) : {};
+      const events: Partial<ReturnType<typeof importLogEvents>> = call.log && call.count ? importLogEvents(call.log, call.count) : {};
+      // The builder's own steps (`STEP n/m: …`) are the build's steps: their lines carry phase `step` and the index,
+      // and the import of the result is `finalize`; progress lines fill any silence.
+      if (call.log && events.onMessage) {
+        const log = call.log;
+        // Buildah numbers each stage's steps (`[2/3] STEP 1/4: …`); the log numbers them through the whole file.
+        const total = req.dockerfile ? instructionCount(req.dockerfile) : 0;
+        let step: { index: number; total: number } | undefined;
+        let imported = false;
+        events.onMessage = (message: string) => {
+          const m = /^(?:\[\d+\/\d+\] )?STEP \d+\/\d+: /.exec(message);
+          if (m) step = { index: (step?.index ?? 0) + 1, total: Math.max(total, (step?.index ?? 0) + 1) };
+          if (/^(COMMIT kiln-build-output|\d+ layers?, |still importing)/.test(message)) imported = true; // the last stage's commit, push and import
+          const phase = imported ? "finalize" : step ? "step" : "preparing";
+          log({ kind: "message", phase, message, ...(step && !imported ? { step_index: step.index, total_steps: step.total } : {}) });
+        };
+      }
       const out = await buildDockerfile({
         ...input(req),
         target: req.target,
