@@ -148,6 +148,21 @@ test(`a sandbox keeps at most ${KEPT_MAX} background commands: one more is refus
   }
 });
 
+test("a pause that does not keep memory (keepMemory: false) ends background commands: after connect none is listed and connect(pid) is not found", async () => {
+  const s = await Sandbox.create("base", opts);
+  try {
+    const h = await s.commands.run("sleep 600", { background: true });
+    await h.disconnect();
+    await s.pause({ keepMemory: false });
+    const r = await Sandbox.connect(s.sandboxId, opts);
+    assert.deepEqual(await r.commands.list(), []);
+    await assert.rejects(r.commands.connect(h.pid), /not found/i);
+    assert.equal(await r.commands.kill(h.pid), false);
+  } finally {
+    await s.kill();
+  }
+});
+
 test("a destroyed sandbox leaves no kept process behind, paused or running", async () => {
   for (const paused of [false, true]) {
     const marker = `kept-${randomUUID()}`;
