@@ -148,6 +148,32 @@ test(`a sandbox keeps at most ${KEPT_MAX} background commands: one more is refus
   }
 });
 
+test("after a Kiln restart a background command is still listed, and connect(pid) replays what the agent holds of its output, then live", async () => {
+  const s = await Sandbox.create("base", opts);
+  try {
+    let before = "";
+    const loop = await s.commands.run("i=0; while true; do echo tick-$i; i=$((i+1)); sleep 0.2; done", { background: true, onStdout: (d) => void (before += d) });
+    await until("ticks before the restart", () => ticks(before).length >= 2);
+    await loop.disconnect();
+    // (An SDK stream still open holds the server's close for a minute: detached first.)
+    await k.stop();
+    k = await startTestKiln({ dataDir: k.dataDir });
+    opts = { ...opts, apiUrl: k.url, sandboxUrl: k.url };
+    const r = await Sandbox.connect(s.sandboxId, opts);
+    assert.deepEqual((await r.commands.list()).map((p) => p.pid), [loop.pid]);
+    let after = "";
+    const again = await r.commands.connect(loop.pid, { onStdout: (d) => void (after += d) });
+    // The new server never saw where the old one stood: everything the ring holds comes again, from tick-0.
+    await until("live ticks after the restart", () => ticks(after).length > Math.max(...ticks(before)) + 2);
+    const seen = ticks(after);
+    assert.deepEqual(seen, seen.map((_, i) => i));
+    assert.equal(await r.commands.kill(loop.pid), true);
+    await assert.rejects(again.wait(), CommandExitError);
+  } finally {
+    await Sandbox.kill(s.sandboxId, opts);
+  }
+});
+
 test("a pause that does not keep memory (keepMemory: false) ends background commands: after connect none is listed and connect(pid) is not found", async () => {
   const s = await Sandbox.create("base", opts);
   try {
