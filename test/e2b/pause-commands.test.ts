@@ -88,16 +88,26 @@ test("a background command started before pause() is, after Sandbox.connect(), s
     assert.equal(done.exitCode, 7);
     assert.equal(done.stdout, "got-hello\n");
 
-    assert.equal(await r.commands.kill(loop.pid), true);
-    const killed = await again.wait().then(
+    // A second pause: the command was re-attached since the first, and goes on from where that client stood.
+    again.wait().catch(() => undefined);
+    await r.pause();
+    const lastAfter = Math.max(...ticks(after));
+    const r2 = await Sandbox.connect(s.sandboxId, opts);
+    let third = "";
+    const thrice = await r2.commands.connect(loop.pid, { onStdout: (d) => void (third += d) });
+    await until("ticks after the second resume", () => ticks(third).length >= 2);
+    assert.equal(ticks(third)[0], lastAfter + 1, `after the second pause (before: ${lastAfter}, after: ${ticks(third).slice(0, 5)})`);
+
+    assert.equal(await r2.commands.kill(loop.pid), true);
+    const killed = await thrice.wait().then(
       () => assert.fail("a killed command is a CommandExitError"),
       (err: unknown) => err,
     );
     assert.ok(killed instanceof CommandExitError, String(killed));
     assert.equal(killed.exitCode, -1);
     assert.match(killed.error ?? "", /signal: killed/);
-    assert.deepEqual(await r.commands.list(), []);
-    assert.equal(await r.commands.kill(loop.pid), false, "a killed command is gone");
+    assert.deepEqual(await r2.commands.list(), []);
+    assert.equal(await r2.commands.kill(loop.pid), false, "a killed command is gone");
   } finally {
     await s.kill();
   }

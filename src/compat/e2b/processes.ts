@@ -111,7 +111,12 @@ export function createProcessRegistry(machines: MachineService) {
     const t = tables.get(machineId);
     if (!t) return;
     tables.delete(machineId);
-    if (t.procs.size > 0) seen.set(machineId, new Map([...t.procs.values()].map((p) => [p.pid, p.offset])));
+    // Merged: a process not re-attached since an earlier pause keeps the offset noted then.
+    if (t.procs.size > 0) {
+      const noted = seen.get(machineId) ?? new Map<number, number>();
+      for (const p of t.procs.values()) noted.set(p.pid, p.offset);
+      seen.set(machineId, noted);
+    }
     for (const w of t.asks.values()) w.reject(new ConnectFailure("unavailable", why));
     t.asks.clear();
     t.adopting.clear();
@@ -325,8 +330,15 @@ export function createProcessRegistry(machines: MachineService) {
     });
   }
 
-  async function keptList(t: MachineTable): Promise<KeptInfo[]> {
+  /** What the agent keeps; offsets noted for processes it no longer has are dropped (bounds `seen`). */
+  async function keptList(machineId: string, t: MachineTable): Promise<KeptInfo[]> {
     const f = await ask<Extract<StreamServerFrame, { type: "kept.listed" }>>(t, { type: "kept.list", request_id: randomUUID() });
+    const noted = seen.get(machineId);
+    if (noted) {
+      const held = new Set(f.processes.map((k) => k.pid));
+      for (const pid of noted.keys()) if (!held.has(pid)) noted.delete(pid);
+      if (noted.size === 0) seen.delete(machineId);
+    }
     return f.processes;
   }
 
@@ -335,8 +347,8 @@ export function createProcessRegistry(machines: MachineService) {
   }
 
   /** A kept process this socket has not seen yet (started before a pause or a restart), looked up in the agent. */
-  async function lookUp(t: MachineTable, selector: { pid?: number; tag?: string }): Promise<KeptInfo | undefined> {
-    const all = await keptList(t);
+  async function lookUp(machineId: string, t: MachineTable, selector: { pid?: number; tag?: string }): Promise<KeptInfo | undefined> {
+    const all = await keptList(machineId, t);
     // An exited one (in the agent's grace) is still found by pid, so wait() after a resume gives its exit.
     if (selector.pid !== undefined) return all.find((k) => k.pid === selector.pid);
     return all.find((k) => k.running && k.label === selector.tag);
@@ -381,7 +393,7 @@ export function createProcessRegistry(machines: MachineService) {
     else if (selector.tag !== undefined) p = [...t.procs.values()].find((x) => x.tag === selector.tag);
     if (!p) {
       // Not seen on this socket: one kept from before the pause is reached by pid (its session id for a PTY).
-      const k = await lookUp(t, selector);
+      const k = await lookUp(machineId, t, selector);
       if (k?.running) p = { pid: k.pid, config: configOf(k), ...(k.session_id ? { sessionId: k.session_id } : {}), listeners: new Set(), offset: 0 };
     }
     if (!p) throw new ConnectFailure("not_found", `process with ${selector.pid !== undefined ? `pid ${selector.pid}` : `tag ${selector.tag}`} not found`);
@@ -435,7 +447,7 @@ export function createProcessRegistry(machines: MachineService) {
       let p = selector.pid !== undefined ? t.procs.get(selector.pid) : [...t.procs.values()].find((x) => x.tag === selector.tag);
       if (p) p.listeners.add(listener);
       else {
-        const k = await lookUp(t, selector);
+        const k = await lookUp(machineId, t, selector);
         if (!k) throw new ConnectFailure("not_found", `process with ${selector.pid !== undefined ? `pid ${selector.pid}` : `tag ${selector.tag}`} not found`);
         p = await adopt(machineId, t, k, listener);
       }
@@ -448,7 +460,7 @@ export function createProcessRegistry(machines: MachineService) {
     /** The machine's running commands, as the agent keeps them (those started before a pause included). */
     async list(machineId: string) {
       const t = await tableOf(machineId);
-      return (await keptList(t)).filter((k) => k.running).map((k) => ({ pid: k.pid, config: t.procs.get(k.pid)?.config ?? configOf(k), ...(k.label !== undefined ? { tag: k.label } : {}) }));
+      return (await keptList(machineId, t)).filter((k) => k.running).map((k) => ({ pid: k.pid, config: t.procs.get(k.pid)?.config ?? configOf(k), ...(k.label !== undefined ? { tag: k.label } : {}) }));
     },
     async input(machineId: string, selector: { pid?: number; tag?: string }, data: { stdin?: string; pty?: string }) {
       const { t, p } = await find(machineId, selector);
