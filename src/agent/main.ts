@@ -218,7 +218,7 @@ const server = createServer((req, res) => {
 server.keepAliveTimeout = 60_000;
 
 // Streams (ws, node-pty) load on first use: a machine that never opens a terminal never pays for them at boot.
-let streams: Promise<{ wss: import("ws").WebSocketServer; handleStream: typeof import("./streams.ts").handleStream; resetSessions: () => number }> | undefined;
+let streams: Promise<{ wss: import("ws").WebSocketServer; handleStream: typeof import("./streams.ts").handleStream; resetSessions: (all?: boolean) => number }> | undefined;
 function loadStreams() {
   streams ??= Promise.all([import("ws"), import("./streams.ts")]).then(([ws, mod]) => ({
     wss: new ws.WebSocketServer({ noServer: true, maxPayload: 32 * 1024 * 1024 }),
@@ -314,7 +314,7 @@ function letGoForCheckpoint() {
 void sweepScratch();
 
 const stop = () => {
-  void streams?.then((s) => s.resetSessions());
+  void streams?.then((s) => s.resetSessions(true));
   void stopAllKernels();
   void stopAllServices();
   server.close(() => process.exit(0));

@@ -187,6 +187,13 @@ export interface ExecStartFrame {
   user?: string;
   /** Keep stdin open for exec.stdin frames; without it the process reads /dev/null. */
   stdin?: boolean;
+  /**
+   * Outlive this socket (src/agent/kept.ts): the E2B layer's commands. Default false — a native exec process ends
+   * with its socket. A kept process's output frames carry offsets; any later socket reaches it by pid.
+   */
+  keep?: boolean;
+  /** With keep: an opaque label (≤ 1024 characters) given back by kept.list (the E2B layer's tag). */
+  label?: string;
 }
 export interface ExecStdinFrame {
   type: "exec.stdin";
@@ -214,6 +221,9 @@ export interface PtyStartFrame {
   user?: string;
   cols: number;
   rows: number;
+  /** Survive a resume's session reset and be listed by kept.list (the E2B layer's PTYs); default false. */
+  keep?: boolean;
+  label?: string;
 }
 type PtyTarget = { session_id: string; pid?: undefined } | { pid: number; session_id?: undefined };
 export type PtyInputFrame = { type: "pty.input"; request_id?: string } & PtyTarget & ({ data_base64: string; data?: undefined } | { data: string; data_base64?: undefined });
@@ -226,7 +236,12 @@ export type PtyReconnectFrame = { type: "pty.reconnect"; request_id?: string; of
 export type FileWatchFrame = { type: "file_watch"; request_id?: string; path: string; recursive?: boolean };
 export type FileUnwatchFrame = { type: "file_unwatch"; request_id?: string; watch_id: string };
 
-export type StreamClientFrame = ExecStartFrame | ExecStdinFrame | ExecSignalFrame | PtyStartFrame | PtyInputFrame | PtyResizeFrame | PtyKillFrame | PtyReconnectFrame | FileWatchFrame | FileUnwatchFrame;
+/** Attaches this socket to a kept process and replays its held output from `offset` (default: the oldest byte held). */
+export type ExecAttachFrame = { type: "exec.attach"; request_id?: string; pid: number; offset?: number };
+/** Lists the machine's kept processes and kept PTY sessions (running, and exited ones in their grace). */
+export type KeptListFrame = { type: "kept.list"; request_id?: string };
+
+export type StreamClientFrame = ExecAttachFrame | KeptListFrame | ExecStartFrame | ExecStdinFrame | ExecSignalFrame | PtyStartFrame | PtyInputFrame | PtyResizeFrame | PtyKillFrame | PtyReconnectFrame | FileWatchFrame | FileUnwatchFrame;
 
 export interface ExecStartedFrame {
   type: "exec.started";
@@ -236,8 +251,31 @@ export interface ExecStartedFrame {
 export interface ExecOutputFrame {
   type: "exec.stdout" | "exec.stderr";
   pid: number;
+  /** Kept processes only: byte offset of this chunk in the process's whole output (stdout and stderr together). */
+  offset?: number;
   data_base64: string;
 }
+export interface ExecAttachedFrame {
+  type: "exec.attached";
+  request_id?: string;
+  pid: number;
+  /** Offset the replay starts at (later than asked when those bytes left the process's 1 MiB ring). */
+  offset: number;
+  truncated?: true;
+}
+export interface KeptInfo {
+  kind: "exec" | "pty";
+  pid: number;
+  session_id?: string;
+  cmd?: string;
+  args?: string[];
+  cwd?: string;
+  envs?: Record<string, string>;
+  user?: string;
+  label?: string;
+  running: boolean;
+}
+export type KeptListedFrame = { type: "kept.listed"; request_id?: string; processes: KeptInfo[] };
 export interface ExecExitFrame {
   type: "exec.exit";
   pid: number;
@@ -292,7 +330,7 @@ export type FileEventFrame = { type: "file_event"; watch_id: string; event: "cre
 /** Events of the watch may have been lost: `slow_client` (dropped while the socket was backed up), `too_many_directories` (new ones past the bound go unwatched). */
 export type ResyncRequiredFrame = { type: "resync_required"; watch_id: string; path: string; reason: "slow_client" | "too_many_directories" };
 
-export type StreamServerFrame = ExecStartedFrame | ExecOutputFrame | ExecExitFrame | PtyStartedFrame | PtyOutputFrame | PtyExitFrame | PtyReconnectedFrame | StreamErrorFrame | FileWatchStartedFrame | FileUnwatchDoneFrame | FileEventFrame | ResyncRequiredFrame;
+export type StreamServerFrame = ExecAttachedFrame | KeptListedFrame | ExecStartedFrame | ExecOutputFrame | ExecExitFrame | PtyStartedFrame | PtyOutputFrame | PtyExitFrame | PtyReconnectedFrame | StreamErrorFrame | FileWatchStartedFrame | FileUnwatchDoneFrame | FileEventFrame | ResyncRequiredFrame;
 
 // ── Git (src/agent/git.ts) ───────────────────────────────────────────────────────────────────────────────────────
 //   POST   /git/run       GitRunRequest  → GitRunResult (git's outputs scrubbed of every credential)

@@ -62,9 +62,17 @@ export class PtySession {
   private paused = false;
   exit: { exit_code: number | null; signal: string | null } | undefined;
   private onGone: () => void;
+  /** Started with `keep` (the E2B layer): lives on through a resume, listed by kept.list. */
+  readonly kept: boolean;
+  readonly config: { cmd?: string; args?: string[]; cwd?: string; envs?: Record<string, string>; user?: string; label?: string };
 
-  constructor(opts: { cmd?: string; args?: string[]; cwd?: string; envs?: Record<string, string>; user?: string; cols: number; rows: number }, onGone: () => void) {
+  constructor(
+    opts: { cmd?: string; args?: string[]; cwd?: string; envs?: Record<string, string>; user?: string; cols: number; rows: number; keep?: boolean; label?: string },
+    onGone: () => void,
+  ) {
     checkSpawnRequest(opts);
+    this.kept = opts.keep === true;
+    this.config = { cmd: opts.cmd, args: opts.args, cwd: opts.cwd, envs: opts.envs, user: opts.user, label: opts.label };
     const user = resolveUser(opts.user);
     const [file, argv] = opts.cmd ? argvOf(opts.cmd, opts.args) : [user.shell || "/bin/sh", ["-l"]];
     this.pty = nodePty.spawn(file, argv, {

@@ -1,5 +1,6 @@
 // The agent's stream socket (/ws): one JSON frame router per connection for exec streams and PTY sessions.
-// Exec processes belong to the socket that started them; PTY sessions live in the agent and outlive sockets.
+// Exec processes belong to the socket that started them, unless started with `keep` (kept.ts); PTY sessions live in
+// the agent and outlive sockets.
 // New stream features (file watches, kernels, port connects) add frame types here.
 
 import type { WebSocket } from "ws";
@@ -11,6 +12,8 @@ import { signalTree } from "./process-tree.ts";
 import { exitOf, oomKills } from "./oom.ts";
 import { AgentFailure } from "./errors.ts";
 import { createWatches } from "./watch.ts";
+import { KEPT_LABEL_MAX, endAllKept, findKept, keptProcesses, makeRoom, startKept } from "./kept.ts";
+import type { KeptProcess } from "./kept.ts";
 import type { AgentErrorCode, StreamServerFrame } from "./protocol.ts";
 
 const HIGH_WATER = 1024 * 1024;
@@ -29,10 +32,25 @@ function findSession(f: { session_id?: unknown; pid?: unknown }): PtySession | u
   return undefined;
 }
 
-/** Ends every PTY session: a resumed machine starts a new execution (SPEC: sessions do not survive resume). */
-export function resetSessions(): number {
-  const n = sessions.size;
-  for (const s of [...sessions.values()]) s.end();
+/**
+ * Ends every PTY session: a resumed machine starts a new execution (SPEC: sessions do not survive resume). Sessions
+ * started with `keep` (the E2B layer, whose PTYs outlive a pause) are left, unless `all` (the agent is stopping,
+ * and then kept exec processes end too).
+ */
+export function resetSessions(all = false): number {
+  let n = 0;
+  for (const s of [...sessions.values()]) {
+    if (s.kept && !all) continue;
+    s.end();
+    n++;
+  }
+  if (all) n += endAllKept();
+  return n;
+}
+
+function keptSessions(): number {
+  let n = 0;
+  for (const s of sessions.values()) if (s.kept) n++;
   return n;
 }
 
@@ -59,11 +77,15 @@ function checkSpawnFields(f: Record<string, unknown>) {
   if (f.cwd !== undefined && typeof f.cwd !== "string") bad("cwd must be a string");
   if (f.user !== undefined && typeof f.user !== "string") bad("user must be a string");
   if (f.envs !== undefined && (typeof f.envs !== "object" || f.envs === null || Object.values(f.envs).some((v) => typeof v !== "string"))) bad("envs must map names to strings");
+  if (f.keep !== undefined && typeof f.keep !== "boolean") bad("keep must be a boolean");
+  if (f.label !== undefined && !(typeof f.label === "string" && f.label.length <= KEPT_LABEL_MAX && f.keep === true)) bad(`label must be a string of at most ${KEPT_LABEL_MAX} characters, with keep: true`);
 }
 
 export function handleStream(ws: WebSocket) {
   const procs = new Map<number, ChildProcess>();
   const attached = new Set<PtySession>();
+  /** Kept processes this socket is attached to (started here or re-attached by exec.attach). */
+  const keptAttached = new Set<KeptProcess>();
   const pausedPipes = new Set<NodeJS.ReadableStream>();
 
   const send = (frame: StreamServerFrame) => {
@@ -78,6 +100,7 @@ export function handleStream(ws: WebSocket) {
     for (const p of pausedPipes) p.resume();
     pausedPipes.clear();
     for (const s of attached) s.applyBackpressure(HIGH_WATER, LOW_WATER);
+    for (const p of keptAttached) p.applyBackpressure();
   }
 
   // Client → process backpressure: while any process has more than INPUT_HIGH_WATER of input queued, the
@@ -123,7 +146,23 @@ export function handleStream(ws: WebSocket) {
     });
   }
 
+  /** A kept process: it outlives this socket (only detached when the socket goes), output ringed for re-attach. */
+  function execStartKept(f: Record<string, unknown>) {
+    let started = false;
+    const config = { cmd: f.cmd as string, args: f.args as string[] | undefined, cwd: f.cwd as string | undefined, envs: f.envs as Record<string, string> | undefined, user: f.user as string | undefined, label: f.label as string | undefined };
+    const child = startKept(config, { stdin: f.stdin === true, othersKept: keptSessions() }, (p) => {
+      started = true;
+      p.attach(sink);
+      keptAttached.add(p);
+      send({ type: "exec.started", ...requestIdOf(f), pid: p.pid });
+    });
+    child.on("error", (err: NodeJS.ErrnoException) => {
+      if (!started) fail(err.code === "ENOENT" ? "invalid_request" : "internal", `Cannot start ${JSON.stringify(f.cmd)}: ${err.code ?? err.message}`, f.request_id);
+    });
+  }
+
   function execStart(f: Record<string, unknown>) {
+    if (f.keep === true) return execStartKept(f);
     const child = spawnAs(
       { cmd: f.cmd as string, args: f.args as string[] | undefined, cwd: f.cwd as string | undefined, envs: f.envs as Record<string, string> | undefined, user: f.user as string | undefined },
       { stdin: f.stdin === true },
@@ -156,22 +195,43 @@ export function handleStream(ws: WebSocket) {
         return execStart(f);
       case "exec.stdin": {
         const child = procs.get(f.pid as number);
-        if (!child) return fail("not_found", `No process ${f.pid} on this socket`, f.request_id);
-        if (!child.stdin) return fail("invalid_request", `Process ${f.pid} was started without stdin (send stdin: true)`, f.request_id);
+        const keptProc = child ? undefined : findKept(f.pid);
+        if (!child && !keptProc) return fail("not_found", `No process ${f.pid} on this socket`, f.request_id);
+        if (!(child ? child.stdin : keptProc!.hasStdin)) return fail("invalid_request", `Process ${f.pid} was started without stdin (send stdin: true)`, f.request_id);
+        const stdin = child ? child.stdin! : keptProc!.stdin;
+        if (!stdin) return fail("not_found", `Process ${f.pid} has exited`, f.request_id);
         const data = bytesOf(f);
-        if (data.length && child.stdin.writable) {
-          child.stdin.write(data);
-          if (child.stdin.writableLength > INPUT_HIGH_WATER) holdInputUntil(stdinDrained(child.stdin));
+        if (data.length && (stdin as NodeJS.WritableStream & { writable: boolean }).writable) {
+          stdin.write(data);
+          if ((stdin as NodeJS.WritableStream & { writableLength: number }).writableLength > INPUT_HIGH_WATER) holdInputUntil(stdinDrained(stdin));
         }
-        if (f.eof) child.stdin.end();
+        if (f.eof) stdin.end();
         return;
       }
       case "exec.signal": {
         const child = procs.get(f.pid as number);
-        if (!child) return fail("not_found", `No process ${f.pid} on this socket`, f.request_id);
+        const keptProc = child ? undefined : findKept(f.pid);
+        if (!child && !keptProc) return fail("not_found", `No process ${f.pid} on this socket`, f.request_id);
         const sig = String(f.signal);
         if (!isSignal(sig)) return fail("invalid_request", `Unknown signal ${sig}`, f.request_id);
-        return signalTree(child, (sig.startsWith("SIG") ? sig : `SIG${sig}`) as NodeJS.Signals);
+        const name = (sig.startsWith("SIG") ? sig : `SIG${sig}`) as NodeJS.Signals;
+        if (keptProc?.exit) return fail("not_found", `Process ${f.pid} has exited`, f.request_id);
+        return child ? signalTree(child, name) : keptProc!.signal(name);
+      }
+      case "exec.attach": {
+        const keptProc = findKept(f.pid);
+        if (!keptProc) return fail("not_found", `No kept process ${f.pid} in this machine`, f.request_id);
+        if (f.offset !== undefined && !(Number.isInteger(f.offset) && (f.offset as number) >= 0)) return fail("invalid_request", "exec.attach offset must be a non-negative integer", f.request_id);
+        keptProc.attach(sink);
+        keptAttached.add(keptProc);
+        return keptProc.replay(sink, typeof f.offset === "number" ? f.offset : undefined, f.request_id as string | undefined);
+      }
+      case "kept.list": {
+        const processes = [
+          ...keptProcesses().map((p) => ({ kind: "exec" as const, pid: p.pid, ...p.config, running: !p.exit })),
+          ...[...sessions.values()].filter((s) => s.kept).map((s) => ({ kind: "pty" as const, pid: s.pid, session_id: s.id, ...s.config, running: !s.exit })),
+        ];
+        return send({ type: "kept.listed", ...requestIdOf(f), processes });
       }
       case "pty.start": {
         if (f.cmd !== undefined && (typeof f.cmd !== "string" || !f.cmd)) return fail("invalid_request", "pty.start cmd must be a non-empty string", f.request_id);
@@ -179,8 +239,19 @@ export function handleStream(ws: WebSocket) {
         for (const k of ["cols", "rows"]) {
           if (f[k] !== undefined && !(Number.isInteger(f[k]) && (f[k] as number) > 0 && (f[k] as number) <= 1000)) return fail("invalid_request", `pty.start ${k} must be an integer from 1 to 1000`, f.request_id);
         }
+        if (f.keep === true) makeRoom(keptSessions());
         const session = new PtySession(
-          { cmd: f.cmd as string | undefined, args: f.args as string[] | undefined, cwd: f.cwd as string | undefined, envs: f.envs as Record<string, string> | undefined, user: f.user as string | undefined, cols: Number(f.cols) || 80, rows: Number(f.rows) || 24 },
+          {
+            cmd: f.cmd as string | undefined,
+            args: f.args as string[] | undefined,
+            cwd: f.cwd as string | undefined,
+            envs: f.envs as Record<string, string> | undefined,
+            user: f.user as string | undefined,
+            cols: Number(f.cols) || 80,
+            rows: Number(f.rows) || 24,
+            keep: f.keep === true,
+            label: f.label as string | undefined,
+          },
           () => {
             sessions.delete(session.id);
             attached.delete(session);
@@ -252,5 +323,8 @@ export function handleStream(ws: WebSocket) {
     procs.clear();
     for (const s of attached) s.detach(sink);
     attached.clear();
+    // Kept processes live on for the next socket (exec.attach).
+    for (const p of keptAttached) p.detach(sink);
+    keptAttached.clear();
   });
 }

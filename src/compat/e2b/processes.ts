@@ -1,12 +1,14 @@
 // E2B processes of each machine: one agent stream socket per machine carries every command and PTY the SDK
 // starts, so a command outlives the request that started it and can be re-attached by pid (envd's Connect).
-// The processes themselves live in the guest agent; this table only routes their frames to whoever listens.
-// A machine's socket closes when the machine leaves `running` (its exec processes end with it, as in the agent).
+// The processes themselves live in the guest agent, started `keep` (src/agent/kept.ts): they outlive the socket,
+// which closes when the machine leaves `running` (a pause) or the server stops. The socket opened after a resume (or
+// a restart) finds them again through the agent (kept.list) and re-attaches one on its first Connect, replaying the
+// output it missed (from the offset this table last saw, kept across the pause) before the live output.
 
 import { randomUUID } from "node:crypto";
 import type { WebSocket } from "ws";
 import type { MachineService } from "../../machines/service.ts";
-import type { FileEventFrame, ResyncRequiredFrame, StreamClientFrame, StreamServerFrame } from "../../agent/protocol.ts";
+import type { FileEventFrame, KeptInfo, ResyncRequiredFrame, StreamClientFrame, StreamServerFrame } from "../../agent/protocol.ts";
 import { ConnectFailure } from "./connect.ts";
 import type { ConnectCode } from "./connect.ts";
 
@@ -39,6 +41,8 @@ interface Proc {
   /** Set for PTY processes: the agent's session id. */
   sessionId?: string;
   listeners: Set<Listener>;
+  /** Offset of the next output byte (the agent numbers a kept process's output); a re-attach replays from here. */
+  offset: number;
 }
 
 interface MachineTable {
@@ -50,6 +54,10 @@ interface MachineTable {
   /** File watches of this machine's socket (the agent's watches, src/agent/watch.ts), by watch id. */
   watches: Map<string, WatchListener>;
   watchPending: Map<string, { started: (watchId: string) => void; reject: (err: Error) => void }>;
+  /** kept.list and re-attach requests awaiting the agent's answer, by request id. */
+  asks: Map<string, { answered: (f: StreamServerFrame) => void; reject: (err: Error) => void }>;
+  /** Re-attaches under way, by pid: a second Connect joins the first instead of replaying twice. */
+  adopting: Map<number, Promise<Proc>>;
 }
 
 const AGENT_TO_CONNECT: Record<string, ConnectCode> = { invalid_request: "invalid_argument", not_found: "not_found", forbidden: "permission_denied", conflict: "failed_precondition", timeout: "deadline_exceeded" };
@@ -88,15 +96,30 @@ export function endEvent(exitCode: number | null, signal: string | null): Proces
 
 export function createProcessRegistry(machines: MachineService) {
   const tables = new Map<string, MachineTable>();
+  /**
+   * Where each process's output stood when its machine's socket closed (a pause): the re-attach after the resume
+   * replays from there. Held while the machine is hibernated; bounded by the agent's kept-process bound.
+   */
+  const seen = new Map<string, Map<number, number>>();
 
   machines.onStatus((id, status) => {
     if (status !== "running") drop(id, "the machine stopped running");
+    if (status === "destroyed" || status === "failed") seen.delete(id);
   });
 
   function drop(machineId: string, why: string) {
     const t = tables.get(machineId);
     if (!t) return;
     tables.delete(machineId);
+    // Merged: a process not re-attached since an earlier pause keeps the offset noted then.
+    if (t.procs.size > 0) {
+      const noted = seen.get(machineId) ?? new Map<number, number>();
+      for (const p of t.procs.values()) noted.set(p.pid, p.offset);
+      seen.set(machineId, noted);
+    }
+    for (const w of t.asks.values()) w.reject(new ConnectFailure("unavailable", why));
+    t.asks.clear();
+    t.adopting.clear();
     // No end event: the process did not end, its sandbox went away (envd's stream would break, and the SDK then
     // reports a timeout); the listeners end their streams with `unavailable`.
     for (const p of t.procs.values()) for (const l of p.listeners) l({ gone: why });
@@ -115,6 +138,25 @@ export function createProcessRegistry(machines: MachineService) {
     if (p) for (const l of p.listeners) l(event);
   }
 
+  /** Output of a kept process: delivered once (a re-attach's replay may overlap what was seen), its offset noted. */
+  function output(t: MachineTable, pid: number, offset: number | undefined, dataBase64: string, event: ProcessNotice) {
+    const p = t.procs.get(pid);
+    if (!p) return;
+    if (offset !== undefined) {
+      const end = offset + Buffer.byteLength(dataBase64, "base64");
+      if (end <= p.offset) return;
+      p.offset = end;
+    }
+    for (const l of p.listeners) l(event);
+  }
+
+  function answer(t: MachineTable, requestId: string | undefined, f: StreamServerFrame) {
+    const w = requestId ? t.asks.get(requestId) : undefined;
+    if (!w) return;
+    t.asks.delete(requestId!);
+    w.answered(f);
+  }
+
   function onFrame(machineId: string, t: MachineTable, f: StreamServerFrame) {
     switch (f.type) {
       case "exec.started":
@@ -127,11 +169,15 @@ export function createProcessRegistry(machines: MachineService) {
         return;
       }
       case "exec.stdout":
-        return emit(t, f.pid, { data: { stdout: f.data_base64 } });
+        return output(t, f.pid, f.offset, f.data_base64, { data: { stdout: f.data_base64 } });
       case "exec.stderr":
-        return emit(t, f.pid, { data: { stderr: f.data_base64 } });
+        return output(t, f.pid, f.offset, f.data_base64, { data: { stderr: f.data_base64 } });
       case "pty.output":
-        return emit(t, f.pid, { data: { pty: f.data_base64 } });
+        return output(t, f.pid, f.offset, f.data_base64, { data: { pty: f.data_base64 } });
+      case "kept.listed":
+      case "exec.attached":
+      case "pty.reconnected":
+        return answer(t, f.request_id, f);
       case "exec.exit":
       case "pty.exit": {
         emit(t, f.pid, endEvent(f.exit_code, f.signal));
@@ -154,10 +200,11 @@ export function createProcessRegistry(machines: MachineService) {
           t.watches.get(f.watch_id)?.({ type: "end", error: f.error });
           t.watches.delete(f.watch_id);
         }
-        const w = f.request_id ? (t.pending.get(f.request_id) ?? t.watchPending.get(f.request_id)) : undefined;
+        const w = f.request_id ? (t.pending.get(f.request_id) ?? t.watchPending.get(f.request_id) ?? t.asks.get(f.request_id)) : undefined;
         if (w) {
           t.pending.delete(f.request_id!);
           t.watchPending.delete(f.request_id!);
+          t.asks.delete(f.request_id!);
           w.reject(new ConnectFailure(AGENT_TO_CONNECT[f.code] ?? "internal", f.error));
         }
         return;
@@ -180,6 +227,8 @@ export function createProcessRegistry(machines: MachineService) {
           pending: new Map(),
           watches: new Map(),
           watchPending: new Map(),
+          asks: new Map(),
+          adopting: new Map(),
           ready: new Promise<void>((resolve, reject) => {
             ws.once("open", () => resolve());
             ws.once("error", (err) => reject(new ConnectFailure("unavailable", `the machine's agent is unreachable (${err.message})`)));
@@ -227,7 +276,7 @@ export function createProcessRegistry(machines: MachineService) {
       const started = (pid: number, sessionId?: string) => {
         clearTimeout(timer);
         // Registered while the started frame is handled: output frames of this pid read right after it find it.
-        t.procs.set(pid, { pid, config: input.config, tag: input.tag, sessionId, listeners: new Set([listener]) });
+        t.procs.set(pid, { pid, config: input.config, tag: input.tag, sessionId, listeners: new Set([listener]), offset: 0 });
         resolve(pid);
       };
       t.pending.set(requestId, {
@@ -238,7 +287,8 @@ export function createProcessRegistry(machines: MachineService) {
         },
       });
     });
-    const common = { request_id: requestId, cmd: input.config.cmd, args: input.config.args, cwd: input.config.cwd, envs: input.config.envs, user: input.user };
+    // Kept: envd's processes outlive every connection, and a pause (src/agent/kept.ts).
+    const common = { request_id: requestId, cmd: input.config.cmd, args: input.config.args, cwd: input.config.cwd, envs: input.config.envs, user: input.user, keep: true, ...(input.tag !== undefined ? { label: input.tag } : {}) };
     try {
       if (input.pty) send(t, { type: "pty.start", ...common, cols: input.pty.cols, rows: input.pty.rows });
       else send(t, { type: "exec.start", ...common, stdin: input.stdin });
@@ -249,11 +299,103 @@ export function createProcessRegistry(machines: MachineService) {
     return started;
   }
 
+  /**
+   * Asks the agent something on the machine's socket and waits (bounded) for the frame answering it; `onAnswer` runs
+   * synchronously as the answer is handled, before any frame behind it (a promise's reaction would come too late).
+   */
+  function ask<F extends StreamServerFrame>(t: MachineTable, frame: StreamClientFrame & { request_id: string }, onAnswer?: (f: F) => void): Promise<F> {
+    return new Promise<F>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        t.asks.delete(frame.request_id);
+        reject(new ConnectFailure("deadline_exceeded", `the machine's agent did not answer ${frame.type} within ${START_TIMEOUT_MS / 1000} s`));
+      }, START_TIMEOUT_MS);
+      t.asks.set(frame.request_id, {
+        answered: (f) => {
+          clearTimeout(timer);
+          onAnswer?.(f as F);
+          resolve(f as F);
+        },
+        reject: (err) => {
+          clearTimeout(timer);
+          reject(err);
+        },
+      });
+      try {
+        send(t, frame);
+      } catch (err) {
+        t.asks.delete(frame.request_id);
+        clearTimeout(timer);
+        reject(err as Error);
+      }
+    });
+  }
+
+  /** What the agent keeps; offsets noted for processes it no longer has are dropped (bounds `seen`). */
+  async function keptList(machineId: string, t: MachineTable): Promise<KeptInfo[]> {
+    const f = await ask<Extract<StreamServerFrame, { type: "kept.listed" }>>(t, { type: "kept.list", request_id: randomUUID() });
+    const noted = seen.get(machineId);
+    if (noted) {
+      const held = new Set(f.processes.map((k) => k.pid));
+      for (const pid of noted.keys()) if (!held.has(pid)) noted.delete(pid);
+      if (noted.size === 0) seen.delete(machineId);
+    }
+    return f.processes;
+  }
+
+  function configOf(k: KeptInfo): ProcessConfig {
+    return { cmd: k.cmd ?? "", args: k.args ?? [], envs: k.envs ?? {}, ...(k.cwd !== undefined ? { cwd: k.cwd } : {}) };
+  }
+
+  /** A kept process this socket has not seen yet (started before a pause or a restart), looked up in the agent. */
+  async function lookUp(machineId: string, t: MachineTable, selector: { pid?: number; tag?: string }): Promise<KeptInfo | undefined> {
+    const all = await keptList(machineId, t);
+    // An exited one (in the agent's grace) is still found by pid, so wait() after a resume gives its exit.
+    if (selector.pid !== undefined) return all.find((k) => k.pid === selector.pid);
+    return all.find((k) => k.running && k.label === selector.tag);
+  }
+
+  /**
+   * Attaches this socket to a kept process: the agent replays its output from where this table last saw it (before
+   * the pause; from the oldest byte it holds when unknown, after a restart), then goes on live. `listener` sees the
+   * replay: it is registered as the agent's answer is handled, before the replayed frames.
+   */
+  function adopt(machineId: string, t: MachineTable, k: KeptInfo, listener: Listener): Promise<Proc> {
+    const under = t.adopting.get(k.pid);
+    if (under) return under.then((p) => (p.listeners.add(listener), p));
+    const from = seen.get(machineId)?.get(k.pid);
+    const requestId = randomUUID();
+    const proc: Proc = { pid: k.pid, config: configOf(k), ...(k.label !== undefined ? { tag: k.label } : {}), ...(k.session_id ? { sessionId: k.session_id } : {}), listeners: new Set([listener]), offset: from ?? 0 };
+    const promise = new Promise<Proc>((resolve, reject) => {
+      // Registered synchronously with the answer, as a start is: the replay frames right behind it find the process.
+      const registerOn = (f: StreamServerFrame) => {
+        if (f.type === "exec.attached" || f.type === "pty.reconnected") proc.offset = Math.max(proc.offset, f.offset);
+        t.procs.set(k.pid, proc);
+        seen.get(machineId)?.delete(k.pid);
+        return proc;
+      };
+      const frame = k.kind === "pty"
+        ? ({ type: "pty.reconnect", request_id: requestId, session_id: k.session_id!, ...(from !== undefined ? { offset: from } : {}) } as const)
+        : ({ type: "exec.attach", request_id: requestId, pid: k.pid, ...(from !== undefined ? { offset: from } : {}) } as const);
+      ask(t, frame, registerOn).then(() => resolve(proc), reject);
+    });
+    t.adopting.set(k.pid, promise);
+    const clear = () => {
+      if (t.adopting.get(k.pid) === promise) t.adopting.delete(k.pid);
+    };
+    promise.then(clear, clear);
+    return promise;
+  }
+
   async function find(machineId: string, selector: { pid?: number; tag?: string }): Promise<{ t: MachineTable; p: Proc }> {
     const t = await tableOf(machineId);
     let p: Proc | undefined;
     if (selector.pid !== undefined) p = t.procs.get(selector.pid);
     else if (selector.tag !== undefined) p = [...t.procs.values()].find((x) => x.tag === selector.tag);
+    if (!p) {
+      // Not seen on this socket: one kept from before the pause is reached by pid (its session id for a PTY).
+      const k = await lookUp(machineId, t, selector);
+      if (k?.running) p = { pid: k.pid, config: configOf(k), ...(k.session_id ? { sessionId: k.session_id } : {}), listeners: new Set(), offset: 0 };
+    }
     if (!p) throw new ConnectFailure("not_found", `process with ${selector.pid !== undefined ? `pid ${selector.pid}` : `tag ${selector.tag}`} not found`);
     return { t, p };
   }
@@ -301,16 +443,24 @@ export function createProcessRegistry(machines: MachineService) {
     },
     /** Adds a listener to a running process; returns its pid and the function that removes the listener. */
     async attach(machineId: string, selector: { pid?: number; tag?: string }, listener: Listener): Promise<{ pid: number; detach: () => void }> {
-      const { p } = await find(machineId, selector);
-      p.listeners.add(listener);
-      return { pid: p.pid, detach: () => p.listeners.delete(listener) };
+      const t = await tableOf(machineId);
+      let p = selector.pid !== undefined ? t.procs.get(selector.pid) : [...t.procs.values()].find((x) => x.tag === selector.tag);
+      if (p) p.listeners.add(listener);
+      else {
+        const k = await lookUp(machineId, t, selector);
+        if (!k) throw new ConnectFailure("not_found", `process with ${selector.pid !== undefined ? `pid ${selector.pid}` : `tag ${selector.tag}`} not found`);
+        p = await adopt(machineId, t, k, listener);
+      }
+      const proc = p;
+      return { pid: proc.pid, detach: () => proc.listeners.delete(listener) };
     },
     detach(machineId: string, pid: number, listener: Listener) {
       tables.get(machineId)?.procs.get(pid)?.listeners.delete(listener);
     },
+    /** The machine's running commands, as the agent keeps them (those started before a pause included). */
     async list(machineId: string) {
       const t = await tableOf(machineId);
-      return [...t.procs.values()].map((p) => ({ pid: p.pid, config: p.config, ...(p.tag !== undefined ? { tag: p.tag } : {}) }));
+      return (await keptList(machineId, t)).filter((k) => k.running).map((k) => ({ pid: k.pid, config: t.procs.get(k.pid)?.config ?? configOf(k), ...(k.label !== undefined ? { tag: k.label } : {}) }));
     },
     async input(machineId: string, selector: { pid?: number; tag?: string }, data: { stdin?: string; pty?: string }) {
       const { t, p } = await find(machineId, selector);
