@@ -52,6 +52,7 @@ const PLAIN_ERROR_SEAMS: Record<string, string> = {
   "console/bundle.ts": "the console's build step: refuses a broken bundle, before any request",
   "deployments/key-files.ts": "refuses to start with a damaged key file",
   "deployments/sealed-envs.ts": "damaged sealed envs: the replica fails with its reason",
+  "hosts/layers/service.ts": "caught where thrown (a peer that answers other than 200: the next holder is tried, every reason goes in the 503)",
   "machines/create.ts": "caught in create: the machine fails with 'the machine failed to start'",
   "runtime/guest-runtime.ts": "the MachineDriver seam: internal",
   "runtime/oci/cgroups.ts": "the MachineDriver seam: internal",
