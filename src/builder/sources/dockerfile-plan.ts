@@ -21,7 +21,10 @@ export interface DockerfilePlan {
   setsUser: boolean;
 }
 
-/** Logical lines as Docker reads them: a backslash at a line's end joins the next (removed, not replaced). */
+/**
+ * Logical lines as Docker reads them: a backslash at a line's end — spaces and tabs after it allowed, as Docker's
+ * `\\[ \t]*$` — joins the next (removed, not replaced); a blank line inside a continued instruction is skipped.
+ */
 function logicalLines(text: string): { text: string; line: number }[] {
   const out: { text: string; line: number }[] = [];
   let buf: string | null = null;
@@ -30,13 +33,14 @@ function logicalLines(text: string): { text: string; line: number }[] {
   for (let i = 0; i < raw.length; i++) {
     const l = raw[i];
     if (/^\s*#/.test(l)) continue; // a comment, alone or inside a continued instruction
+    if (!l.trim()) continue; // blank: between instructions, or skipped inside a continued one (Docker's rule)
     if (buf === null) {
-      if (!l.trim()) continue;
       start = i + 1;
       buf = "";
     }
-    if (/\\$/.test(l)) {
-      buf += l.slice(0, -1);
+    const continued = /\\[ \t]*$/.exec(l);
+    if (continued) {
+      buf += l.slice(0, continued.index);
       continue;
     }
     buf += l;

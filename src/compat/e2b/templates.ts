@@ -10,7 +10,7 @@ import { createReadStream, createWriteStream } from "node:fs";
 import { chmod, mkdir, open, readdir, rename, rm, stat, utimes } from "node:fs/promises";
 import { join, posix } from "node:path";
 import { pipeline } from "node:stream/promises";
-import { PassThrough, Readable, Transform } from "node:stream";
+import { Readable, Transform } from "node:stream";
 import { createGunzip } from "node:zlib";
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import { Type } from "typebox";
@@ -35,6 +35,8 @@ const UPLOAD_LINK_S = 15 * 60;
 /** A requested build whose steps never came is forgotten after this long. */
 const PENDING_TTL_MS = 60 * 60 * 1000;
 const MAX_PENDING = 1000;
+/** One key's share of MAX_PENDING, so a key requesting builds it never starts cannot refuse every other key's. */
+const MAX_PENDING_PER_KEY = 100;
 /** Files (not directories) one upload may unpack to, and their bytes, relative to the upload's own bound. */
 const MAX_ENTRIES = 10_000;
 const UNPACK_RATIO = 10;
@@ -58,6 +60,7 @@ interface PendingBuild {
   name: string;
   tags: string[];
   vm: { vcpus?: number; memory_mb?: number };
+  keyId: string | null;
   expiresAt: number;
 }
 
@@ -216,8 +219,18 @@ export function createE2bTemplateFiles(dataDir: string, maxBytes: number) {
     })();
     const source = createReadStream(file);
     const gz = head[0] === 0x1f && head[1] === 0x8b;
+    // The whole tar stream is bounded, headers and padding included: a gzip of repeated directory headers (which
+    // count as no file and no file byte) would otherwise decompress a thousandfold and keep the server busy.
+    let streamed = 0;
+    const bounded = new Transform({
+      transform(chunk: Buffer, _enc, cb) {
+        streamed += chunk.length;
+        if (streamed > maxBytes * UNPACK_RATIO) return cb(new KilnError("payload_too_large", `The upload unpacks to more than ${maxBytes * UNPACK_RATIO} bytes`));
+        cb(null, chunk);
+      },
+    });
     try {
-      await Promise.all([pipeline(gz ? source.pipe(createGunzip()) : source, new PassThrough(), extract), done]);
+      await Promise.all([pipeline(gz ? source.pipe(createGunzip()) : source, bounded, extract), done]);
     } catch (err) {
       source.destroy();
       extract.destroy();
@@ -359,8 +372,12 @@ export async function templateBuilderRoutes(
     if (!raw) bad("name is required");
     const { name, tags } = e2bNameAndTags(raw, body.tags);
     if (pending.size >= MAX_PENDING) throw new KilnError("unavailable", `${MAX_PENDING} template builds are requested and not started; start or let them expire first`);
+    const keyId = req.apiKeyId ?? null;
+    let mine = 0;
+    for (const p of pending.values()) if (p.keyId === keyId) mine++;
+    if (mine >= MAX_PENDING_PER_KEY) throw new KilnError("unavailable", `${MAX_PENDING_PER_KEY} template builds requested with this key are not started; start or let them expire first`);
     const claimed = await services.builds.prepare({ name, tags, steps: [] }, req.apiKeyId ?? null);
-    pending.set(claimed.buildId, { templateId: claimed.template.id, name: claimed.name, tags, vm: { vcpus: body.cpuCount, memory_mb: body.memoryMB }, expiresAt: Date.now() + PENDING_TTL_MS });
+    pending.set(claimed.buildId, { templateId: claimed.template.id, name: claimed.name, tags, vm: { vcpus: body.cpuCount, memory_mb: body.memoryMB }, keyId, expiresAt: Date.now() + PENDING_TTL_MS });
     const short = claimed.name.replace(/^local\//, "");
     return reply.code(202).send({ templateID: claimed.template.id, buildID: claimed.buildId, names: [short], aliases: [short], tags, public: false });
   });
