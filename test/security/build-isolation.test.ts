@@ -232,8 +232,12 @@ test("a Dockerfile on a Kiln template runs its RUNs in build machines: no host, 
     assert.ok(lines(events).some((l) => /run as steps on template local\/base/.test(l)), "Kiln's executor ran it");
     for (const name of ["gateway", "kiln", "hostaddr", "kilnaddr", "private", "metadata"]) assert.doesNotMatch(printed(events, name) ?? "", /\{|HTTP|ok/, `${name}: nothing answered`);
     assert.equal(loop.accepted() + onHost.accepted(), 0, "no connection reached a listener on the host");
-    assert.equal(printed(events, "memmax"), String(256 * 1024 * 1024), `the RUN's cgroup has the build's memory limit: ${lines(events).filter((l) => /max=/.test(l)).join(" | ")}`);
-    assert.match(printed(events, "pidsmax") ?? "", /^\d+$/, "and a pids limit");
+    // Under runc the RUN reads its own cgroup's limits; gVisor's sandbox shows no host cgroup inside (its limits are
+    // the sandbox's host cgroup, checked for machines by the quotas tests).
+    if (process.env.KILN_OCI_RUNTIME !== "runsc") {
+      assert.equal(printed(events, "memmax"), String(256 * 1024 * 1024), `the RUN's cgroup has the build's memory limit: ${lines(events).filter((l) => /max=/.test(l)).join(" | ")}`);
+      assert.match(printed(events, "pidsmax") ?? "", /^\d+$/, "and a pids limit");
+    }
   } finally {
     await loop.close();
     await onHost.close();
