@@ -25,8 +25,8 @@ interface Watch {
   recursive: boolean;
   /** One inotify watch (non-recursive fs.watch) per directory of the watched tree. */
   dirs: Map<string, FSWatcher>;
-  /** path → [mode, mtimeMs, isDir] of what this watch last saw. */
-  seen: Map<string, [number, number, boolean]>;
+  /** path → what this watch last saw of it. */
+  seen: Map<string, Seen>;
   dropped: boolean;
   capped: boolean;
   /** Directory → whether the upload just renamed out of its temp file replaces a file (see onChange). */
@@ -38,13 +38,36 @@ export interface WatchSink {
   backlog(): number;
 }
 
-function statOf(path: string): [number, number, boolean] | undefined {
+/** What a watch keeps of a path: its change times tell a write (mtime and ctime move) from a chmod (ctime alone). */
+interface Seen {
+  mode: bigint;
+  mtime: bigint;
+  ctime: bigint;
+  isDir: boolean;
+}
+
+function statOf(path: string): Seen | undefined {
   try {
-    const s = lstatSync(path);
-    return [s.mode, s.mtimeMs, s.isDirectory()];
+    const s = lstatSync(path, { bigint: true });
+    return { mode: s.mode, mtime: s.mtimeNs, ctime: s.ctimeNs, isDir: s.isDirectory() };
   } catch {
     return undefined;
   }
+}
+
+/**
+ * What a "change" of a path was. fs.watch says "change" for inotify's modify and attrib alike, and a busy machine
+ * may handle the event after later ones happened, so the stat decides: an mtime that moved is a write; a ctime that
+ * moved past the last write, or a mode that moved, is an attribute change (chmod, chown, xattrs: envd's CHMOD).
+ * Nothing new is a write whose effect an earlier event already showed.
+ */
+function changeOf(before: Seen | undefined, now: Seen): ("write" | "chmod")[] {
+  const attribAfterWrite = now.ctime > now.mtime;
+  if (!before) return [attribAfterWrite ? "chmod" : "write"];
+  const wrote = now.mtime !== before.mtime;
+  const attrib = now.mode !== before.mode || (now.ctime !== before.ctime && (attribAfterWrite || !wrote));
+  if (wrote && attrib) return ["write", "chmod"];
+  return [attrib ? "chmod" : "write"];
 }
 
 /**
@@ -87,7 +110,7 @@ function entriesBelow(dir: string, limit: number): { path: string; isDir: boolea
 export function createWatches(sink: WatchSink) {
   const watches = new Map<string, Watch>();
 
-  function remember(w: Watch, path: string, s: [number, number, boolean]) {
+  function remember(w: Watch, path: string, s: Seen) {
     w.seen.delete(path);
     w.seen.set(path, s);
     if (w.seen.size > MAX_REMEMBERED) w.seen.delete(w.seen.keys().next().value!);
@@ -170,18 +193,19 @@ export function createWatches(sink: WatchSink) {
     let event: "create" | "write" | "remove" | "chmod";
     if (kind === "rename") event = now ? "create" : "remove";
     else if (!now) event = "remove";
-    else if (before && before[0] !== now[0]) {
-      // fs.watch says "change" for a write and a chmod alike, and a busy machine may handle the event after both
-      // happened: a mode that moved is a chmod, and a size that moved with it was a write before it.
-      if (before[1] !== now[1]) emit(w, { type: "file_event", watch_id: w.id, event: "write", path, is_dir: now[2] });
-      event = "chmod";
-    } else event = "write";
-    if (now) remember(w, path, now);
+    else {
+      const [first, second] = changeOf(before, now);
+      if (second) emit(w, { type: "file_event", watch_id: w.id, event: first, path, is_dir: now.isDir });
+      event = second ?? first;
+    }
+    // A create handled after an attribute change of the new entry: its own event follows, so keep the ctime of the
+    // last write for it to move from (a chmod right after `echo > f` is still a chmod).
+    if (now) remember(w, path, event === "create" && now.ctime > now.mtime ? { ...now, ctime: now.mtime } : now);
     else w.seen.delete(path);
-    emit(w, { type: "file_event", watch_id: w.id, event, path, is_dir: now ? now[2] : (before?.[2] ?? w.dirs.has(path)) });
+    emit(w, { type: "file_event", watch_id: w.id, event, path, is_dir: now ? now.isDir : (before?.isDir ?? w.dirs.has(path)) });
     if (!w.recursive) return;
     if (event === "remove") unwatchTree(w, path);
-    else if (event === "create" && now?.[2]) {
+    else if (event === "create" && now?.isDir) {
       // A new directory: watch it and what it already holds; entries made before its watch are reported as created.
       watchDir(w, path);
       for (const e of entriesBelow(path, MAX_DIRS_PER_WATCH)) {
@@ -204,7 +228,7 @@ export function createWatches(sink: WatchSink) {
       if (watches.size >= MAX_WATCHES_PER_SOCKET) throw new AgentFailure("invalid_request", `At most ${MAX_WATCHES_PER_SOCKET} watches per socket`);
       const s = statOf(path);
       if (!s) throw new AgentFailure("not_found", `No such directory: ${path}`);
-      if (!s[2]) throw new AgentFailure("invalid_request", `Not a directory: ${path}`);
+      if (!s.isDir) throw new AgentFailure("invalid_request", `Not a directory: ${path}`);
       const normalized = posix.normalize(path);
       const w: Watch = { id: `wch_${randomUUID().replaceAll("-", "").slice(0, 20)}`, path: normalized, recursive: f.recursive === true, dirs: new Map(), seen: new Map(), dropped: false, capped: false, uploads: new Map() };
       try {
