@@ -2,13 +2,13 @@
 // drains and activates hosts, and marks a host whose heartbeat stopped `lost` — once per cluster, by a conditional
 // update only one server wins — failing the machines it ran with the reason (their lifecycle webhooks fire once).
 
-import { randomBytes } from "node:crypto";
 import { sql } from "kysely";
 import type { Db, HostRow } from "../store/schema.ts";
 import type { Logger } from "../log.ts";
 import { KilnError } from "../errors.ts";
 import { machineView } from "../machines/records.ts";
 import { newId } from "../store/ids.ts";
+import { storedSecret } from "../store/secrets.ts";
 import { announceDeliveries, recordEvent } from "../webhooks/outbox.ts";
 
 export const HOST_STATUSES = ["active", "draining", "lost"] as const;
@@ -265,9 +265,6 @@ export function createHostService(deps: HostServiceDeps) {
 export type HostService = ReturnType<typeof createHostService>;
 
 /** The cluster's forwarding secret: made by the first server that needs it, read by every other (the store keeps it). */
-export async function clusterSecret(db: Db): Promise<Buffer> {
-  const made = randomBytes(32).toString("base64url");
-  await db.insertInto("cluster_secrets").values({ name: "forward", secret: made, created_at: new Date().toISOString() }).onConflict((oc) => oc.column("name").doNothing()).execute();
-  const row = await db.selectFrom("cluster_secrets").select("secret").where("name", "=", "forward").executeTakeFirstOrThrow();
-  return Buffer.from(row.secret, "base64url");
+export function clusterSecret(db: Db): Promise<Buffer> {
+  return storedSecret(db, "forward");
 }

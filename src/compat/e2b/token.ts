@@ -2,10 +2,11 @@
 // so no token is ever stored, every server of the store (one host or many) gives and checks the same tokens across
 // restarts, and a token dies with the key it was issued to (the auth hook checks the key id it names).
 
-import { createHash, createHmac, randomBytes, timingSafeEqual } from "node:crypto";
+import { createHash, createHmac, timingSafeEqual } from "node:crypto";
 import { readFile } from "node:fs/promises";
 import { join } from "node:path";
 import type { Db } from "../../store/schema.ts";
+import { storedSecret } from "../../store/secrets.ts";
 
 /** Where a server kept the secret before it moved to the store: read once, so tokens already issued stay good. */
 const LEGACY_SECRET_FILE = "e2b-envd-secret";
@@ -25,17 +26,8 @@ async function legacySecret(dataDir: string): Promise<Buffer | undefined> {
  * The tokens' secret, shared by every server of the store (in `cluster_secrets`, beside the forwarding secret): the
  * first server to need it writes it — the one its data dir kept, if any — and every other reads that one.
  */
-export async function loadTokenSecret(db: Db, dataDir: string): Promise<Buffer> {
-  const existing = await db.selectFrom("cluster_secrets").select("secret").where("name", "=", SECRET_NAME).executeTakeFirst();
-  if (existing) return Buffer.from(existing.secret, "base64url");
-  const made = (await legacySecret(dataDir)) ?? randomBytes(32);
-  await db
-    .insertInto("cluster_secrets")
-    .values({ name: SECRET_NAME, secret: made.toString("base64url"), created_at: new Date().toISOString() })
-    .onConflict((oc) => oc.column("name").doNothing())
-    .execute();
-  const row = await db.selectFrom("cluster_secrets").select("secret").where("name", "=", SECRET_NAME).executeTakeFirstOrThrow();
-  return Buffer.from(row.secret, "base64url");
+export function loadTokenSecret(db: Db, dataDir: string): Promise<Buffer> {
+  return storedSecret(db, SECRET_NAME, () => legacySecret(dataDir));
 }
 
 const KEY_ID = /^key_[0-9a-z]{1,64}$/;
