@@ -122,7 +122,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     });
   services.templates.setPending("the base template is being made (first start); try again in a minute");
 
-  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, volumeWatchQueue: config.volumeWatchQueue, mcpHeldMaxBytes: config.mcpHeldMaxBytes, publicUrl: config.publicUrl, edgeDomain: config.edgeDomain, edgeLimits: config.edgeLimits, e2b: { dataDir: config.dataDir, publicUrl: config.publicUrl, buildRetentionS: config.buildRetentionS }, cluster: { lostAfterS: config.hostLostAfterS } });
+  const app = await buildServer({ log, services, bodyLimitBytes: config.bodyLimitBytes, wsPingIntervalMs: config.wsPingIntervalMs, volumeWatchQueue: config.volumeWatchQueue, mcpHeldMaxBytes: config.mcpHeldMaxBytes, shutdownGraceMs: config.shutdownGraceMs, publicUrl: config.publicUrl, edgeDomain: config.edgeDomain, edgeLimits: config.edgeLimits, e2b: { dataDir: config.dataDir, publicUrl: config.publicUrl, buildRetentionS: config.buildRetentionS }, cluster: { lostAfterS: config.hostLostAfterS } });
   let url = "";
   if (opts.listen !== false) url = await app.listen({ host: config.host, port: config.port });
   // Port 0 means "any free port": public URLs can name the real one only now.

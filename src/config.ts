@@ -65,6 +65,8 @@ export interface Config {
   volumeWatchQueue: number;
   /** Bytes of answers the MCP requests in flight may hold together (src/mcp/caller.ts). */
   mcpHeldMaxBytes: number;
+  /** How long a stopping server lets open requests (streams included) finish before it closes their connections. */
+  shutdownGraceMs: number;
   /** Supervised deployment services: crashes in a row before `failed`, and the first restart delay. */
   serviceMaxCrashes: number;
   serviceBackoffMs: number;
@@ -142,6 +144,7 @@ export const CONFIG_VARS = [
   ["KILN_WEBHOOK_ROTATION_GRACE_MS", "86400000", "how long a rotated-out webhook signing secret keeps signing"],
   ["KILN_VOLUME_WATCH_QUEUE", "4096", "volume watch events held per watch for a slow client before resync_required"],
   ["KILN_MCP_HELD_MAX_MB", "128", "MiB of Kiln's answers all MCP requests in flight may hold; past it a tool call answers unavailable (retryable)"],
+  ["KILN_SHUTDOWN_GRACE_MS", "5000", "how long a stopping server lets open requests and streams finish before it closes their connections (machines keep running)"],
   ["KILN_SERVICE_MAX_CRASHES", "5", "crashes in a row after which a deployment's service ends failed"],
   ["KILN_SERVICE_BACKOFF_MS", "500", "first delay before a crashed service starts again (doubles per crash, up to 30 s)"],
   ["KILN_EDGE_TOKEN_TTL_S", "3600", "lifetime of the signed edge_token of a deployment with access: signed (a fresh one on every read)"],
@@ -228,6 +231,7 @@ export function loadConfig(env: Env = process.env): Config {
     webhookHistoryS: intVar(env, "KILN_WEBHOOK_HISTORY_S", 2_592_000, 0, 10 * 365 * 86_400),
     volumeWatchQueue: intVar(env, "KILN_VOLUME_WATCH_QUEUE", 4096, 1, 1_000_000),
     mcpHeldMaxBytes: intVar(env, "KILN_MCP_HELD_MAX_MB", 128, 1, 65_536) * 1024 * 1024,
+    shutdownGraceMs: intVar(env, "KILN_SHUTDOWN_GRACE_MS", 5000, 0, 600_000),
     serviceMaxCrashes: intVar(env, "KILN_SERVICE_MAX_CRASHES", 5, 1, 1000),
     serviceBackoffMs: intVar(env, "KILN_SERVICE_BACKOFF_MS", 500, 0, 600_000),
     edgeTokenTtlS: intVar(env, "KILN_EDGE_TOKEN_TTL_S", 3600, 1, 30 * 24 * 3600),

@@ -65,6 +65,8 @@ export interface ServerOptions {
   edgeLimits?: ProxyLimits;
   /** Where the E2B compatibility layer keeps its token secret, and the public URL it reports as `domain`. */
   e2b?: { dataDir: string; publicUrl: string; buildRetentionS?: number };
+  /** KILN_SHUTDOWN_GRACE_MS: how long close() waits for open requests and streams before closing their connections. */
+  shutdownGraceMs?: number;
   /** Hosts sharing the store: forwarding of machine-bound requests and placement of creates (src/hosts/). */
   cluster?: { lostAfterS: number };
 }
@@ -156,10 +158,16 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   });
 
   // While shutting down, keep closing connections that have gone idle (in-flight requests finish first), so
-  // close() need not wait for keep-alive timeouts.
+  // close() need not wait for keep-alive timeouts; past the grace, requests still open (streams that end only with
+  // their client or their machine: build logs, envd process and watch streams) lose their connections, so a stop
+  // is bounded. The machines keep running; a client reconnects to them on the next server.
   app.addHook("preClose", (done) => {
     const timer = setInterval(() => app.server.closeIdleConnections(), 50);
-    app.server.once("close", () => clearInterval(timer));
+    const grace = setTimeout(() => {
+      opts.log.info({ grace_ms: opts.shutdownGraceMs }, "closing the connections still open after the shutdown grace");
+      app.server.closeAllConnections();
+    }, opts.shutdownGraceMs ?? 5000);
+    app.server.once("close", () => (clearInterval(timer), clearTimeout(grace)));
     done();
   });
 
