@@ -10,7 +10,7 @@ import { EnvName, EnvValue, StepMode, StepUser } from "./steps/fields.ts";
 
 const TemplateName = Type.String({ minLength: 1, maxLength: 128, pattern: "^(?:[a-z0-9][a-z0-9._-]*/)?[a-z0-9][a-z0-9._-]*$" });
 const Tag = Type.String({ minLength: 1, maxLength: 128, pattern: "^[A-Za-z0-9][A-Za-z0-9._-]*$" });
-const Envs = Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 65536 }));
+const Envs = Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 65536 }), { additionalProperties: false });
 const NoNul = "^[^\\x00]*$";
 
 export const BuildRequest = Type.Object(
@@ -48,11 +48,11 @@ export const BuildRequest = Type.Object(
     ),
     build_backend: Type.Optional(Type.Enum(BUILD_BACKENDS)),
     dockerfile_path: Type.Optional(Type.String({ minLength: 1, maxLength: 4096 })),
-    build_args: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 65536 }))),
+    build_args: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 65536 }), { additionalProperties: false })),
     target: Type.Optional(Type.String({ minLength: 1, maxLength: 256 })),
     runtime_defaults: Type.Optional(
       Type.Object(
-        { envs: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), EnvValue)), cwd: Type.Optional(Type.String({ minLength: 1, maxLength: 4096, pattern: "^/[^\\x00-\\x1f]*$" })), user: Type.Optional(StepUser) },
+        { envs: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), EnvValue, { additionalProperties: false })), cwd: Type.Optional(Type.String({ minLength: 1, maxLength: 4096, pattern: "^/[^\\x00-\\x1f]*$" })), user: Type.Optional(StepUser) },
         { additionalProperties: false },
       ),
     ),

@@ -6,7 +6,7 @@ import type { Static } from "typebox";
 
 const Port = Type.Integer({ minimum: 1, maximum: 65535 });
 const EnvName = "^[A-Za-z_][A-Za-z0-9_]*$";
-const Envs = Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 131072 }), { maxProperties: 256 });
+const Envs = Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 131072 }), { maxProperties: 256, additionalProperties: false });
 
 export const Readiness = Type.Object(
   {
@@ -64,7 +64,7 @@ export const UpdateDeployment = Type.Object(
 export const RestartRequest = Type.Object(
   {
     reason: Type.Optional(Type.String({ maxLength: 1024 })),
-    envs: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 131072 }), { maxProperties: 256, description: "Request-only runtime envs (string values only); never stored" })),
+    envs: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), Type.String({ maxLength: 131072 }), { maxProperties: 256, additionalProperties: false, description: "Request-only runtime envs (string values only); never stored" })),
   },
   { additionalProperties: false },
 );

@@ -46,6 +46,16 @@ test("unknown fields are rejected, at the top and inside steps", async () => {
   await refused({ name: "x", vm: { gpus: 1 } }, 400, "invalid_request");
 });
 
+test("env and build-arg names must be names, wherever they appear", async () => {
+  for (const bad of ["1BAD", "A-B", "A B", ""]) {
+    await refused({ name: "bad-env", envs: { [bad]: "x" } }, 400, "invalid_request");
+    await refused({ name: "bad-env", build_args: { [bad]: "x" } }, 400, "invalid_request");
+    await refused({ name: "bad-env", steps: [{ type: "env", envs: { [bad]: "x" } }] }, 400, "invalid_request");
+    await refused({ name: "bad-env", steps: [{ type: "run", command: "true", envs: { [bad]: "x" } }] }, 400, "invalid_request");
+  }
+  assert.ok(!(await templateNames()).includes("local/bad-env"), "nothing was created");
+});
+
 test("a build that would stack more layers than a machine root can mount is refused before the stream", async () => {
   const steps = Array.from({ length: 45 }, (_v, i) => ({ type: "run", command: `echo ${i}` }));
   await refused({ name: "too-deep", steps }, 400, "invalid_request", /at most 40/);

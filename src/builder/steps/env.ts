@@ -7,7 +7,7 @@ import type { Instruction } from "../dockerfile.ts";
 import { EnvName, EnvValue } from "./fields.ts";
 
 export const EnvStep = Type.Object(
-  { type: Type.Literal("env"), envs: Type.Record(Type.String({ pattern: EnvName }), EnvValue, { minProperties: 1 }) },
+  { type: Type.Literal("env"), envs: Type.Record(Type.String({ pattern: EnvName }), EnvValue, { minProperties: 1, additionalProperties: false }) },
   { additionalProperties: false },
 );
 
