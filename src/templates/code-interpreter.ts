@@ -63,7 +63,8 @@ export function createCodeInterpreterTemplate(deps: { templates: TemplateService
     if (!making) {
       log.info("making the code-interpreter-v1 template (first use)");
       make().catch((err: unknown) => {
-        failed = { message: (err as Error).message.slice(0, 300), at: Date.now() };
+        // A KilnError's message is written for the caller; anything else (a host path in an fs error) stays in the log.
+        failed = { message: err instanceof KilnError ? err.message.slice(0, 300) : "an internal error; the server log has it", at: Date.now() };
         log.error({ err }, "making the code-interpreter-v1 template failed");
       });
     }
