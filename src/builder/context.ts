@@ -3,7 +3,7 @@
 
 import { createHash } from "node:crypto";
 import { createReadStream, createWriteStream, existsSync } from "node:fs";
-import { mkdir, rename, rm, stat } from "node:fs/promises";
+import { mkdir, readdir, rename, rm, stat, utimes } from "node:fs/promises";
 import { join } from "node:path";
 import type { Readable } from "node:stream";
 import { pipeline } from "node:stream/promises";
@@ -28,9 +28,17 @@ export function createBlobStore(dataDir: string) {
     return join(dir, sha);
   };
 
+  /** Whether the blob is stored (a client asks before a build that names it: that counts as a use). */
   async function has(sha: string): Promise<{ size: number } | null> {
     const st = await stat(pathOf(sha)).catch(() => null);
+    if (st) await used(pathOf(sha));
     return st ? { size: st.size } : null;
+  }
+
+  /** A blob's mtime is its last use: retention (collect) removes what nothing used for the retention period. */
+  async function used(path: string): Promise<void> {
+    const now = new Date();
+    await utimes(path, now, now).catch(() => undefined);
   }
 
   /** Streams `body` to disk, hashing as it goes; only bytes whose digest is `sha` are kept. */
@@ -64,6 +72,7 @@ export function createBlobStore(dataDir: string) {
   async function verify(sha: string): Promise<"ok" | "missing" | "corrupt"> {
     const p = pathOf(sha);
     if (!existsSync(p)) return "missing";
+    await used(p);
     const hash = createHash("sha256");
     await pipeline(createReadStream(p), async function* (src) {
       for await (const chunk of src) hash.update(chunk as Buffer);
@@ -71,7 +80,27 @@ export function createBlobStore(dataDir: string) {
     return hash.digest("hex") === sha ? "ok" : "corrupt";
   }
 
-  return { dir, has, put, verify, pathOf };
+  /**
+   * Removes blobs unused since `staleBefore` (and since the oldest running build was queued: such a build touched
+   * what it uses while it prepared), and upload leftovers an hour old. Returns how many went.
+   */
+  async function collect(opts: { staleBefore: number; runningSince?: number }): Promise<number> {
+    const cutoff = Math.min(opts.staleBefore, opts.runningSince ?? Infinity);
+    let removed = 0;
+    for (const name of await readdir(dir).catch(() => [] as string[])) {
+      const path = join(dir, name);
+      const st = await stat(path).catch(() => null);
+      if (!st?.isFile()) continue;
+      const leftover = name.startsWith(".");
+      if (leftover ? Date.now() - st.mtimeMs < 3600_000 : st.mtimeMs >= cutoff) continue;
+      if (!leftover && !HEX.test(name)) continue; // not ours
+      await rm(path, { force: true });
+      removed++;
+    }
+    return removed;
+  }
+
+  return { dir, has, put, verify, pathOf, collect };
 }
 
 export type BlobStore = ReturnType<typeof createBlobStore>;

@@ -6,6 +6,7 @@ import { dirname, join } from "node:path";
 import type { Db } from "../store/schema.ts";
 import { artifactConfig } from "./artifact-config.ts";
 import type { OciCacheRetention } from "./oci/cache-retention.ts";
+import type { BlobStore } from "./context.ts";
 
 /** This host's layer holdings on a shared store (src/hosts/layers/): fetched copies are kept while an artifact needs them. */
 export interface HeldLayers {
@@ -13,7 +14,7 @@ export interface HeldLayers {
   forget(dir: string): Promise<void>;
 }
 
-export function createBuildRetention(deps: { db: Db; layersDir: string; retentionS: number; buildsRunning: () => boolean; ociCache?: OciCacheRetention; held?: HeldLayers }) {
+export function createBuildRetention(deps: { db: Db; layersDir: string; retentionS: number; buildsRunning: () => boolean; ociCache?: OciCacheRetention; held?: HeldLayers; blobs?: Pick<BlobStore, "collect"> }) {
   const { db, layersDir } = deps;
 
   /**
@@ -21,7 +22,7 @@ export function createBuildRetention(deps: { db: Db; layersDir: string; retentio
    * artifact or running build needs. Layers only the cache knows about go once they have not been used for the
    * retention period, so rebuilds never grow disk use without bound.
    */
-  async function collect(now = new Date()): Promise<{ artifacts: number; layers: number; ociLayers: number; ociBlobs: number }> {
+  async function collect(now = new Date()): Promise<{ artifacts: number; layers: number; ociLayers: number; ociBlobs: number; contextBlobs: number }> {
     const iso = now.toISOString();
     const expired = await db.selectFrom("artifacts").select("id").where("retention_expires_at", "is not", null).where("retention_expires_at", "<=", iso).execute();
     let artifacts = 0;
@@ -62,10 +63,11 @@ export function createBuildRetention(deps: { db: Db; layersDir: string; retentio
     }
     // The image importer's cache: what no artifact names and nothing used since the oldest running build began.
     const running = await db.selectFrom("builds").select((eb) => eb.fn.min("queued_at").as("since")).where("status", "in", ["waiting", "building"]).executeTakeFirst();
-    const oci = deps.ociCache
-      ? await deps.ociCache.collect({ keep, staleBefore: Date.parse(staleBefore), runningSince: running?.since ? Date.parse(String(running.since)) : undefined })
-      : { layers: 0, blobs: 0 };
-    return { artifacts, layers, ociLayers: oci.layers, ociBlobs: oci.blobs };
+    const runningSince = running?.since ? Date.parse(String(running.since)) : undefined;
+    const oci = deps.ociCache ? await deps.ociCache.collect({ keep, staleBefore: Date.parse(staleBefore), runningSince }) : { layers: 0, blobs: 0 };
+    // Build context blobs ($DATA/blobs): what no build used (or was asked about) for the retention period.
+    const contextBlobs = (await deps.blobs?.collect({ staleBefore: Date.parse(staleBefore), runningSince })) ?? 0;
+    return { artifacts, layers, ociLayers: oci.layers, ociBlobs: oci.blobs, contextBlobs };
   }
 
   return { collect };

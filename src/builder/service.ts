@@ -90,7 +90,7 @@ export function createBuildService(deps: {
   const prepare = createPreparer({ db, templates: deps.templates, blobs, layersDir, extensions: deps.extensions, snapshots: deps.snapshots });
   const env: PhaseEnv = { db, driver: deps.driver, dataDir: deps.dataDir, layersDir, native, extensions: deps.extensions, artifacts, logs, layerCache, snapshots: deps.snapshots };
   const running = new Map<string, { abort: AbortController; done: Promise<void> }>();
-  const retention = createBuildRetention({ db, layersDir, retentionS: deps.retentionS, buildsRunning: () => running.size > 0, ociCache: deps.extensions?.ociCache, held: deps.layers });
+  const retention = createBuildRetention({ db, layersDir, retentionS: deps.retentionS, buildsRunning: () => running.size > 0, ociCache: deps.extensions?.ociCache, held: deps.layers, blobs });
   let collector: NodeJS.Timeout | undefined;
   /** Set by close(): builds stopped by a shutdown end `error` (the server stopped), not `cancelled`. */
   let shuttingDown = false;

@@ -8,7 +8,7 @@ import { Agent, EventSource, request } from "undici";
 import type { Dispatcher } from "undici";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
-import { build, buildOk, machineFrom, parseSse, sh } from "./support.ts";
+import { build, buildOk, machineFrom, parseSse, putBlob, sh } from "./support.ts";
 import type { SseEvent } from "./support.ts";
 
 let k: TestKiln;
@@ -265,6 +265,17 @@ test("the retention collector removes expired artifacts no machine uses and thei
   assert.equal(after.artifact_availability.status, "expired");
   const m = await machineFrom(k, "retained");
   assert.equal((await sh(k, m, "cat /gen")).stdout, "b", "the tagged artifact is untouched");
+});
+
+test("the retention collector removes context blobs unused for the retention period, and keeps recently used ones", async () => {
+  const sha = await putBlob(k, `context blob ${Date.now()}`);
+  const head = async () => (await k.call("HEAD", `/v1/templates/blobs/${sha}`)).status;
+  assert.equal(await head(), 200);
+  const now = await k.kiln.services.builds.collect(new Date());
+  assert.equal(await head(), 200, `a blob used now stays (${JSON.stringify(now)})`);
+  const far = await k.kiln.services.builds.collect(new Date(Date.now() + 30 * 86_400_000));
+  assert.ok(far.contextBlobs >= 1, JSON.stringify(far));
+  assert.equal(await head(), 404, "a blob nothing used for the retention period is gone");
 });
 
 test("a server that stops mid-build leaves that build error with its phase, never building", async () => {
