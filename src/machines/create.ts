@@ -151,6 +151,9 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     const mounts = input.volumes?.length && deps.volumes ? await deps.volumes.attach(row.id, input.volumes) : [];
     await db.insertInto("machines").values(row).execute();
     return locks.run(row.id, async () => {
+      const t0 = performance.now();
+      const phases: Record<string, number> = {};
+      const phase = (name: string) => (phases[name] = Math.round((performance.now() - t0) * 10) / 10);
       try {
         // A machine that waited in the pool may have lost a host-side part meanwhile (its network helper).
         if (warm) {
@@ -175,6 +178,7 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
           restore,
           fromSnapshot: from ? { disk: from.disk, memory: from.memory } : undefined,
         })));
+        phase("booted_ms");
         const agent = agents.attach(live);
         // The user must exist in the machine's own /etc/passwd; envs live in the agent, never in a record.
         await agent.user(row.user).catch((err: unknown) => {
@@ -189,7 +193,11 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
         if (input.envs && Object.keys(input.envs).length > 0) await agent.setEnvs({ ...image.image.env, ...input.envs });
         // The machine's cwd is where its commands start: make sure it exists, owned by the machine's user.
         if (row.cwd) await agent.mkdir(row.cwd, { user: row.user });
-        return machineView(await records.transition(row.id, { status: "running" }, "create"));
+        phase("set_up_ms");
+        const view = machineView(await records.transition(row.id, { status: "running" }, "create"));
+        phase("recorded_ms");
+        log.debug({ machine_id: row.id, warm: warm !== undefined, ...phases }, "machine created");
+        return view;
       } catch (err) {
         await agents.detach(row.id);
         await driver.destroy(row.id).catch((e: unknown) => log.error({ err: e, machine_id: row.id }, "cleanup after a failed create failed"));
