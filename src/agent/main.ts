@@ -285,6 +285,8 @@ function listenOnPath() {
 // for a file the host writes into the bound run dir, for a bounded time, and listens again when it appears.
 const RELISTEN_FILE = "relisten";
 const RELISTEN_WAIT_MS = 10 * 60_000;
+/** The host waits for this agent after a restore: every poll interval is latency of a machine coming back. */
+const RELISTEN_POLL_MS = 5;
 const connections = new Set<import("node:net").Socket>();
 server.on("connection", (socket) => {
   connections.add(socket);
@@ -307,7 +309,7 @@ function letGoForCheckpoint() {
     } catch {
       /* as above */
     }
-  }, 20);
+  }, RELISTEN_POLL_MS);
 }
 
 // Credentials of a git run cut short by an agent crash do not outlive it.

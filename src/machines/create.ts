@@ -151,6 +151,9 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     const mounts = input.volumes?.length && deps.volumes ? await deps.volumes.attach(row.id, input.volumes) : [];
     await db.insertInto("machines").values(row).execute();
     return locks.run(row.id, async () => {
+      const t0 = performance.now();
+      const phases: Record<string, number> = {};
+      const phase = (name: string) => (phases[name] = Math.round((performance.now() - t0) * 10) / 10);
       try {
         // A machine that waited in the pool may have lost a host-side part meanwhile (its network helper).
         if (warm) {
@@ -175,21 +178,36 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
           restore,
           fromSnapshot: from ? { disk: from.disk, memory: from.memory } : undefined,
         })));
+        phase("booted_ms");
         const agent = agents.attach(live);
         // The user must exist in the machine's own /etc/passwd; envs live in the agent, never in a record.
-        await agent.user(row.user).catch((err: unknown) => {
+        const userChecked = agent.user(row.user).catch((err: unknown) => {
           throw err instanceof AgentError && err.code === "not_found" ? new KilnError("invalid_request", `No user ${JSON.stringify(row.user)} in template ${resolved.template.canonical_ref}`) : err;
         });
         // The start command sees the template's envs only; create-time envs apply to what runs after it.
         // A memory snapshot's processes already run (and its agent still holds the envs it was given): the start command
         // is not run again, and the envs are set anew so the parent's create-time envs never reach new processes here.
+        // Without a start command the envs are set once, while the user is looked up (each agent call is a round trip
+        // every fork child and snapshot restore waits for).
         const continued = Boolean(restore || from?.memory);
-        if (Object.keys(image.image.env).length > 0 || from?.memory) await agent.setEnvs(image.image.env);
-        if (!continued) await runStartCommand(agent, image, row.user);
-        if (input.envs && Object.keys(input.envs).length > 0) await agent.setEnvs({ ...image.image.env, ...input.envs });
+        const starts = !continued && Boolean(image.startCmd);
+        const createEnvs = input.envs && Object.keys(input.envs).length > 0 ? input.envs : undefined;
+        const firstEnvs = starts || !createEnvs ? image.image.env : { ...image.image.env, ...createEnvs };
+        const envsSet = Object.keys(firstEnvs).length > 0 || from?.memory ? agent.setEnvs(firstEnvs) : undefined;
+        envsSet?.catch(() => undefined);
+        await userChecked;
+        await envsSet;
+        if (starts) {
+          await runStartCommand(agent, image, row.user);
+          if (createEnvs) await agent.setEnvs({ ...image.image.env, ...createEnvs });
+        }
         // The machine's cwd is where its commands start: make sure it exists, owned by the machine's user.
         if (row.cwd) await agent.mkdir(row.cwd, { user: row.user });
-        return machineView(await records.transition(row.id, { status: "running" }, "create"));
+        phase("set_up_ms");
+        const view = machineView(await records.transition(row.id, { status: "running" }, "create"));
+        phase("recorded_ms");
+        log.debug({ machine_id: row.id, warm: warm !== undefined, ...phases }, "machine created");
+        return view;
       } catch (err) {
         await agents.detach(row.id);
         await driver.destroy(row.id).catch((e: unknown) => log.error({ err: e, machine_id: row.id }, "cleanup after a failed create failed"));

@@ -152,7 +152,7 @@ if (runtime === "runc") {
     assert.equal(await sh(m, "echo still"), "still\n");
   });
 } else {
-  const COUNTER = "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &";
+  const COUNTER = "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &";
   // The counter rewrites its file (`>` truncates, then writes): a read in between sees it empty, so read again.
   const count = async (m: LiveMachine) => Number((await sh(m, 'for i in $(seq 200); do c=$(cat /tmp/count 2>/dev/null); [ -n "$c" ] && break; sleep 0.01; done; echo "$c"')).trim());
 

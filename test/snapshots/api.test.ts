@@ -111,7 +111,7 @@ if (TEST_RUNTIME === "runc") {
 } else {
   test("gVisor: a memory snapshot's process continues counting from where it was, in a machine made from it", async () => {
     const m = await create({ internet: false });
-    await sh(m.id, "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &");
+    await sh(m.id, "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &");
     await sh(m.id, 'while [ "$(cat /tmp/count 2>/dev/null || echo 0)" -lt 10 ]; do sleep 0.05; done');
     const s = await k.call("POST", `/v1/machines/${m.id}/snapshots`, { body: { memory: true } });
     assert.equal(s.status, 201, s.text);
@@ -150,7 +150,7 @@ test("hibernate modes: disk stops the machine and keeps its files, resume boots 
 test("a hibernated machine survives a restart of the server and resumes", async () => {
   const mode = TEST_RUNTIME === "runsc" ? "memory" : "disk";
   const m = await create({ internet: false });
-  await sh(m.id, "echo survived > /workspace/s; nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &");
+  await sh(m.id, "echo survived > /workspace/s; nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &");
   await sh(m.id, 'while [ "$(cat /tmp/count 2>/dev/null || echo 0)" -lt 5 ]; do sleep 0.05; done');
   assert.equal((await k.call("POST", `/v1/machines/${m.id}/hibernate`, { body: { mode } })).body.hibernate_mode, mode);
   const dataDir = k.dataDir;
