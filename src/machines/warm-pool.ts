@@ -112,7 +112,12 @@ export function createWarmPool(deps: {
     stats: () => ({ size, ready: ready.length, booting, ids: ready.map((r) => r.live.id) }),
     setSize(n: number) {
       size = Math.max(0, n);
-      for (const extra of ready.splice(size)) void driver.destroy(extra.live.id).catch((err: unknown) => log.warn({ err, machine_id: extra.live.id }, "releasing a warm machine failed"));
+      for (const extra of ready.splice(size)) {
+        // Tracked, so close() waits for it as for a boot.
+        const gone = driver.destroy(extra.live.id).catch((err: unknown) => log.warn({ err, machine_id: extra.live.id }, "releasing a warm machine failed"));
+        inflight.add(gone);
+        void gone.finally(() => inflight.delete(gone));
+      }
       fill();
     },
     hold(next: boolean) {
