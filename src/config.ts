@@ -32,6 +32,7 @@ export interface Config {
   debianMirror: string | undefined;
   /** Machines of the base template kept booted ahead of time (0 turns the pool off). */
   warmPool: number;
+  hotPools: { maxPerTemplate: number; maxTotal: number; hotAfter: number; idleMs: number };
   /** Registry hosts (host or host:port) image imports and Dockerfile builds reach over plain HTTP. */
   insecureRegistries: string[];
   /** Bounds on what an imported image may make Kiln read, hold and write (KILN_OCI_MAX_*). */
@@ -122,6 +123,10 @@ export const CONFIG_VARS = [
   ["KILN_BODY_LIMIT_BYTES", "104857600", "largest request body accepted (file uploads and build-context blobs included)"],
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
   ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
+  ["KILN_HOT_POOL_MAX", "2", "most machines kept booted for one often-created template other than the base (0: no hot pools)"],
+  ["KILN_HOT_POOL_TOTAL", "4", "most machines all hot-template pools keep together"],
+  ["KILN_HOT_POOL_AFTER", "2", "creates of a template within KILN_HOT_POOL_IDLE_S that give it a pool"],
+  ["KILN_HOT_POOL_IDLE_S", "300", "a template not created for this long loses its pool (demand is counted over it)"],
   ["KILN_INSECURE_REGISTRIES", "(none)", "comma-separated registry hosts (host[:port]) reached over plain HTTP"],
   ["KILN_OCI_MAX_MANIFEST_BYTES", "4194304", "largest image manifest or index an import reads"],
   ["KILN_OCI_MAX_CONFIG_BYTES", "8388608", "largest image config an import reads"],
@@ -206,6 +211,12 @@ export function loadConfig(env: Env = process.env): Config {
     bodyLimitBytes: intVar(env, "KILN_BODY_LIMIT_BYTES", 100 * 1024 * 1024, 1024, 16 * 1024 * 1024 * 1024),
     debianMirror: env.KILN_DEBIAN_MIRROR || undefined,
     warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
+    hotPools: {
+      maxPerTemplate: intVar(env, "KILN_HOT_POOL_MAX", 2, 0, 64),
+      maxTotal: intVar(env, "KILN_HOT_POOL_TOTAL", 4, 0, 256),
+      hotAfter: intVar(env, "KILN_HOT_POOL_AFTER", 2, 1, 1000),
+      idleMs: intVar(env, "KILN_HOT_POOL_IDLE_S", 300, 5, 86_400) * 1000,
+    },
     insecureRegistries: registryList(env, "KILN_INSECURE_REGISTRIES"),
     ociLimits: {
       manifestBytes: intVar(env, "KILN_OCI_MAX_MANIFEST_BYTES", DEFAULT_IMPORT_LIMITS.manifestBytes, 4096, 1 << 30),

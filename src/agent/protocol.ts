@@ -375,6 +375,9 @@ export interface GitRunResult {
 //   DELETE /code/contexts/:id                             → {deleted: true} (kernel process gone) | 404
 //   POST   /code/execute                CodeExecuteRequest → application/x-ndjson of CodeFrame, one per line;
 //          errors found before the first line (unknown context, bad language) answer a JSON error instead.
+//   POST   /code/adopt                  CodeAdoptRequest  → {kept} (a hot-pool machine handed to a create: its
+//          prestarted default Python context is kept when its user and cwd are the create's, and then takes the
+//          create's envs into its os.environ; otherwise it is stopped and the first execute starts a fresh one)
 // An execute past timeout_ms, or whose request closes, is interrupted; the kernel stays usable.
 
 export type CodeLanguage = "python" | "javascript";
@@ -406,6 +409,13 @@ export interface CodeExecuteRequest {
   timeout_ms?: number;
   /** Environment variables for this execute only (set before it, put back after it). */
   envs?: Record<string, string>;
+}
+
+export interface CodeAdoptRequest {
+  user: string;
+  cwd: string;
+  /** The machine's envs (template's and create's): set in the kept kernel's os.environ, as a fresh kernel would see them. */
+  envs: Record<string, string>;
 }
 
 export type CodeFrame =

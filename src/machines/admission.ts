@@ -51,6 +51,11 @@ export interface Admission {
   admitBytes(bytes: number): Promise<void>;
   /** Throws 400 for a machine the host can never hold, 503 (retryable) while the host is under pressure. */
   admit(want: { vcpus: number; memoryMb: number; diskMb: number }): Promise<void>;
+  /**
+   * Room for one more idle machine booted ahead of time (a warm pool's), with `marginMb` to spare above the memory
+   * floor and the disk floor met: pools never take a host that creates would find full.
+   */
+  idleRoom(marginMb: number): boolean;
   /** What GET /v1/ready reports: the host's size, what is in use, and the floors creates are held to. */
   capacity(): Promise<{
     host_cores: number;
@@ -151,6 +156,10 @@ export function createAdmission(deps: {
           throw busy(`Live machines already declare ${declaredMemoryMb} MiB of memory; the cap is ${cap} MiB (KILN_MEMORY_OVERCOMMIT=${limits.memoryOvercommit})`, { declared_memory_mb: declaredMemoryMb, cap_mb: cap });
         }
       }
+    },
+
+    idleRoom(marginMb: number): boolean {
+      return memAvailableMb() >= minFreeMemoryMb + marginMb && freeDiskMb() >= limits.minFreeDiskMb;
     },
 
     /** What GET /v1/ready reports: the host's size, what is in use, and the floors creates are held to. */

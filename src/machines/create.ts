@@ -15,6 +15,9 @@ import { artifactConfig } from "../builder/artifact-config.ts";
 import { runStartCommand } from "../builder/start-command.ts";
 import type { Admission } from "./admission.ts";
 import type { WarmPool } from "./warm-pool.ts";
+import type { HotPools } from "./hot-pools.ts";
+import { DEFAULT_WORKDIR } from "./paths.ts";
+import { CODE_INTERPRETER_REF } from "../templates/code-interpreter.ts";
 import type { BootQueue } from "./boot-queue.ts";
 import { checkEnvs, checkMetadata } from "./input-limits.ts";
 import { MACHINE_DEFAULTS, machineView } from "./records.ts";
@@ -83,6 +86,8 @@ export interface CreateDeps {
   templates: TemplateService;
   baseTemplateRef: string;
   pool?: WarmPool;
+  /** Pools of the templates other than the base that are created often (hot-pools.ts). */
+  hotPools?: HotPools;
   volumes?: VolumeService;
   admission?: Admission;
   /** Cold boots a few at a time, creates in arrival order (boot-queue.ts); without it every boot starts at once. */
@@ -120,8 +125,18 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     // its readiness.
     const saved = from ? undefined : image.checkpoint;
     const restore = saved && saved.internet === (input.internet !== false) && driver.canRestore?.(saved) ? saved : undefined;
-    const warm = restore || from || input.volumes?.length ? undefined : deps.pool?.take({ artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules });
-    if (!restore && !from && !input.volumes?.length) metricEvents.warmPoolTake({ hit: warm !== undefined });
+    const poolable = !restore && !from && !input.volumes?.length;
+    const want = { artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules };
+    // A template other than the base counts toward its own pool's demand; the code interpreter's pooled machines have
+    // its default kernel started, for the template's user and working directory.
+    if (poolable && deps.hotPools && resolved.template.canonical_ref !== deps.baseTemplateRef) {
+      const kernel = resolved.template.canonical_ref === CODE_INTERPRETER_REF && !image.startCmd;
+      const user = image.image.user ?? MACHINE_DEFAULTS.user;
+      deps.hotPools.note({ artifactId: resolved.artifact.id, layers: resolved.layers, vcpus: MACHINE_DEFAULTS.vcpus, memoryMb: MACHINE_DEFAULTS.memoryMb, env: image.image.env, kernel: kernel ? { user, cwd: image.image.workingDir ?? DEFAULT_WORKDIR } : undefined });
+    }
+    const hot = poolable ? deps.hotPools?.take(want) : undefined;
+    const warm = hot?.live ?? (poolable ? deps.pool?.take(want) : undefined);
+    if (poolable) metricEvents.warmPoolTake({ hit: warm !== undefined });
     const row = {
       id: warm?.id ?? newId("mch"),
       template_id: resolved.template.id,
@@ -201,6 +216,8 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
           await runStartCommand(agent, image, row.user);
           if (createEnvs) await agent.setEnvs({ ...image.image.env, ...createEnvs });
         }
+        // A pooled kernel, started before this create: kept for the create's user and cwd, with its envs set in it.
+        if (hot?.kernel) await agent.codeAdopt({ user: row.user, cwd: row.cwd ?? DEFAULT_WORKDIR, envs: input.envs ?? {} });
         // The machine's cwd is where its commands start: make sure it exists, owned by the machine's user.
         if (row.cwd) await agent.mkdir(row.cwd, { user: row.user });
         phase("set_up_ms");

@@ -22,6 +22,8 @@ export interface WarmPool {
   /** A booted machine for this create (resized by the caller where its size differs), or undefined (then the caller boots one). */
   take(want: { artifactId: string; vcpus: number; memoryMb: number; diskMb: number; internet: boolean; network: boolean }): LiveMachine | undefined;
   stats(): { size: number; ready: number; booting: number; ids: string[] };
+  /** How many it keeps booted from now on (a hot template's pool follows its demand); idle ones over it are released. */
+  setSize(n: number): void;
   /** Held (its host is draining): the idle machines are released and none are booted until it is let go. */
   hold(held: boolean): void;
   close(): Promise<void>;
@@ -33,8 +35,13 @@ export function createWarmPool(deps: {
   log: Logger;
   /** Refills boot in a slot no create waits for (boot-queue.ts). */
   boots?: BootQueue;
+  /** Run on each booted machine before it is ready (a hot template's: its default kernel started); a failure destroys it. */
+  prepare?: (live: LiveMachine) => Promise<void>;
+  /** Checked before each boot: false while the host has no room for another idle machine (the admission floors). */
+  room?: () => boolean;
 }): WarmPool {
-  const { driver, size, log } = deps;
+  const { driver, log } = deps;
+  let size = deps.size;
   let shape: PoolShape | undefined;
   const ready: { live: LiveMachine; artifactId: string }[] = [];
   let booting = 0;
@@ -48,16 +55,22 @@ export function createWarmPool(deps: {
   }
 
   function fill() {
-    while (!closed && !held && shape && ready.length + booting < size && failures < 3) {
+    while (!closed && !held && shape && ready.length + booting < size && failures < 3 && (deps.room?.() ?? true)) {
       const s = shape;
       const id = newId("mch");
       booting++;
       const spec = specFor(id, s);
-      const boot = (deps.boots ? deps.boots.run("pool", () => driver.create(spec)) : driver.create(spec)).then(
+      const make = async () => {
+        const live = await driver.create(spec);
+        await deps.prepare?.(live);
+        return live;
+      };
+      const boot = (deps.boots ? deps.boots.run("pool", make) : make()).then(
         async (live) => {
           booting--;
           failures = 0;
-          if (closed || held || shape?.artifactId !== s.artifactId) return driver.destroy(id);
+          // Shrunk meanwhile (setSize), held, closed or out of date: not kept.
+          if (closed || held || shape?.artifactId !== s.artifactId || ready.length >= size) return driver.destroy(id);
           ready.push({ live, artifactId: s.artifactId });
         },
         async (err: unknown) => {
@@ -76,7 +89,6 @@ export function createWarmPool(deps: {
   return {
     /** Sets what pooled machines look like (the base template's current artifact); replaces stale ones. */
     configure(next: PoolShape) {
-      if (size <= 0) return;
       if (shape?.artifactId !== next.artifactId) {
         for (const stale of ready.splice(0)) void driver.destroy(stale.live.id).catch(() => undefined);
       }
@@ -98,6 +110,16 @@ export function createWarmPool(deps: {
       return entry.live;
     },
     stats: () => ({ size, ready: ready.length, booting, ids: ready.map((r) => r.live.id) }),
+    setSize(n: number) {
+      size = Math.max(0, n);
+      for (const extra of ready.splice(size)) {
+        // Tracked, so close() waits for it as for a boot.
+        const gone = driver.destroy(extra.live.id).catch((err: unknown) => log.warn({ err, machine_id: extra.live.id }, "releasing a warm machine failed"));
+        inflight.add(gone);
+        void gone.finally(() => inflight.delete(gone));
+      }
+      fill();
+    },
     hold(next: boolean) {
       if (next === held) return;
       held = next;

@@ -13,7 +13,7 @@ import { WebSocket } from "ws";
 import { request as httpRequest } from "node:http";
 import type { Socket } from "node:net";
 import type { AgentErrorBody, AgentHealth, ExecRequest, ExecResult, FileInfo, FileList, UserInfo } from "../agent/protocol.ts";
-import type { CodeContext, CodeContextCreate, CodeExecuteRequest, GitRunRequest, GitRunResult } from "../agent/protocol.ts";
+import type { CodeAdoptRequest, CodeContext, CodeContextCreate, CodeExecuteRequest, GitRunRequest, GitRunResult } from "../agent/protocol.ts";
 import type { ServiceLogs, ServiceStartRequest, ServiceState } from "../agent/protocol.ts";
 
 export class AgentError extends Error {
@@ -160,6 +160,8 @@ export interface AgentClient {
   codeList(): Promise<{ contexts: CodeContext[] }>;
   codeRestart(id: string): Promise<CodeContext>;
   codeDelete(id: string): Promise<{ deleted: true }>;
+  /** A hot-pool machine's prestarted default kernel, kept for this create's user/cwd (with its envs) or stopped. */
+  codeAdopt(req: CodeAdoptRequest): Promise<{ kept: boolean }>;
   /** NDJSON frames of one execute; errors come before the first line. Aborting `signal` interrupts it. */
   codeExecute(req: CodeExecuteRequest, signal?: AbortSignal): Promise<Readable>;
   /** Waits for requests in flight, then closes. */
@@ -307,6 +309,7 @@ export function createAgentClient(socketPath: string): AgentClient {
     codeList: () => json<{ contexts: CodeContext[] }>("GET", "/code/contexts"),
     codeRestart: (id: string) => json<CodeContext>("POST", `/code/contexts/${encodeURIComponent(id)}/restart`, undefined, { headersMs: L.kernelStartMs }),
     codeDelete: (id: string) => json<{ deleted: true }>("DELETE", `/code/contexts/${encodeURIComponent(id)}`),
+    codeAdopt: (req: CodeAdoptRequest) => json<{ kept: boolean }>("POST", "/code/adopt", req),
     async codeExecute(req: CodeExecuteRequest, signal?: AbortSignal): Promise<Readable> {
       // The frames stream through to the caller (bounded memory). Headers may wait for a default context's kernel to
       // start; the whole execute is bounded by its timeout, and silence inside it may last as long (a computation

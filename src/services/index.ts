@@ -12,6 +12,8 @@ import { createMachineService } from "../machines/service.ts";
 import { createExecService } from "../machines/exec.ts";
 import { createFileService } from "../machines/files.ts";
 import { createWarmPool } from "../machines/warm-pool.ts";
+import { createHotPools, HOT_POOL_DEFAULTS } from "../machines/hot-pools.ts";
+import type { HotPools, HotPoolSettings } from "../machines/hot-pools.ts";
 import { createBuildService } from "../builder/service.ts";
 import type { BuildExtensions } from "../builder/service.ts";
 import { createTemplateCatalog } from "../templates/catalog.ts";
@@ -67,6 +69,8 @@ export interface Services {
   keys: KeyService;
   templates: TemplateService;
   pool: WarmPool;
+  /** Warm pools of the often-created templates other than the base (the code interpreter's with its kernel up). */
+  hotPools: HotPools;
   admission: Admission;
   machines: MachineService;
   snapshots: SnapshotService;
@@ -99,6 +103,7 @@ export function createServices(deps: {
   driver: MachineDriver;
   log: Logger;
   warmPoolSize: number;
+  hotPools?: HotPoolSettings;
   dataDir: string;
   buildRetentionS: number;
   /** KILN_BUILD_LOG_MAX_BYTES; the default when unset. */
@@ -122,10 +127,12 @@ export function createServices(deps: {
   const teardown = createTeardown({ driver, log });
   const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log, hostId, machinesCleaned: (ids) => teardown.cleaned(ids) });
   const admission = createAdmission({ db: store.db, limits: deps.limits, cleaning: () => teardown.pending(), hostId });
+  // A pooled idle machine needs this much above the memory floor (a code-interpreter one holds its kernel: ≈ 150 MiB).
+  const hotPools = createHotPools({ driver, log, settings: deps.hotPools ?? HOT_POOL_DEFAULTS, boots, room: () => admission.idleRoom(512) });
   // On a store shared by hosts, templates travel: layers are recorded by content digest and fetched from holders.
   const layers = store.dialect === "postgres" ? createLayerService({ db: store.db, hostId, layersDir: join(deps.dataDir, "layers"), log, admitBytes: (n) => admission.admitBytes(n) }) : undefined;
   if (layers) templates.setLocalizer(layers.localize);
-  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hostId, volumes, admission, teardown, boots, maxHibernationS: deps.snapshots?.maxHibernationS });
+  const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hotPools, hostId, volumes, admission, teardown, boots, maxHibernationS: deps.snapshots?.maxHibernationS });
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
   const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots, hostId, layers });
   const templateCatalog = createTemplateCatalog({ db: store.db });
@@ -139,7 +146,10 @@ export function createServices(deps: {
     name: hostSettings.name,
     lostAfterS: hostSettings.lostAfterS,
     heartbeatMs: hostSettings.heartbeatMs,
-    onStatus: (status) => pool.hold(status !== "active"),
+    onStatus: (status) => {
+      pool.hold(status !== "active");
+      hotPools.hold(status !== "active");
+    },
     onLost: async (host, reason) => {
       const ended = await builds.recoverInterrupted([host.id], reason);
       if (ended > 0) log.warn({ host_id: host.id, builds: ended }, "builds of a lost host marked error");
@@ -166,6 +176,7 @@ export function createServices(deps: {
     keys,
     templates,
     pool,
+    hotPools,
     admission,
     machines,
     snapshots,

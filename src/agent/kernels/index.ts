@@ -10,7 +10,7 @@ import type { IncomingMessage, ServerResponse } from "node:http";
 import { AgentFailure } from "../errors.ts";
 import { processEnv, resolveUser, workingDir } from "../process.ts";
 import { killGroup } from "../process-tree.ts";
-import type { CodeContext, CodeContextCreate, CodeExecuteRequest, CodeFrame, CodeLanguage } from "../protocol.ts";
+import type { CodeAdoptRequest, CodeContext, CodeContextCreate, CodeExecuteRequest, CodeFrame, CodeLanguage } from "../protocol.ts";
 
 const LANGUAGES: readonly CodeLanguage[] = ["python", "javascript"];
 const START_TIMEOUT_MS = 60_000;
@@ -157,6 +157,14 @@ class Kernel {
 
   private command(cmd: Record<string, unknown>) {
     if (this.child && !this.dead) this.child.stdin!.write(JSON.stringify(cmd) + "\n");
+  }
+
+  /**
+   * Sets variables in the kernel's own os.environ for good (Python; silent: no output, no execution count). The bridge
+   * runs its commands in order, so every execute sent after this one sees them.
+   */
+  environ(envs: Record<string, string>) {
+    this.command({ op: "environ", envs });
   }
 
   private interrupt() {
@@ -354,6 +362,28 @@ export async function handleCode(req: IncomingMessage, res: ServerResponse, path
       return true;
     }
     return false;
+  }
+  if (req.method === "POST" && path === "/code/adopt") {
+    const body = (await readJson(req)) as Partial<CodeAdoptRequest>;
+    if (typeof body.user !== "string" || typeof body.cwd !== "string") throw new AgentFailure("invalid_request", "user and cwd are required");
+    const envs = envsOf(body.envs) ?? {};
+    const id = defaults.get("python");
+    const kernel = id ? contexts.get(id) : undefined;
+    if (!kernel || !id) {
+      send(res, 200, { kept: false });
+      return true;
+    }
+    // Started for the template's user and working directory: another user or cwd gets a fresh kernel on first use.
+    if (kernel.dead || kernel.info.user !== body.user || kernel.info.cwd !== body.cwd) {
+      contexts.delete(id);
+      defaults.delete("python");
+      await kernel.stop();
+      send(res, 200, { kept: false });
+      return true;
+    }
+    if (Object.keys(envs).length > 0) kernel.environ(envs);
+    send(res, 200, { kept: true });
+    return true;
   }
   if (req.method === "POST" && path === "/code/execute") {
     const body = (await readJson(req)) as CodeExecuteRequest;

@@ -1,7 +1,8 @@
 # The bridge between Kiln's guest agent and one IPython kernel: it starts the kernel with jupyter_client, speaks
 # the Jupyter messaging protocol to it, and speaks JSON lines with the agent (commands on stdin, frames on fd 1).
 #
-# agent -> bridge: {"op": "execute", "code": str} | {"op": "interrupt"} | {"op": "shutdown"}
+# agent -> bridge: {"op": "execute", "code": str, "envs"?: {}} | {"op": "environ", "envs": {}} | {"op": "interrupt"}
+#                  | {"op": "shutdown"}
 # bridge -> agent: {"type": "ready", "kernel_pid": int} | {"type": "fatal", "error": str}
 #                  {"type": "stdout"|"stderr", "text"} | {"type": "result", "data", "is_main_result", "execution_count"}
 #                  {"type": "error", "name", "value", "traceback"} | {"type": "done", "execution_count", "status"}
@@ -78,7 +79,11 @@ def main():
                     pass
             elif op == "execute":
                 envs = cmd.get("envs")
-                work.put((cmd.get("code", ""), envs if isinstance(envs, dict) else None))
+                work.put(("execute", cmd.get("code", ""), envs if isinstance(envs, dict) else None))
+            elif op == "environ":
+                envs = cmd.get("envs")
+                if isinstance(envs, dict):
+                    work.put(("environ", None, envs))
             elif op == "shutdown":
                 break
         work.put(None)  # stdin closed (the agent went away) or shutdown: stop
@@ -90,7 +95,12 @@ def main():
         item = work.get()
         if item is None:
             break
-        code, envs = item
+        kind, code, envs = item
+        if kind == "environ":
+            # The machine's envs, given to a kernel started before the machine was handed to its create (a hot pool):
+            # kept in its os.environ from now on, as a kernel started after the create has them.
+            run_silent(kc, "__import__('os').environ.update(__import__('json').loads(%r))" % json.dumps(envs))
+            continue
         if envs:
             # Variables for this one execute: set in the kernel before it, put back after it (silently: no output,
             # no execution count).
