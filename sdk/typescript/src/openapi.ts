@@ -9319,7 +9319,7 @@ export interface paths {
         put?: never;
         /**
          * Move an unmounted volume to another host (409 while a live machine mounts it)
-         * @description The volume's host copies its image to the target host (streamed between the servers, digest-checked), switches the volume's `host_id` to it in one step and removes its own copy. Machines that mount the volume are placed on its new host.
+         * @description The volume's host streams its image to the target host, which checks its digest and, once its copy is whole, switches the volume's `host_id` to itself in one step; the old host then removes its copy. Machines that mount the volume are placed on its new host.
          */
         post: {
             parameters: {

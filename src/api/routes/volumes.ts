@@ -82,8 +82,8 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
         tags,
         summary: "Move an unmounted volume to another host (409 while a live machine mounts it)",
         description:
-          "The volume's host copies its image to the target host (streamed between the servers, digest-checked), switches the " +
-          "volume's `host_id` to it in one step and removes its own copy. Machines that mount the volume are placed on its new host.",
+          "The volume's host streams its image to the target host, which checks its digest and, once its copy is whole, switches the " +
+          "volume's `host_id` to itself in one step; the old host then removes its copy. Machines that mount the volume are placed on its new host.",
         params: Params,
         body: Type.Object({ host_id: Type.String({ pattern: "^[A-Za-z0-9_.-]{1,64}$", description: "the target host's id (GET /v1/hosts)" }) }, { additionalProperties: false }),
         response: { 200: Volume, ...errors(400, 404, 409, 503) },
