@@ -391,7 +391,7 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
 
   // Deployments spread their replicas: three replicas through a run on three hosts, each made and supervised by its
   // host; the envs reach the replicas on other hosts too (sealed under a's key, opened by a, sent signed).
-  const depBody = { name: "spread", command: appCommand(8080), port: 8080, replicas: 3, envs: { GREETING: "spread-env" }, readiness: { path: "/health", interval_s: 0.5, timeout_s: 2 } };
+  const depBody = { template: "local/base", name: "spread", command: appCommand(8080), port: 8080, replicas: 3, envs: { GREETING: "spread-env" }, readiness: { path: "/health", interval_s: 0.5, timeout_s: 2 } };
   const dep = await a.call("POST", "/v1/agent-deployments", depBody);
   assert.equal(dep.status, 201, JSON.stringify(dep.body));
   const depId = dep.body.id as string;
