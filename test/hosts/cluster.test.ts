@@ -391,7 +391,9 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
 
   // Deployments spread their replicas: three replicas through a run on three hosts, each made and supervised by its
   // host; the envs reach the replicas on other hosts too (sealed under a's key, opened by a, sent signed).
-  const depBody = { template: "local/base", name: "spread", command: appCommand(8080), port: 8080, replicas: 3, envs: { GREETING: "spread-env" }, readiness: { path: "/health", interval_s: 0.5, timeout_s: 2 } };
+  // Envs cross between hosts in the signed call that asks for a replica: never in a log line or the store.
+  const ENV_MARKER = `spread-env-${Date.now().toString(36)}`;
+  const depBody = { template: "local/base", name: "spread", command: appCommand(8080), port: 8080, replicas: 3, envs: { GREETING: ENV_MARKER }, readiness: { path: "/health", interval_s: 0.5, timeout_s: 2 } };
   const dep = await a.call("POST", "/v1/agent-deployments", depBody);
   assert.equal(dep.status, 201, JSON.stringify(dep.body));
   const depId = dep.body.id as string;
@@ -406,7 +408,7 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   assert.deepEqual([...replicaHost.values()].sort(), ["h-a", "h-b", "h-c"], "one replica on each host");
   const onC = first.ready.find((s) => replicaHost.get(s.id) === "h-c")!;
   const env = await b.call("POST", `/v1/machines/${onC.machine_id}/exec`, { cmd: `tr '\\0' '\\n' < /proc/${onC.process_id}/environ | grep GREETING` });
-  assert.equal(env.body.stdout, "GREETING=spread-env\n", JSON.stringify(env.body));
+  assert.equal(env.body.stdout, `GREETING=${ENV_MARKER}\n`, JSON.stringify(env.body));
 
   // A volume of c being moved to b when c is killed (wherever the move is then): after c restarts, one host holds it
   // whole and the record names that one; the other keeps no copy.
@@ -500,11 +502,18 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
 
   // The cluster secret lives in the store only: not in any server's log, nor in any data dir.
   const marker = secret.toString("base64url");
-  for (const [id, s] of [...servers, ["h-c (killed)", c] as const]) assert.equal(s.output().includes(marker), false, `the secret is not in ${id}'s log`);
+  for (const [id, s] of [...servers, ["h-c (killed)", c] as const]) {
+    assert.equal(s.output().includes(marker), false, `the secret is not in ${id}'s log`);
+    assert.equal(s.output().includes(ENV_MARKER), false, `the deployment's env is not in ${id}'s log`);
+  }
+  const stored = await query<{ n: string }>(db.url, "select count(*) as n from deployment_versions where envs_sealed like $1", [`%${ENV_MARKER}%`]);
+  assert.equal(Number(stored[0].n), 0, "the version's envs are sealed in the store");
   for (const d of dirs) {
     // The store's files, keys and logs; not machine disk images and pools (large, and machines never see the store).
     const found = spawnSync("sh", ["-c", 'find "$1" -xdev -type f -size -64M ! -name "*.img" ! -name "*.xfs" -print0 | xargs -0r grep -lF --binary-files=text -e "$2"', "sh", d, marker], { encoding: "utf8" });
     assert.equal(found.stdout.trim(), "", `the secret is in no file of ${d}`);
+    const envFound = spawnSync("sh", ["-c", 'find "$1" -xdev -type f -size -64M ! -name "*.img" ! -name "*.xfs" -print0 | xargs -0r grep -lF --binary-files=text -e "$2"', "sh", d, ENV_MARKER], { encoding: "utf8" });
+    assert.equal(envFound.stdout.trim(), "", `the deployment's env is in no file of ${d}`);
   }
 });
 
