@@ -131,6 +131,8 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     installClusterRouting(app, { hostId: hosts.hostId, forwarder, placement, boundOf: opts.e2b ? e2bBoundOf : undefined, locality: localityOf(opts.services) });
     machineElsewhere = async (id) => (await forwarder.ownerOf({ kind: "machines", id })) !== undefined;
     opts.services.layers?.connect(clusterAuth, hosts.hosts);
+    opts.services.volumes.connectCluster({ auth: clusterAuth, hosts: hosts.hosts });
+    opts.services.deployments.connectCluster({ auth: clusterAuth, hosts: hosts.hosts, candidates: () => placement.candidates() });
     app.addHook("onClose", async () => opts.services.layers?.close());
     app.addHook("onClose", async () => forwarder.close());
   }

@@ -24,10 +24,25 @@ export interface DeploymentRecords {
    */
   transition(id: string, set: ServiceUpdate, operation?: string, extra?: (tx: Db, row: ServiceRow) => Promise<void>): Promise<ServiceRow>;
   setRollout(deploymentId: string, status: RolloutStatus, error: string | null): Promise<void>;
+  /**
+   * The replicas of one deployment whose machines ran on a lost host, ended once per cluster: under the
+   * deployment's row lock (`FOR UPDATE SKIP LOCKED` on PostgreSQL: a server that finds it locked leaves it to the
+   * one holding it), each by a conditional update with its event — a running one `failed` with the reason, a
+   * stopping one `stopped` — and the deployment set rolling. Returns the replicas this call ended (none: another
+   * server did, or does now).
+   */
+  claimLost(deploymentId: string, hostId: string, reason: string): Promise<ServiceRow[]>;
 }
 
 /** `written` hears every service row the transition wrote (the edge keeps its routes from it). */
-export function createDeploymentRecords(db: Db, written: (row: ServiceRow) => void): DeploymentRecords {
+export function createDeploymentRecords(db: Db, written: (row: ServiceRow) => void, opts: { rowLocks: boolean } = { rowLocks: false }): DeploymentRecords {
+  /** A status change's event (and its deliveries) in the caller's transaction; how many deliveries it queued. */
+  async function recordStatusEvent(tx: Db, after: ServiceRow, now: string, op: string): Promise<number> {
+    const eventId = newId("evt");
+    const payload = { id: eventId, operation: op, occurred_at: now, service: serviceView(after, null, JSON.parse(after.readiness_json)) };
+    return recordEvent(tx, { id: eventId, operation: op, occurredAt: now, payload, machineId: after.machine_id });
+  }
+
   return {
     async loadDeployment(id) {
       const row = await db.selectFrom("deployments").selectAll().where("id", "=", id).executeTakeFirst();
@@ -57,17 +72,49 @@ export function createDeploymentRecords(db: Db, written: (row: ServiceRow) => vo
         await tx.updateTable("services").set({ ...set, updated_at: now }).where("id", "=", id).execute();
         const after = await tx.selectFrom("services").selectAll().where("id", "=", id).executeTakeFirstOrThrow();
         const op = operation ?? (after.status !== before.status ? SERVICE_EVENT_OPERATIONS[after.status as ServiceStatus] : undefined);
-        if (op) {
-          const eventId = newId("evt");
-          const payload = { id: eventId, operation: op, occurred_at: now, service: serviceView(after, null, JSON.parse(after.readiness_json)) };
-          queued = await recordEvent(tx, { id: eventId, operation: op, occurredAt: now, payload, machineId: after.machine_id });
-        }
+        if (op) queued = await recordStatusEvent(tx, after, now, op);
         if (extra) await extra(tx, after);
         return after;
       });
       if (queued > 0) announceDeliveries(db);
       written(row);
       return row;
+    },
+
+    async claimLost(deploymentId, hostId, reason) {
+      let queued = 0;
+      const ended = await db.transaction().execute(async (tx) => {
+        let lock = tx.selectFrom("deployments").select(["id", "status"]).where("id", "=", deploymentId);
+        if (opts.rowLocks) lock = lock.forUpdate().skipLocked();
+        const dep = await lock.executeTakeFirst();
+        if (!dep) return [];
+        const rows = await tx
+          .selectFrom("services")
+          .innerJoin("machines", "machines.id", "services.machine_id")
+          .select(["services.id as id", "services.status as status"])
+          .where("services.deployment_id", "=", deploymentId)
+          .where("machines.host_id", "=", hostId)
+          .where("services.status", "in", ["starting", "ready", "unhealthy", "stopping"])
+          .execute();
+        const out: ServiceRow[] = [];
+        for (const r of rows) {
+          const now = new Date().toISOString();
+          const stopping = r.status === "stopping";
+          const set: ServiceUpdate = stopping ? { status: "stopped", process_id: null, stopped_at: now, updated_at: now } : { status: "failed", failure_reason: reason, process_id: null, stopped_at: now, updated_at: now };
+          const done = await tx.updateTable("services").set(set).where("id", "=", r.id).where("status", "=", r.status).executeTakeFirst();
+          if (Number(done.numUpdatedRows) !== 1) continue;
+          const after = await tx.selectFrom("services").selectAll().where("id", "=", r.id).executeTakeFirstOrThrow();
+          queued += await recordStatusEvent(tx, after, now, SERVICE_EVENT_OPERATIONS[after.status as ServiceStatus]);
+          out.push(after);
+        }
+        if (out.some((r) => r.status === "failed") && dep.status === "active") {
+          await tx.updateTable("deployments").set({ rollout_status: "rolling", rollout_error: null, updated_at: new Date().toISOString() }).where("id", "=", deploymentId).execute();
+        }
+        return out;
+      });
+      if (queued > 0) announceDeliveries(db);
+      for (const row of ended) written(row);
+      return ended;
     },
 
     async setRollout(deploymentId, status, error) {

@@ -6,6 +6,7 @@ import { KilnError } from "../errors.ts";
 import type { Logger } from "../log.ts";
 import type { DeploymentRecords } from "./records.ts";
 import type { ServiceSupervision } from "./supervision.ts";
+import type { ReadinessDetail } from "./lifecycle.ts";
 
 /** How long a rollout waits for a new replica to be ready before it gives up. */
 const ROLLOUT_READY_TIMEOUT_MS = 5 * 60_000;
@@ -28,10 +29,10 @@ export class Rollouts {
    * Brings a deployment's services onto its current version, one replica at a time: a new replica first, and an old
    * one stops only once the new one is ready, so some replica answers throughout. Safe to run again after a restart.
    */
-  run(deploymentId: string): Promise<void> {
+  run(deploymentId: string, why?: ReadinessDetail): Promise<void> {
     const { log } = this.#d;
     const prev = this.#running.get(deploymentId) ?? Promise.resolve();
-    const next = prev.then(() => this.#runNow(deploymentId)).catch((err: unknown) => log.error({ err, deployment_id: deploymentId }, "rollout failed"));
+    const next = prev.then(() => this.#runNow(deploymentId, why)).catch((err: unknown) => log.error({ err, deployment_id: deploymentId }, "rollout failed"));
     this.#running.set(deploymentId, next);
     void next.then(() => {
       if (this.#running.get(deploymentId) === next) this.#running.delete(deploymentId);
@@ -50,16 +51,17 @@ export class Rollouts {
     await Promise.all([...this.#running.values()]);
   }
 
-  async #runNow(deploymentId: string): Promise<void> {
+  async #runNow(deploymentId: string, why?: ReadinessDetail): Promise<void> {
     try {
-      await this.#steps(deploymentId);
+      await this.#steps(deploymentId, why);
     } catch (err) {
       this.#d.log.error({ err, deployment_id: deploymentId }, "rollout failed");
       await this.#d.records.setRollout(deploymentId, "failed", err instanceof KilnError ? err.message : "a replica could not be created");
     }
   }
 
-  async #steps(deploymentId: string): Promise<void> {
+  /** `why`: recorded in each new replica's readiness_status (a replacement for a lost host's replicas says so). */
+  async #steps(deploymentId: string, why?: ReadinessDetail): Promise<void> {
     const { db, records, supervision } = this.#d;
     let dep = await records.loadDeployment(deploymentId);
     if (dep.status !== "active") return;
@@ -74,7 +76,7 @@ export class Rollouts {
     while (have < dep.replicas && !this.#closed) {
       dep = await records.loadDeployment(deploymentId);
       if (dep.status !== "active" || dep.current_version_id !== version.id) return; // a newer update or a delete took over
-      const fresh = await supervision.createReplica(dep, version);
+      const fresh = await supervision.createReplica(dep, version, why);
       if (!(await this.#waitReady(fresh.id, deploymentId, version.id, ROLLOUT_READY_TIMEOUT_MS))) {
         const now = await records.loadDeployment(deploymentId);
         if (now.status !== "active" || now.current_version_id !== version.id) return; // the newer rollout replaces it

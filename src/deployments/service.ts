@@ -5,7 +5,7 @@
 import type { Socket } from "node:net";
 import { randomBytes } from "node:crypto";
 import { createKeyedLock } from "../keyed-lock.ts";
-import type { Db, DeploymentRow } from "../store/schema.ts";
+import type { Db, DeploymentRow, ServiceRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
 import type { Logger } from "../log.ts";
@@ -25,6 +25,8 @@ import { READINESS_DEFAULTS, deploymentView, readinessOfVersion, serviceView } f
 import type { DeploymentView, Readiness, ServiceView } from "./views.ts";
 import type { CreateDeploymentInput, ReadinessInput, RestartInput, UpdateDeploymentInput } from "./schemas.ts";
 import { newestFirstPage } from "../store/pages.ts";
+import { ReplicaHosts } from "./spread.ts";
+import type { ReplicaCluster } from "./spread.ts";
 
 /** How often the store is asked for deployments whose edge access changed on another server. */
 const ACCESS_POLL_MS = 1000;
@@ -63,18 +65,36 @@ export interface DeploymentService {
   setProxy(p: TunnelOwner): void;
   start(): Promise<void>;
   setPublicUrl(url: string): void;
+  /** On a store shared by hosts: replicas spread across them (docs/deployments.md, "Many hosts"). */
+  connectCluster(cluster: ReplicaCluster): void;
+  /** A replica another host asked this one to make (it runs the machine and supervises the service). */
+  replicaHere(deploymentId: string, versionId: string, envs: Record<string, string>, detail?: ReadinessDetail): Promise<ServiceRow>;
+  /** Stops a replica whose machine this host runs (asked by another host). */
+  stopHere(serviceId: string): Promise<ServiceRow>;
+  /** A host was lost: its replicas end (once per cluster) and their deployments make new ones elsewhere. */
+  rescheduleLost(host: { id: string; name: string }, reason: string): Promise<void>;
   close(): Promise<void>;
 }
 
-export function createDeploymentService(deps: { db: Db; machines: MachineService; templates: TemplateService; log: Logger; options: DeploymentOptions; hostId: string }): DeploymentService {
+export function createDeploymentService(deps: {
+  db: Db;
+  machines: MachineService;
+  templates: TemplateService;
+  log: Logger;
+  options: DeploymentOptions;
+  hostId: string;
+  /** The store takes row locks (`FOR UPDATE SKIP LOCKED`): PostgreSQL. */
+  rowLocks?: boolean;
+}): DeploymentService {
   const { db, machines, log } = deps;
   const opts = { ...deps.options };
   const locks = createKeyedLock();
   const withLock = locks.run;
   let sealer: EnvSealer | undefined;
   const edge = new DeploymentEdge(machines, opts);
-  const records = createDeploymentRecords(db, (row) => edge.routes.track(row));
-  const supervision = new ServiceSupervision({ db, machines, log, records, edge, locks, opts, openEnvs: (sealed) => sealer!.open(sealed) });
+  const records = createDeploymentRecords(db, (row) => edge.routes.track(row), { rowLocks: deps.rowLocks ?? false });
+  const spread = new ReplicaHosts(db, deps.hostId);
+  const supervision = new ServiceSupervision({ db, machines, log, records, edge, locks, opts, openEnvs: (sealed) => sealer!.open(sealed), hostId: deps.hostId, spread });
   const rollouts = new Rollouts({ db, log, records, supervision });
   const { loadDeployment, loadVersion, loadService } = records;
   const view = (row: DeploymentRow, withVersions: boolean) => {
@@ -368,12 +388,39 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
     opts.publicUrl = url.replace(/\/+$/, "");
   }
 
+  async function replicaHere(deploymentId: string, versionId: string, envs: Record<string, string>, detail?: ReadinessDetail) {
+    const dep = await loadDeployment(deploymentId);
+    if (dep.status !== "active") throw new KilnError("conflict", `Deployment ${deploymentId} is ${dep.status}`);
+    const version = await loadVersion(versionId);
+    if (version.deployment_id !== deploymentId) throw new KilnError("not_found", `No version ${versionId} in deployment ${deploymentId}`);
+    return supervision.createHere(dep, version, envs, detail);
+  }
+
+  async function rescheduleLost(host: { id: string; name: string }, reason: string) {
+    const rows = await db
+      .selectFrom("services")
+      .innerJoin("machines", "machines.id", "services.machine_id")
+      .select("services.deployment_id as deployment_id")
+      .distinct()
+      .where("machines.host_id", "=", host.id)
+      .where("services.status", "in", ["starting", "ready", "unhealthy", "stopping"])
+      .execute();
+    for (const { deployment_id: id } of rows) {
+      const ended = await records.claimLost(id, host.id, reason);
+      const failed = ended.filter((r) => r.status === "failed");
+      if (ended.length === 0) continue;
+      log.warn({ deployment_id: id, host_id: host.id, failed: failed.map((r) => r.id), stopped: ended.length - failed.length }, "replicas of a lost host ended; the deployment makes new ones on the other hosts");
+      if (failed.length > 0 && !rollouts.closed) void rollouts.run(id, { rescheduled: { replaces: failed.map((r) => r.id), from_host: host.id, reason } });
+    }
+  }
+
   async function close() {
     clearInterval(accessPoll);
     const rolloutsDone = rollouts.close();
     supervision.close();
     await rolloutsDone;
     await locks.drain();
+    await spread.close();
   }
 
   return {
@@ -394,6 +441,10 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
     setProxy: (p) => edge.setProxy(p),
     start,
     setPublicUrl,
+    connectCluster: (cluster) => spread.connect(cluster),
+    replicaHere,
+    stopHere: (serviceId) => supervision.stopReplica(serviceId),
+    rescheduleLost,
     close,
   };
 }

@@ -19,6 +19,7 @@ import type { DeploymentRecords } from "./records.ts";
 import type { DeploymentEdge } from "./edge.ts";
 import { readinessOfVersion } from "./views.ts";
 import type { Readiness } from "./views.ts";
+import type { ReplicaHosts } from "./spread.ts";
 
 /** Machines of services are extended when their expiry is closer than this. */
 const MACHINE_EXTEND_MARGIN_MS = 24 * 3600_000;
@@ -72,6 +73,9 @@ export interface SupervisionDeps {
   opts: { maxCrashes: number; backoffMs: number };
   /** Opens a version's sealed envs (the sealer is loaded at start). */
   openEnvs: (sealed: string) => Record<string, string>;
+  hostId: string;
+  /** Where replicas go on a store shared by hosts (this host alone otherwise). */
+  spread: ReplicaHosts;
 }
 
 export class ServiceSupervision {
@@ -79,6 +83,11 @@ export class ServiceSupervision {
   readonly #leases = new MachineLeases();
   readonly #supervisor: Supervisor;
   readonly #d: SupervisionDeps;
+  /**
+   * Envs of replicas another host asked this one to make, as that host opened them: a version's envs are sealed
+   * under the key of the server that wrote them (its data dir), which this host does not hold. Kept in memory only.
+   */
+  readonly #peerEnvs = new Map<string, Record<string, string>>();
 
   constructor(deps: SupervisionDeps) {
     this.#d = deps;
@@ -91,12 +100,22 @@ export class ServiceSupervision {
       cmd: version.command,
       user: "user",
       cwd: "/workspace",
-      envs: this.#d.openEnvs(version.envs_sealed),
+      envs: this.#envsOf(serviceId, version),
       max_crashes: this.#d.opts.maxCrashes,
       backoff_ms: this.#d.opts.backoffMs,
       max_backoff_ms: 30_000,
       stable_ms: 10_000,
     };
+  }
+
+  #envsOf(serviceId: string, version: DeploymentVersionRow): Record<string, string> {
+    const given = this.#peerEnvs.get(serviceId);
+    if (given) return given;
+    try {
+      return this.#d.openEnvs(version.envs_sealed);
+    } catch {
+      throw new KilnError("conflict", `The envs of version ${version.number} were sealed by another host's server (each seals with its own data dir's key); restart the service through the deployment's own server or PATCH the deployment`);
+    }
   }
 
   /** Checks a service every readiness interval, the first time after `firstMs`. */
@@ -175,8 +194,29 @@ export class ServiceSupervision {
     this.#leases.set(machineId, expires);
   }
 
-  /** One replica: a machine from the version's template, a service record, and the process started in it. */
-  async createReplica(dep: DeploymentRow, version: DeploymentVersionRow): Promise<ServiceRow> {
+  /**
+   * One replica, on the host that runs the fewest replicas of this deployment (then by placement's order): made here
+   * or asked of that host. A host that refuses for now (503) or cannot be reached is skipped for the next.
+   * `detail`: what the replica's readiness_status records of why it was made (a replacement names the one it replaces).
+   */
+  async createReplica(dep: DeploymentRow, version: DeploymentVersionRow, detail?: ReadinessDetail): Promise<ServiceRow> {
+    const { spread, log } = this.#d;
+    let last: unknown;
+    for (const host of await spread.order(dep.id)) {
+      try {
+        if (host.url === "" || host.id === this.#d.hostId) return await this.createHere(dep, version, undefined, detail);
+        return await spread.createOn(host, { deployment_id: dep.id, version_id: version.id, envs: this.#d.openEnvs(version.envs_sealed), ...(detail ? { detail } : {}) });
+      } catch (err) {
+        if (!(err instanceof KilnError && err.code === "unavailable")) throw err;
+        log.info({ err: err.message, host_id: host.id, deployment_id: dep.id }, "a host refused a replica for now; trying the next");
+        last = err;
+      }
+    }
+    throw last ?? new KilnError("unavailable", "No host can take a replica now; try again later", { detail: { retryable: true } });
+  }
+
+  /** One replica on this host: a machine from the version's template, a service record, and the process started in it. */
+  async createHere(dep: DeploymentRow, version: DeploymentVersionRow, envs?: Record<string, string>, extra?: ReadinessDetail): Promise<ServiceRow> {
     const { db, machines, records, log } = this.#d;
     const id = newId("svc");
     const machine = await machines.create({
@@ -185,10 +225,11 @@ export class ServiceSupervision {
       timeout_s: MACHINE_LIMITS.maxTimeoutS,
       metadata: { "kiln.deployment_id": dep.id, "kiln.service_id": id },
     });
+    if (envs) this.#peerEnvs.set(id, envs);
     this.#leases.set(machine.id, Date.parse(machine.expires_at));
     const now = new Date().toISOString();
     const readiness = readinessOfVersion(version);
-    const detail: ReadinessDetail = { phase: "starting", probe: readiness.path ? "http" : "tcp", ...(readiness.path ? { path: readiness.path } : {}), attempts: 0 };
+    const detail: ReadinessDetail = { ...extra, phase: "starting", probe: readiness.path ? "http" : "tcp", ...(readiness.path ? { path: readiness.path } : {}), attempts: 0 };
     await db.transaction().execute(async (tx) => {
       await tx
         .insertInto("services")
@@ -225,9 +266,15 @@ export class ServiceSupervision {
     return row;
   }
 
-  /** stopping → stopped: the process ends, then its machine is destroyed. A failed service keeps its status. */
+  /**
+   * stopping → stopped: the process ends, then its machine is destroyed. A failed service keeps its status. A replica
+   * whose machine runs on another host (not lost) is stopped by that host, which supervises it.
+   */
   async stopReplica(id: string): Promise<ServiceRow> {
-    const { machines, records, log, edge } = this.#d;
+    const { machines, records, log, edge, spread } = this.#d;
+    const current = await records.loadService(id);
+    const owner = current.status === "stopped" ? undefined : await spread.remoteOwner(current.machine_id);
+    if (owner) return spread.stopOn(owner, id);
     return this.#d.locks.run(id, async () => {
       this.#supervisor.unwatch(id);
       this.probes.forget(id);
@@ -246,6 +293,7 @@ export class ServiceSupervision {
         if (!(err instanceof KilnError && err.code === "not_found")) log.error({ err, service_id: id }, "destroying a service's machine failed");
       });
       this.#leases.forget(row.machine_id);
+      this.#peerEnvs.delete(id);
       if (failed) return row;
       return records.transition(id, { status: "stopped", process_id: null, stopped_at: new Date().toISOString() });
     });

@@ -153,6 +153,7 @@ export function createServices(deps: {
     onLost: async (host, reason) => {
       const ended = await builds.recoverInterrupted([host.id], reason);
       if (ended > 0) log.warn({ host_id: host.id, builds: ended }, "builds of a lost host marked error");
+      await deployments.rescheduleLost(host, reason);
     },
     capacity: async () => {
       const c = await admission.capacity();
@@ -169,7 +170,7 @@ export function createServices(deps: {
       };
     },
   });
-  const deployments = createDeploymentService({ db: store.db, machines, templates, log, options: deps.deployments, hostId });
+  const deployments = createDeploymentService({ db: store.db, machines, templates, log, options: deps.deployments, hostId, rowLocks: store.dialect === "postgres" });
   return {
     store,
     driver,

@@ -4,12 +4,17 @@
 import { EventEmitter } from "node:events";
 import { createKeyedLock } from "../keyed-lock.ts";
 import { posix } from "node:path";
-import { mkdir } from "node:fs/promises";
+import { mkdir, readdir, rm, stat } from "node:fs/promises";
+import { join } from "node:path";
+import type { Readable } from "node:stream";
+import type { HostRow } from "../store/schema.ts";
+import type { ClusterAuth } from "../hosts/cluster-auth.ts";
+import { INCOMING_PREFIX, imageDigest, receiveImage, sendImage } from "./move.ts";
 import type { Db, VolumeRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
 import type { Logger } from "../log.ts";
-import { createVolumeStorage, destroyVolumeStorage, hostFreeBytes, mountVolumeStorage, volumePaths } from "./storage.ts";
+import { createVolumeStorage, destroyVolumeStorage, hostFreeBytes, mountVolumeStorage, unmountVolumeStorage, volumePaths } from "./storage.ts";
 import { localDataPlane } from "./data-plane.ts";
 import type { DataPlane } from "./data-plane.ts";
 import { newestFirstPage } from "../store/pages.ts";
@@ -56,6 +61,12 @@ export interface VolumeService {
   liveMachinesOf(id: string): Promise<string[]>;
   /** The volumes each of `machineIds` mounts (volume id and name, guest path), in path order; one query. */
   mountsOf(machineIds: string[]): Promise<Map<string, MachineVolumeMount[]>>;
+  /** On a store shared by hosts: how this host reaches the others (moving a volume). */
+  connectCluster(cluster: { auth: ClusterAuth; hosts: () => Promise<Map<string, HostRow>> }): void;
+  /** Moves an unmounted volume this host holds to another host (docs/volumes.md). */
+  move(id: string, hostId: string): Promise<VolumeView>;
+  /** Takes a volume's image another host sends (it stays that host's until it switches the record). */
+  receive(id: string, from: string, body: Readable, bytes: number, digest: string): Promise<void>;
 }
 
 export interface MachineVolumeMount {
@@ -79,6 +90,7 @@ export function createVolumeService(deps: {
 }): VolumeService {
   const { db, dataDir, log } = deps;
   const planes = new Map<string, DataPlane>();
+  let cluster: { auth: ClusterAuth; hosts: () => Promise<Map<string, HostRow>> } | undefined;
   const locks = createKeyedLock();
   const deletions = new EventEmitter<{ deleted: [id: string] }>();
   deletions.setMaxListeners(0);
@@ -248,8 +260,107 @@ export function createVolumeService(deps: {
     return () => deletions.off("deleted", listener);
   }
 
+  /**
+   * Moves an unmounted volume to another active host: refused (409) while a machine mounts it; under the volume's
+   * lock (no mount, file plane or delete meanwhile) its host mount is released, the image hashed and streamed to
+   * the target, which checks size and digest, keeps it and switches the record to itself in one conditional update
+   * before it answers; this host then removes its copy. A failure before the switch mounts it here again.
+   */
+  async function move(id: string, target: string): Promise<VolumeView> {
+    if (!cluster || deps.hostId === undefined) throw new KilnError("conflict", "This server shares its store with no other host: there is nowhere to move a volume to");
+    const { auth, hosts } = cluster;
+    return withLock(id, async () => {
+      const row = await load(id);
+      if (row.status !== "ready") throw new KilnError("conflict", `Volume ${id} is ${row.status}`);
+      if (row.host_id === target) return volumeView(row);
+      if (!ownedHere(row)) throw new KilnError("conflict", `Volume ${id} lives on host ${row.host_id}; it is moved by that host's server`);
+      const host = (await hosts()).get(target);
+      if (!host) throw new KilnError("not_found", `No host ${target}`);
+      if (host.status !== "active") throw new KilnError("conflict", `Host ${target} is ${host.status}: a volume moves only to an active host`);
+      const holders = await liveMachinesOf(id);
+      if (holders.length > 0) throw new KilnError("conflict", `Volume ${id} is mounted by ${holders.length} live machine(s); it moves only unmounted`, { detail: { details: { machine_ids: holders } } });
+      // Destroyed machines' binds of it are unmounted before its host mount goes.
+      const mounted = await db.selectFrom("machine_volumes").select("machine_id").where("volume_id", "=", id).execute();
+      await deps.machinesCleaned?.(mounted.map((r) => r.machine_id));
+      const paths = volumePaths(dataDir, id);
+      const plane = planes.get(id);
+      planes.delete(id);
+      await plane?.close();
+      await unmountVolumeStorage(paths);
+      const started = Date.now();
+      try {
+        const bytes = (await stat(paths.image)).size;
+        const digest = await imageDigest(paths.image);
+        await sendImage(auth, { id: host.id, url: host.advertise_url }, id, paths.image, bytes, digest);
+        log.info({ volume_id: id, to: target, bytes, digest, ms: Date.now() - started }, "volume moved to another host");
+      } catch (err) {
+        // The target may have switched the record and then failed to answer: the record decides whose copy this is.
+        const now = await db.selectFrom("volumes").select("host_id").where("id", "=", id).executeTakeFirst();
+        if (now?.host_id !== target) {
+          await mountVolumeStorage(paths).catch((e: unknown) => log.error({ err: e, volume_id: id }, "mounting a volume again after a failed move failed"));
+          throw err;
+        }
+      }
+      // The record names the target now: this copy is stray (a crash here leaves it to the next start's sweep).
+      await destroyVolumeStorage(paths).catch((err: unknown) => log.warn({ err, volume_id: id }, "removing a moved volume's old copy failed; the next start removes it"));
+      return volumeView(await load(id));
+    });
+  }
+
+  /**
+   * Takes a volume's image from `from`, the host that holds it now (the cluster signature says who sent it), and
+   * becomes its host: the record switches only if it still names `from`, else the copy goes and the answer is 409.
+   */
+  async function receive(id: string, from: string, body: Readable, bytes: number, digest: string): Promise<void> {
+    await withLock(id, async () => {
+      const row = await load(id);
+      if (deps.hostId === undefined || row.host_id !== from) throw new KilnError("conflict", `Volume ${id} lives on host ${row.host_id}, not on the host that sent it`);
+      if (row.status !== "ready") throw new KilnError("conflict", `Volume ${id} is ${row.status}`);
+      if (bytes !== row.size_mb * 1024 * 1024) throw new KilnError("invalid_request", `Volume ${id}'s image is ${row.size_mb} MiB, not ${bytes} bytes`);
+      const free = await hostFreeBytes(dataDir);
+      if (bytes > free) throw new KilnError("unavailable", `This host has ${Math.floor(free / 1024 / 1024)} MiB free, less than volume ${id}'s ${row.size_mb} MiB`);
+      // A copy left by an earlier move that did not finish is not this host's: replaced whole.
+      const paths = volumePaths(dataDir, id);
+      await destroyVolumeStorage(paths);
+      await receiveImage(body, paths, join(dataDir, "volumes"), bytes, digest);
+      const switched = await db.updateTable("volumes").set({ host_id: deps.hostId, updated_at: new Date().toISOString() }).where("id", "=", id).where("host_id", "=", from).where("status", "=", "ready").executeTakeFirst();
+      if (Number(switched.numUpdatedRows) !== 1) {
+        await destroyVolumeStorage(paths);
+        throw new KilnError("conflict", `Volume ${id} changed while it was being moved`);
+      }
+      await mountVolumeStorage(paths);
+    });
+  }
+
+  /**
+   * Copies in the volumes dir that are not this host's (a move cut by a kill -9: the old owner's copy after the
+   * switch, the target's before it) and temporary files of a receive, removed at start.
+   */
+  async function sweepStrays(): Promise<number> {
+    if (deps.hostId === undefined) return 0;
+    const dir = join(dataDir, "volumes");
+    const names = await readdir(dir).catch(() => [] as string[]);
+    let removed = 0;
+    for (const name of names) {
+      if (name.startsWith(INCOMING_PREFIX)) {
+        await rm(join(dir, name), { force: true });
+        removed++;
+        continue;
+      }
+      if (!/^vol_[a-z0-9]{26}$/.test(name)) continue;
+      const row = await db.selectFrom("volumes").select("host_id").where("id", "=", name).executeTakeFirst();
+      // No row: a create or delete on this host finishes off its own (start, below); only another host's copy goes.
+      if (!row || row.host_id === null || row.host_id === deps.hostId) continue;
+      await destroyVolumeStorage(volumePaths(dataDir, name)).catch((err: unknown) => log.warn({ err, volume_id: name }, "removing a stray copy of another host's volume failed"));
+      removed++;
+    }
+    if (removed > 0) log.info({ removed }, "stray volume copies removed (another host owns them)");
+    return removed;
+  }
+
   /** After a restart: ready volumes are mounted again where needed; half-made or half-deleted ones are finished off. */
   async function start(): Promise<{ mounted: number; cleaned: number }> {
+    await sweepStrays().catch((err: unknown) => log.error({ err }, "looking for stray volume copies failed"));
     // Mounts recorded for a machine whose row never got written (a crash in between) hold nothing.
     const orphans = await db.selectFrom("machine_volumes").leftJoin("machines", "machines.id", "machine_volumes.machine_id").select("machine_volumes.machine_id as machine_id").where("machines.id", "is", null).execute();
     for (const o of orphans) await db.deleteFrom("machine_volumes").where("machine_id", "=", o.machine_id).execute();
@@ -279,7 +390,7 @@ export function createVolumeService(deps: {
     planes.clear();
   }
 
-  return { create, get, list, remove, attach, resolveDataPlane, onDeleted, start, close, liveMachinesOf, mountsOf };
+  return { create, get, list, remove, attach, resolveDataPlane, onDeleted, start, close, liveMachinesOf, mountsOf, connectCluster: (c) => (cluster = c), move, receive };
 }
 
 /** A guest mount point: absolute, normalised, not `/` and not over the platform's own mounts. */

@@ -8,6 +8,7 @@ import { dirname, join } from "node:path";
 import { promisify } from "node:util";
 import { isMounted } from "../runtime/oci/mounts.ts";
 import { HOST_ID_BASE } from "../runtime/oci/idmap.ts";
+import { KilnError } from "../errors.ts";
 
 const exec = promisify(execFile);
 
@@ -108,6 +109,16 @@ export async function destroyVolumeStorage(paths: VolumePaths): Promise<void> {
   if (isMounted(paths.mount)) throw new Error(`${paths.mount} is still mounted`);
   for (const dev of await loopDevicesOf(paths.image)) await exec("losetup", ["-d", dev]).catch(() => undefined);
   await rm(paths.dir, { recursive: true, force: true });
+}
+
+/** Releases the host mount (and its loop device) but keeps the image: refused while something holds it open. */
+export async function unmountVolumeStorage(paths: VolumePaths): Promise<void> {
+  if (isMounted(paths.mount)) {
+    await exec("umount", [paths.mount]).catch((err: Error) => {
+      throw new KilnError("conflict", `The volume is in use on its host (${err.message.split("\n")[0]?.slice(0, 200)}); try again`);
+    });
+  }
+  for (const dev of await loopDevicesOf(paths.image)) await exec("losetup", ["-d", dev]).catch(() => undefined);
 }
 
 /** Bytes used and total as the volume's own filesystem counts them. */

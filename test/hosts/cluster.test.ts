@@ -23,8 +23,10 @@ import { TEST_RUNTIME } from "../support/paths.ts";
 import { startServerProcess } from "../webhooks/server-process.ts";
 import type { ServerProcess } from "../webhooks/server-process.ts";
 import { startReceiver } from "../webhooks/receiver.ts";
+import { appCommand } from "../deployments/support.ts";
 
-const LOST_AFTER_S = 4;
+// Generous for a loaded CI host: a server whose event loop stalls past this is (rightly) taken for lost.
+const LOST_AFTER_S = 8;
 const HEARTBEAT_MS = 500;
 
 const cleanups: (() => Promise<unknown>)[] = [];
@@ -188,7 +190,22 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   assert.equal(await hostOf(db.url, withVol.id), "h-b", "a machine mounting a volume is placed on the volume's host");
   const readVol = await a.call("POST", `/v1/machines/${withVol.id}/exec`, { cmd: "cat /data/from-a.txt" });
   assert.equal(readVol.body.stdout, "written through a");
+  // Moving a volume: refused while a machine mounts it; once unmounted, moved through c (its host b does it) to a:
+  // the record names a, its files answer from a's copy, b keeps nothing of it, and its machines go to a.
+  const busy = await c.call("POST", `/v1/volumes/${vol.body.id}/move`, { host_id: "h-a" });
+  assert.equal(busy.status, 409, JSON.stringify(busy.body));
   assert.equal((await a.call("DELETE", `/v1/machines/${withVol.id}`)).status, 200);
+  assert.equal((await c.call("POST", `/v1/volumes/${vol.body.id}/move`, { host_id: "nope" })).status, 404);
+  const moved = await c.call("POST", `/v1/volumes/${vol.body.id}/move`, { host_id: "h-a" });
+  assert.equal(moved.status, 200, JSON.stringify(moved.body));
+  assert.equal(moved.body.host_id, "h-a");
+  assert.equal(existsSync(join(dirOf.get("h-b")!, "volumes", vol.body.id)), false, "b keeps no copy");
+  const movedRead = await request(`${b.url}/v1/volumes/${vol.body.id}/files?path=/from-a.txt`, { headers: { authorization: `Bearer ${TEST_KEY}` } });
+  assert.equal(await movedRead.body.text(), "written through a", "the moved volume's file, read through b");
+  const onNewHost = await create(b, { volumes: [{ volume_id: vol.body.id, path: "/data" }] });
+  assert.equal(await hostOf(db.url, onNewHost.id), "h-a", "a machine mounting it goes to its new host");
+  assert.equal((await b.call("POST", `/v1/machines/${onNewHost.id}/exec`, { cmd: "cat /data/from-a.txt" })).body.stdout, "written through a");
+  assert.equal((await b.call("DELETE", `/v1/machines/${onNewHost.id}`)).status, 200);
 
   // A snapshot's files stay on its machine's host: made through a, deleted through c, both served by host b.
   const snap = await a.call("POST", `/v1/machines/${mb}/snapshots`, { name: "on-b" });
@@ -372,8 +389,38 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   assert.notEqual(await hostOf(db.url, near.id), "h-c", "placed where the template's layers are");
   assert.equal((await c.call("DELETE", `/v1/machines/${near.id}`)).status, 200);
 
+  // Deployments spread their replicas: three replicas through a run on three hosts, each made and supervised by its
+  // host; the envs reach the replicas on other hosts too (sealed under a's key, opened by a, sent signed).
+  // Envs cross between hosts in the signed call that asks for a replica: never in a log line or the store.
+  const ENV_MARKER = `spread-env-${Date.now().toString(36)}`;
+  const depBody = { template: "local/base", name: "spread", command: appCommand(8080), port: 8080, replicas: 3, envs: { GREETING: ENV_MARKER }, readiness: { path: "/health", interval_s: 0.5, timeout_s: 2 } };
+  const dep = await a.call("POST", "/v1/agent-deployments", depBody);
+  assert.equal(dep.status, 201, JSON.stringify(dep.body));
+  const depId = dep.body.id as string;
+  const readyReplicas = async (via: ServerProcess, n: number) =>
+    until(`${n} ready replicas`, async () => {
+      const all = (await via.call("GET", `/v1/agent-deployments/${depId}/services`)).body.services as any[];
+      const ready = all.filter((s) => s.status === "ready");
+      return ready.length === n && all.filter((s) => ["starting", "unhealthy"].includes(s.status)).length === 0 ? { all, ready } : undefined;
+    }, 120_000);
+  const first = await readyReplicas(b, 3);
+  const replicaHost = new Map(await Promise.all(first.ready.map(async (s) => [s.id as string, await hostOf(db.url, s.machine_id)] as const)));
+  assert.deepEqual([...replicaHost.values()].sort(), ["h-a", "h-b", "h-c"], "one replica on each host");
+  const onC = first.ready.find((s) => replicaHost.get(s.id) === "h-c")!;
+  const env = await b.call("POST", `/v1/machines/${onC.machine_id}/exec`, { cmd: `tr '\\0' '\\n' < /proc/${onC.process_id}/environ | grep GREETING` });
+  assert.equal(env.body.stdout, `GREETING=${ENV_MARKER}\n`, JSON.stringify(env.body));
+
+  // A volume of c being moved to b when c is killed (wherever the move is then): after c restarts, one host holds it
+  // whole and the record names that one; the other keeps no copy.
+  const vol2 = await c.call("POST", "/v1/volumes", { name: "moving", size_mb: 16 });
+  assert.equal(vol2.body.host_id, "h-c");
+  const v2put = await request(`${a.url}/v1/volumes/${vol2.body.id}/files?path=/kept.txt`, { method: "PUT", headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/octet-stream" }, body: "kept whole" });
+  assert.equal(v2put.statusCode, 200, await v2put.body.text());
+  const midMove = a.call("POST", `/v1/volumes/${vol2.body.id}/move`, { host_id: "h-b" }).catch(() => undefined);
+
   // A host killed with SIGKILL: lost within the bound, its machine failed with the reason, its webhook once.
   const mc = on("h-c");
+  await new Promise((r) => setTimeout(r, 30));
   const killedAt = Date.now();
   c.child.kill("SIGKILL");
   await c.exited;
@@ -401,6 +448,20 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
     const ex = await via.call("POST", `/v1/machines/${on(h)}/exec`, { cmd: "echo alive" });
     assert.equal(ex.body.stdout, "alive\n");
   }
+  // The deployment's replica on the lost host is failed, saying why, once (one event across both survivors), and a
+  // replacement runs on a surviving host; its readiness_status names the replica it replaces.
+  const gone = await until("the lost host's replica to be failed", async () => {
+    const s = (await a.call("GET", `/v1/agent-deployments/${depId}/services/${onC.id}`)).body;
+    return s.status === "failed" ? s : undefined;
+  }, 20_000);
+  const again = await readyReplicas(a, 3);
+  assert.match(gone.failure_reason, /host name-h-c \(h-c\) was lost/);
+  const replacement = again.ready.find((s) => !replicaHost.has(s.id))!;
+  assert.deepEqual(replacement.readiness_status.rescheduled.replaces, [onC.id]);
+  assert.notEqual(await hostOf(db.url, replacement.machine_id), "h-c");
+  assert.equal((await query(db.url, "select id from events where operation = 'service.failed' and machine_id = $1", [onC.machine_id])).length, 1, "the lost replica's failure is recorded once");
+  assert.equal((await a.call("GET", `/v1/agent-deployments/${depId}`)).body.rollout_status, "idle");
+
   // Creates skip the lost host.
   const afterLoss = await create(a);
   assert.notEqual(await hostOf(db.url, afterLoss.id), "h-c");
@@ -413,16 +474,46 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   assert.equal((await c2.call("GET", `/v1/machines/${mc}`)).body.status, "failed", "a failed record stays failed");
   assert.equal(existsSync(machineDir), false, "nothing of the failed machine is left on its host");
   assert.equal(existsSync(join(cDir, "oci-state", TEST_RUNTIME, mc)), false, "no runtime state left for it");
+  await midMove;
+  const v2host = (await query<{ host_id: string }>(db.url, "select host_id from volumes where id = $1", [vol2.body.id]))[0].host_id;
+  assert.ok(v2host === "h-b" || v2host === "h-c", v2host);
+  for (const h of ["h-b", "h-c"]) {
+    const vdir = join(dirOf.get(h)!, "volumes");
+    assert.equal(existsSync(join(vdir, vol2.body.id, "image.ext4")), h === v2host, `${h} holds the image only if it is its host (${v2host})`);
+    assert.deepEqual((existsSync(vdir) ? await readdir(vdir) : []).filter((n) => n.startsWith(".incoming-")), [], `no partial copy on ${h}`);
+  }
+  const kept = await request(`${a.url}/v1/volumes/${vol2.body.id}/files?path=/kept.txt`, { headers: { authorization: `Bearer ${TEST_KEY}` } });
+  assert.equal(await kept.body.text(), "kept whole", `read from ${v2host}`);
+  assert.equal((await a.call("DELETE", `/v1/volumes/${vol2.body.id}`)).status, 204);
+  // Its old replica is not revived: the deployment still has three, none on c (a few heartbeats later).
+  await new Promise((r) => setTimeout(r, HEARTBEAT_MS * 4));
+  const settled = (await c2.call("GET", `/v1/agent-deployments/${depId}/services`)).body.services as any[];
+  assert.equal(settled.filter((s) => s.status === "ready").length, 3, JSON.stringify(settled.map((s) => [s.id, s.status])));
+  assert.equal(existsSync(join(cDir, "machines", onC.machine_id)), false, "the lost replica's machine is gone from c");
+  // Deleted through c: the replicas on a and b are stopped by their own hosts, their machines destroyed.
+  assert.equal((await c2.call("DELETE", `/v1/agent-deployments/${depId}`)).body.status, "deleted");
+  const after = (await a.call("GET", `/v1/agent-deployments/${depId}/services`)).body.services as any[];
+  for (const s of after.filter((x) => x.id !== onC.id)) {
+    assert.equal(s.status, "stopped", s.id);
+    assert.equal((await a.call("GET", `/v1/machines/${s.machine_id}`)).body.status, "destroyed");
+  }
 
   for (const p of placed) if (p.host !== "h-c") assert.equal((await a.call("DELETE", `/v1/machines/${p.id}`)).status, 200);
 
   // The cluster secret lives in the store only: not in any server's log, nor in any data dir.
   const marker = secret.toString("base64url");
-  for (const [id, s] of [...servers, ["h-c (killed)", c] as const]) assert.equal(s.output().includes(marker), false, `the secret is not in ${id}'s log`);
+  for (const [id, s] of [...servers, ["h-c (killed)", c] as const]) {
+    assert.equal(s.output().includes(marker), false, `the secret is not in ${id}'s log`);
+    assert.equal(s.output().includes(ENV_MARKER), false, `the deployment's env is not in ${id}'s log`);
+  }
+  const stored = await query<{ n: string }>(db.url, "select count(*) as n from deployment_versions where envs_sealed like $1", [`%${ENV_MARKER}%`]);
+  assert.equal(Number(stored[0].n), 0, "the version's envs are sealed in the store");
   for (const d of dirs) {
     // The store's files, keys and logs; not machine disk images and pools (large, and machines never see the store).
     const found = spawnSync("sh", ["-c", 'find "$1" -xdev -type f -size -64M ! -name "*.img" ! -name "*.xfs" -print0 | xargs -0r grep -lF --binary-files=text -e "$2"', "sh", d, marker], { encoding: "utf8" });
     assert.equal(found.stdout.trim(), "", `the secret is in no file of ${d}`);
+    const envFound = spawnSync("sh", ["-c", 'find "$1" -xdev -type f -size -64M ! -name "*.img" ! -name "*.xfs" -print0 | xargs -0r grep -lF --binary-files=text -e "$2"', "sh", d, ENV_MARKER], { encoding: "utf8" });
+    assert.equal(envFound.stdout.trim(), "", `the deployment's env is in no file of ${d}`);
   }
 });
 

@@ -101,7 +101,7 @@ test("the route table is the server's own: every route declares its auth, and th
   // E2B template file uploads take their signed link, nothing else.
   assert.deepEqual(table.filter((r) => r.auth === "e2b-upload").map((r) => `${r.method} ${r.url}`), ["PUT /e2b-template-files/:id/:hash"]);
   // Host-to-host: a peer's layer fetch, answered on a cluster signature only (docs/hosts.md), never on a key.
-  assert.deepEqual(routesOf(["cluster"]).map((r) => `${r.method} ${r.url}`).sort(), ["GET /v1/cluster/layers/:digest", "HEAD /v1/cluster/layers/:digest"]);
+  assert.deepEqual(routesOf(["cluster"]).map((r) => `${r.method} ${r.url}`).sort(), ["GET /v1/cluster/layers/:digest", "HEAD /v1/cluster/layers/:digest", "POST /v1/cluster/deployments/:deployment_id/replicas", "POST /v1/cluster/services/:service_id/stop", "PUT /v1/cluster/volumes/:id/image"].sort());
   for (const r of table) if (r.url.startsWith("/v1/")) assert.ok(r.auth === "key" || r.url === "/v1/openapi.json" || (r.auth === "cluster" && r.url.startsWith("/v1/cluster/")), `${r.method} ${r.url} is key-authenticated`);
 });
 

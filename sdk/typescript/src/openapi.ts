@@ -9308,6 +9308,151 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/volumes/{id}/move": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Move an unmounted volume to another host (409 while a live machine mounts it)
+         * @description The volume's host streams its image to the target host, which checks its digest and, once its copy is whole, switches the volume's `host_id` to itself in one step; the old host then removes its copy. Machines that mount the volume are placed on its new host.
+         */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody: {
+                content: {
+                    "application/json": {
+                        /** @description the target host's id (GET /v1/hosts) */
+                        host_id: string;
+                    };
+                };
+            };
+            responses: {
+                /** @description Default Response */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            id: string;
+                            name: string;
+                            size_mb: number;
+                            /** @enum {unknown} */
+                            status: "creating" | "ready" | "deleting";
+                            /** Format: date-time */
+                            created_at: string;
+                            /** Format: date-time */
+                            updated_at: string;
+                            /** @description The host that holds its data: machines mounting it are placed there */
+                            host_id: string | null;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                400: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                401: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                404: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                409: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+                /** @description Default Response */
+                503: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": {
+                            error: string;
+                            code: string;
+                            request_id: string;
+                            error_detail?: {
+                                [key: string]: unknown;
+                            };
+                            build_id?: string;
+                        };
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/volumes/{id}/files/info": {
         parameters: {
             query?: never;

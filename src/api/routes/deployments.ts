@@ -219,4 +219,30 @@ export async function deploymentRoutes(app: App, opts: { services: Services }) {
     },
     async (req) => deployments.restart(req.params.deployment_id, req.params.service_id, req.body ?? {}, req.headers["idempotency-key"]),
   );
+
+  // Between hosts only (auth `cluster`: signed with the store's cluster secret; an API key is refused): the server
+  // that places a deployment's replica on this host asks it to make the replica (its machine, process and
+  // supervision are this host's), and to stop one it runs. docs/deployments.md, "Many hosts".
+  app.post(
+    "/v1/cluster/deployments/:deployment_id/replicas",
+    {
+      config: { auth: "cluster" },
+      schema: {
+        hide: true,
+        params: DepParams,
+        body: Type.Object({
+          deployment_id: Id,
+          version_id: Id,
+          envs: Type.Record(Type.String(), Type.String()),
+          detail: Type.Optional(Type.Record(Type.String(), Type.Unknown())),
+        }),
+      },
+    },
+    async (req, reply) => reply.code(201).send(await deployments.replicaHere(req.params.deployment_id, req.body.version_id, req.body.envs, req.body.detail)),
+  );
+  app.post(
+    "/v1/cluster/services/:service_id/stop",
+    { config: { auth: "cluster" }, schema: { hide: true, params: Type.Object({ service_id: Id }) } },
+    async (req) => deployments.stopHere(req.params.service_id),
+  );
 }

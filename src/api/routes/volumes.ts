@@ -75,6 +75,44 @@ export async function volumeRoutes(app: App, opts: { services: Services }) {
   );
 
   app.post(
+    "/v1/volumes/:id/move",
+    {
+      config: { auth: "key" },
+      schema: {
+        tags,
+        summary: "Move an unmounted volume to another host (409 while a live machine mounts it)",
+        description:
+          "The volume's host streams its image to the target host, which checks its digest and, once its copy is whole, switches the " +
+          "volume's `host_id` to itself in one step; the old host then removes its copy. Machines that mount the volume are placed on its new host.",
+        params: Params,
+        body: Type.Object({ host_id: Type.String({ pattern: "^[A-Za-z0-9_.-]{1,64}$", description: "the target host's id (GET /v1/hosts)" }) }, { additionalProperties: false }),
+        response: { 200: Volume, ...errors(400, 404, 409, 503) },
+      },
+    },
+    async (req) => volumes.move(req.params.id, req.body.host_id),
+  );
+
+  // Between hosts only (auth `cluster`): the image of a volume being moved here, streamed by its host. Checked
+  // against the volume's recorded size and the digest the sender computed before it is kept (src/volumes/move.ts).
+  app.put(
+    "/v1/cluster/volumes/:id/image",
+    {
+      config: { auth: "cluster" },
+      schema: {
+        hide: true,
+        params: Params,
+        querystring: Type.Object({ digest: Type.String({ pattern: "^sha256:[0-9a-f]{64}$" }), bytes: Type.Integer({ minimum: 1 }) }, { additionalProperties: false }),
+      },
+    },
+    async (req, reply) => {
+      if (!req.headers["content-type"]?.startsWith("application/octet-stream")) throw new KilnError("unsupported_media_type", "A volume image is sent as application/octet-stream");
+      if (req.forwardedBy === undefined) throw new KilnError("unauthorized", "Only a peer host sends a volume's image");
+      await volumes.receive(req.params.id, req.forwardedBy, req.body as Readable, req.query.bytes, req.query.digest);
+      return reply.code(204).send();
+    },
+  );
+
+  app.post(
     "/v1/volumes/:id/files/info",
     {
       config: { auth: "key" },
