@@ -25,6 +25,7 @@ import { READINESS_DEFAULTS, deploymentView, readinessOfVersion, serviceView } f
 import type { DeploymentView, Readiness, ServiceView } from "./views.ts";
 import type { CreateDeploymentInput, ReadinessInput, RestartInput, UpdateDeploymentInput } from "./schemas.ts";
 import { newestFirstPage } from "../store/pages.ts";
+import type { RemotePort, TunnelUse } from "../hosts/tunnel.ts";
 
 /** How often the store is asked for deployments whose edge access changed on another server. */
 const ACCESS_POLL_MS = 1000;
@@ -57,7 +58,9 @@ export interface DeploymentService {
   /** Calls `fn` with a deployment whose edge access changed (its open WebSockets are cut). */
   onAccessChanged(fn: (deploymentId: string) => void): void;
   /** A tunnel to a routable service's port inside its machine. */
-  openServicePort(serviceId: string): Promise<Socket>;
+  openServicePort(serviceId: string, use?: TunnelUse): Promise<Socket>;
+  /** How the edge reaches replicas other hosts run (the cluster tunnel; src/hosts/tunnel.ts). */
+  setRemotePort(open: RemotePort): void;
   isRoutable(serviceId: string): boolean;
   /** The edge proxy registers itself so a stopping service's kept-alive tunnels are dropped. */
   setProxy(p: TunnelOwner): void;
@@ -362,6 +365,24 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
       edge.setAccess(r);
       if (r.updated_at > accessSince) accessSince = r.updated_at;
     }
+    await pollRemoteServices();
+  }
+
+  /**
+   * The replicas other hosts of the store run, read with the access: the edge here routes to them through the
+   * cluster tunnel. All routable ones at start, then each second the rows written since; one that stops being
+   * routable drops its kept-alive tunnels. This server's own replicas are tracked from its own writes.
+   */
+  let servicesSince = "";
+  async function pollRemoteServices() {
+    let q = db.selectFrom("services").innerJoin("machines", "machines.id", "services.machine_id").selectAll("services").where("machines.host_id", "is not", null).where("machines.host_id", "!=", deps.hostId);
+    q = servicesSince === "" ? q.where("services.status", "in", ["starting", "ready", "unhealthy"]) : q.where("services.updated_at", ">=", servicesSince);
+    for (const row of await q.execute()) {
+      const routed = edge.routes.has(row.id);
+      edge.routes.track(row);
+      if (routed && !edge.routes.has(row.id)) edge.dropTunnels(row.id);
+      if (row.updated_at > servicesSince) servicesSince = row.updated_at;
+    }
   }
 
   function setPublicUrl(url: string) {
@@ -389,7 +410,8 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
     rotateEdgeToken,
     authorizeEdge: (id, token) => edge.authorize(id, token),
     onAccessChanged: (fn) => edge.onAccessChanged(fn),
-    openServicePort: (serviceId) => edge.openServicePort(serviceId),
+    openServicePort: (serviceId, use) => edge.openServicePort(serviceId, use),
+    setRemotePort: (open) => edge.setRemotePort(open),
     isRoutable: (serviceId) => edge.routes.has(serviceId),
     setProxy: (p) => edge.setProxy(p),
     start,
