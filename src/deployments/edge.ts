@@ -5,10 +5,10 @@
 
 import type { Socket } from "node:net";
 import type { KeyObject } from "node:crypto";
-import type { DeploymentRow, ServiceRow } from "../store/schema.ts";
+import type { Db, DeploymentRow, ServiceRow } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
 import type { MachineService } from "../machines/service.ts";
-import { loadEdgeSecret, sameToken, signEdgeToken, stableEdgeToken, verifyEdgeToken } from "./edge-tokens.ts";
+import { loadStoreEdgeSecret, sameToken, signEdgeToken, stableEdgeToken, verifyEdgeToken } from "./edge-tokens.ts";
 import type { AccessMode } from "./schemas.ts";
 import { edgeOriginOf } from "./edge-origin.ts";
 import type { EdgeDomain } from "./edge-origin.ts";
@@ -126,8 +126,8 @@ export class DeploymentEdge {
     this.#opts = opts;
   }
 
-  async load(dataDir: string): Promise<void> {
-    this.#secret = await loadEdgeSecret(dataDir);
+  async load(db: Db, dataDir: string): Promise<void> {
+    this.#secret = await loadStoreEdgeSecret(db, dataDir);
   }
 
   /**

@@ -315,7 +315,7 @@ export function createDeploymentService(deps: { db: Db; machines: MachineService
    * their processes (the agents kept them), half-stopped ones are finished, and unfinished rollouts resume.
    */
   async function start() {
-    await edge.load(opts.dataDir);
+    await edge.load(db, opts.dataDir);
     sealer = await loadEnvSealer(opts.dataDir);
     await pollAccess();
     accessPoll = setInterval(() => void pollAccess().catch((err: unknown) => log.warn({ err }, "reading deployments' edge access failed")), ACCESS_POLL_MS);
