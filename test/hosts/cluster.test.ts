@@ -508,7 +508,8 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
 function tunnelStatus(base: string, path: string, headers: Record<string, string>): Promise<{ status: number; socket?: import("node:net").Socket }> {
   return new Promise((resolve, reject) => {
     const url = new URL(base);
-    const req = httpRequest({ host: url.hostname, port: url.port, path, headers: { connection: "Upgrade", upgrade: "kiln-tunnel", ...headers } });
+    // A connection of its own: a refused upgrade's connection is closed by the server, never reused.
+    const req = httpRequest({ host: url.hostname, port: url.port, path, agent: false, headers: { connection: "Upgrade", upgrade: "kiln-tunnel", ...headers } });
     req.on("upgrade", (res, socket) => resolve({ status: res.statusCode ?? 0, socket }));
     req.on("response", (res) => {
       res.resume();
