@@ -153,9 +153,12 @@ test("every route × every spelling of its path, as a WebSocket upgrade without 
 test("the cluster port tunnel opens for no key and no forged signature: its own upgrade is refused 401, never 101", async () => {
   const forged = { "x-kiln-cluster-from": "h-x", "x-kiln-cluster-to": "h-y", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-nonce": "n", "x-kiln-cluster-sig": "AAAA" };
   const tunnel = { connection: "Upgrade", upgrade: "kiln-tunnel" };
-  for (const target of spellings(concrete("/v1/cluster/machines/:id/ports/:port/tunnel")).map((s) => `${s.target}?use=pipe`)) {
+  for (const s of spellings(concrete("/v1/cluster/machines/:id/ports/:port/tunnel"))) {
+    const target = `${s.target}?use=pipe`;
+    // Forged headers are refused on any path; a key on the spellings the router folds back onto the route (others are 404s).
+    const withKey = /as registered|percent-encoded|absolute-form|lower-case hex/.test(s.name);
     for (const [what, headers] of [
-      ["a key", { ...tunnel, authorization: `Bearer ${TEST_KEY}` }],
+      ...(withKey ? ([["a key", { ...tunnel, authorization: `Bearer ${TEST_KEY}` }]] as const) : []),
       ["forged cluster headers", { ...tunnel, ...forged }],
       ["forged cluster headers and a key", { ...tunnel, ...forged, authorization: `Bearer ${TEST_KEY}` }],
     ] as const) {
