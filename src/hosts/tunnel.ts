@@ -130,34 +130,52 @@ export function createTunnelServer(deps: { machines: MachineService; limits: Pro
   const open = new Set<Duplex>();
   const cap = limits.connections + limits.upgrades;
 
-  /** Connects the port; throws the refusal (nothing written yet) as the local paths would. */
+  /**
+   * Connects the port, counted against the machine's share from then on (release it with `splice`'s end or
+   * `abandon`); throws the refusal (nothing written yet, nothing counted) as the local paths would.
+   */
   async function connect(machineId: string, port: number): Promise<Socket> {
     if ((perMachine.get(machineId) ?? 0) >= cap) {
       throw new KilnError("unavailable", `Machine ${machineId} has ${cap} tunnels open from other hosts: try again shortly`, { detail: { retryable: true } });
     }
-    const { agent } = await deps.machines.agentOf(machineId);
+    perMachine.set(machineId, (perMachine.get(machineId) ?? 0) + 1);
     try {
-      return await agent.connectPort(port, limits.connectTimeoutMs);
+      const { agent } = await deps.machines.agentOf(machineId);
+      try {
+        return await agent.connectPort(port, limits.connectTimeoutMs);
+      } catch (err) {
+        const status = (err as { status?: number }).status;
+        const message = (err as Error).message ?? "the port is not reachable";
+        // As the port proxy's own mapping: nothing listening is final (502), anything else worth retrying (503).
+        throw new KilnError("unavailable", message, { detail: { retryable: !(status === 502 || status === 404) } });
+      }
     } catch (err) {
-      const status = (err as { status?: number }).status;
-      const message = (err as Error).message ?? "the port is not reachable";
-      // As the port proxy's own mapping: nothing listening is final (502), anything else worth retrying (503).
-      throw new KilnError("unavailable", message, { detail: { retryable: !(status === 502 || status === 404) } });
+      release(machineId);
+      throw err;
     }
+  }
+
+  function release(machineId: string) {
+    const n = (perMachine.get(machineId) ?? 1) - 1;
+    if (n > 0) perMachine.set(machineId, n);
+    else perMachine.delete(machineId);
+  }
+
+  /** A connected port whose peer went away before the 101. */
+  function abandon(machineId: string, target: Socket): void {
+    target.destroy();
+    release(machineId);
   }
 
   /** After `connect`: the 101, then both ways byte for byte until either side ends. */
   function splice(machineId: string, use: TunnelUse, peer: Duplex, head: Buffer, target: Socket): void {
-    perMachine.set(machineId, (perMachine.get(machineId) ?? 0) + 1);
     open.add(peer);
     let ended = false;
     const end = () => {
       if (ended) return;
       ended = true;
       open.delete(peer);
-      const n = (perMachine.get(machineId) ?? 1) - 1;
-      if (n > 0) perMachine.set(machineId, n);
-      else perMachine.delete(machineId);
+      release(machineId);
       target.destroy();
       peer.destroy();
     };
@@ -185,7 +203,7 @@ export function createTunnelServer(deps: { machines: MachineService; limits: Pro
     for (const s of [...open]) s.destroy();
   }
 
-  return { connect, splice, count, close };
+  return { connect, splice, abandon, count, close };
 }
 
 export type TunnelServer = ReturnType<typeof createTunnelServer>;

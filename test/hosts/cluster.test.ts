@@ -452,6 +452,8 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
 
   // A host killed with SIGKILL: lost within the bound, its machine failed with the reason, its webhook once.
   const mc = on("h-c");
+  // Its sandbox's traffic token, to reach one of its ports through a survivor once it is lost (below).
+  const mcTraffic = { host: `8000-${mc.slice("mch_".length)}.kiln.test`, "e2b-traffic-access-token": (await Sandbox.connect(mc.slice("mch_".length), e2b)).trafficAccessToken! };
   const killedAt = Date.now();
   c.child.kill("SIGKILL");
   await c.exited;
@@ -479,6 +481,11 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
     const ex = await via.call("POST", `/v1/machines/${on(h)}/exec`, { cmd: "echo alive" });
     assert.equal(ex.body.stdout, "alive\n");
   }
+  // A port of a machine on the lost host answers through a survivor as the local path does for a stopped machine.
+  const lostPort = await request(`${a.url}/`, { headers: mcTraffic });
+  const lostBody = await lostPort.body.text();
+  assert.equal(lostPort.statusCode, 409, lostBody);
+  assert.match(lostBody, new RegExp(`Machine ${mc} is failed`));
   // Creates skip the lost host.
   const afterLoss = await create(a);
   assert.notEqual(await hostOf(db.url, afterLoss.id), "h-c");

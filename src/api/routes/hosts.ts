@@ -93,7 +93,7 @@ export async function hostRoutes(app: App, opts: { services: Services; tunnels: 
       if (!peer || !isTunnelUpgrade(req.raw)) throw new KilnError("invalid_request", `A tunnel is opened as an upgrade (Upgrade: ${TUNNEL_PROTOCOL})`);
       const target = await opts.tunnels.connect(req.params.id, req.params.port);
       reply.hijack();
-      if (peer.socket.destroyed) return void target.destroy();
+      if (peer.socket.destroyed) return void opts.tunnels.abandon(req.params.id, target);
       opts.tunnels.splice(req.params.id, req.query.use, peer.socket, peer.head, target);
     },
   );
