@@ -2,6 +2,8 @@
 // - an exec forwarded through a server that does not run the machine, beside the same exec sent straight to the
 //   server that runs it (two servers in this process, so the forwarding hop's CPU shares the event loop with the
 //   owner's: a cluster on separate hosts pays the network instead);
+// - a request to a deployment's public URL (the edge) through a server whose replica another host runs (the cluster
+//   port tunnel), beside the same request to the server that runs it;
 // - 40 concurrent creates through one server placed across three hosts, beside the same 40 through the same server
 //   with the other two hosts drained (one host alone). All three servers share this machine's two cores, so the spread
 //   buys only what one host's own serialisation (its boot queue, its store writes) costs, not more CPU;
@@ -16,6 +18,7 @@ import { startTestKiln } from "../test/support/kiln.ts";
 import type { TestKiln } from "../test/support/kiln.ts";
 import { startPostgres } from "../test/support/postgres.ts";
 import { startServerProcess } from "../test/webhooks/server-process.ts";
+import { appCommand } from "../test/deployments/support.ts";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -36,6 +39,8 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
     const owner = await startTestKiln({ env, captureLogs: false });
     servers.push(owner);
     const results: BenchResult[] = [await forwardedExec(ctx, front, owner)];
+    progress(results);
+    results.push(await edgeThroughPeer(ctx, front, owner));
     progress(results);
 
     const third = await startTestKiln({ env, captureLogs: false });
@@ -92,6 +97,48 @@ async function forwardedExec(ctx: BenchContext, front: TestKiln, owner: TestKiln
     p99: percentile(forwarded, 99),
     baseline: { name: "the same exec sent to the owning server", median: median(direct), p99: percentile(direct, 99) },
     goal: "≤ 1.5 × direct, or + ≤ 1 ms",
+  };
+}
+
+async function edgeThroughPeer(ctx: BenchContext, front: TestKiln, owner: TestKiln): Promise<BenchResult> {
+  // Made through the owner, whose server makes the replica itself; public access, so no token rides along.
+  const dep = (await api(owner.url, ctx.key, "POST", "/v1/agent-deployments", { template: "local/base", name: "bench-edge", command: appCommand(8080), port: 8080, access: "public" })) as { id: string };
+  let svcId = "";
+  await until("the replica to be ready", async () => {
+    const list = (await api(owner.url, ctx.key, "GET", `/v1/agent-deployments/${dep.id}/services`)) as { services: { id: string; status: string }[] };
+    svcId = list.services.find((s) => s.status === "ready")?.id ?? "";
+    return svcId !== "";
+  }, 120_000);
+  const get = async (url: string) => {
+    const res = await fetch(`${url}/edge/${svcId}/hello`);
+    await res.arrayBuffer();
+    return res.status;
+  };
+  // The front learns of the owner's replica from the store within about a second.
+  await until("the front's edge to know the replica", async () => (await get(front.url)) === 200, 30_000);
+  for (let i = 0; i < 20; i++) {
+    await get(owner.url);
+    await get(front.url);
+  }
+  const direct: number[] = [];
+  const through: number[] = [];
+  for (let i = 0; i < EXECS; i++) {
+    let t0 = performance.now();
+    if ((await get(owner.url)) !== 200) throw new Error("the edge on the owner did not answer 200");
+    direct.push(performance.now() - t0);
+    t0 = performance.now();
+    if ((await get(front.url)) !== 200) throw new Error("the edge through the peer did not answer 200");
+    through.push(performance.now() - t0);
+  }
+  await api(owner.url, ctx.key, "DELETE", `/v1/agent-deployments/${dep.id}`);
+  return {
+    name: "edge request (GET, small answer) through a server whose replica another host runs",
+    unit: "ms",
+    better: "lower",
+    median: median(through),
+    p99: percentile(through, 99),
+    baseline: { name: "the same request to the server that runs the replica", median: median(direct), p99: percentile(direct, 99) },
+    note: "kept-alive tunnels: the proxy's pool reuses each, as it does the local agent's",
   };
 }
 

@@ -44,6 +44,9 @@ import { createClusterAuth } from "../hosts/cluster-auth.ts";
 import { createForwarder } from "../hosts/forward.ts";
 import { createPlacement } from "../hosts/placement.ts";
 import { installClusterRouting } from "../hosts/routing.ts";
+import { createTunnelClient, createTunnelServer, isTunnelUpgrade } from "../hosts/tunnel.ts";
+import type { RemotePort } from "../hosts/tunnel.ts";
+import { DEFAULT_PROXY_LIMITS } from "../deployments/proxy.ts";
 import { BASE_TEMPLATE_REF } from "../templates/resolver.ts";
 
 export type { App } from "./app-type.ts";
@@ -87,9 +90,10 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   const metrics = createMetrics({ db: opts.services.store.db, warmPool: () => opts.services.pool.stats() });
   const app = Fastify({
     serverFactory: (handler) => {
-      // Kiln honours one upgrade, WebSocket: any other Upgrade header is served as the plain request it also is,
-      // never handed to an upgrade listener (where the edge would make the connection a pipe).
-      const server = createServer({ shouldUpgradeCallback: isWebSocketUpgrade }, (req, res) => {
+      // Kiln honours one upgrade, WebSocket (and, between hosts, its cluster tunnel, on its own route with cluster
+      // headers): any other Upgrade header is served as the plain request it also is, never handed to an upgrade
+      // listener (where the edge would make the connection a pipe).
+      const server = createServer({ shouldUpgradeCallback: (req) => isWebSocketUpgrade(req) || isTunnelUpgrade(req) }, (req, res) => {
         if (edge.handleRequest(req, res)) metrics.observeEdge(res);
         else handler(req, res);
       });
@@ -121,6 +125,9 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   auth.provide("edge-token", (req) => edge.verifyUpgrade(req));
   /** Whether a machine runs on another host (then its requests are forwarded): MCP's direct calls ask it. */
   let machineElsewhere: ((id: string) => Promise<boolean>) | undefined;
+  /** A port inside a machine of another host, through the cluster tunnel (the edge and E2B's port proxy). */
+  let remotePort: RemotePort | undefined;
+  const limits = opts.edgeLimits ?? DEFAULT_PROXY_LIMITS;
   if (opts.cluster) {
     // After authentication (its hook is installed first): the caller is known before anything is forwarded.
     const { hosts } = opts.services;
@@ -130,6 +137,8 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     const placement = createPlacement({ db: opts.services.store.db, hostId: hosts.hostId, lostAfterS: opts.cluster.lostAfterS, hosts: hosts.hosts });
     installClusterRouting(app, { hostId: hosts.hostId, forwarder, placement, boundOf: opts.e2b ? e2bBoundOf : undefined, locality: localityOf(opts.services) });
     machineElsewhere = async (id) => (await forwarder.ownerOf({ kind: "machines", id })) !== undefined;
+    remotePort = createTunnelClient({ forwarder, auth: clusterAuth, connectTimeoutMs: limits.connectTimeoutMs }).open;
+    opts.services.deployments.setRemotePort(remotePort);
     opts.services.layers?.connect(clusterAuth, hosts.hosts);
     opts.services.volumes.connectCluster({ auth: clusterAuth, hosts: hosts.hosts });
     opts.services.deployments.connectCluster({ auth: clusterAuth, hosts: hosts.hosts, candidates: () => placement.candidates() });
@@ -205,7 +214,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(metricsRoutes, { metrics });
   await app.register(healthRoutes, { services: opts.services });
   await app.register(keyRoutes, { services: opts.services });
-  await app.register(hostRoutes, { services: opts.services });
+  await app.register(hostRoutes, { services: opts.services, tunnels: createTunnelServer({ machines: opts.services.machines, limits }) });
   await app.register(machineRoutes, { services: opts.services });
   await app.register(snapshotRoutes, { services: opts.services });
   await app.register(fileRoutes, { services: opts.services });
@@ -222,7 +231,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   await app.register(volumeRoutes, { services: opts.services });
   await app.register(volumeWsRoutes, { services: opts.services, pingIntervalMs: opts.wsPingIntervalMs, queueSize: opts.volumeWatchQueue ?? 4096 });
   await app.register(mcpRoutes, { heldMaxBytes: opts.mcpHeldMaxBytes, direct: { exec: opts.services.exec, elsewhere: machineElsewhere, observe: (m, route, status, s) => metrics.observeRequest(m, route, status, s) } });
-  if (opts.e2b) await app.register(e2bCompat, { services: opts.services, auth, ...opts.e2b, limits: opts.edgeLimits });
+  if (opts.e2b) await app.register(e2bCompat, { services: opts.services, auth, ...opts.e2b, limits: opts.edgeLimits, remotePort });
 
   // Public: client generators and browsers fetch it without a key.
   app.get("/v1/openapi.json", { config: { auth: "none" }, schema: { hide: true } }, async () => app.swagger());

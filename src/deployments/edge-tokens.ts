@@ -1,11 +1,35 @@
-// Signed, expiring edge tokens for services' public URLs: HMAC-SHA256 over {service id, expiry} with a server
-// secret made once in the data dir. The token is checked by recomputing it, so no token is ever stored.
+// Signed, expiring edge tokens for services' public URLs: HMAC-SHA256 over {service id, expiry} with the edge
+// secret, one per store (every server of a cluster checks the URLs another issued), seeded from the first server's
+// data dir. The token is checked by recomputing it, so no token is ever stored.
 
 import { createHmac, createSecretKey, timingSafeEqual } from "node:crypto";
 import type { KeyObject } from "node:crypto";
 import { loadKeyFile } from "./key-files.ts";
+import type { Db } from "../store/schema.ts";
 
 export const EDGE_SECRET_FILE = "edge-secret";
+
+/** The store's edge secret in `cluster_secrets`, shared by every server of the store. */
+const SECRET_NAME = "edge";
+
+/**
+ * The edge secret every server of the store uses: the first server to need it writes its data dir's (so the URLs a
+ * server alone on its store issued before keep working), every other reads that one. A server that joins a store
+ * whose secret another wrote keeps its own file unused: URLs it issued alone before stop working.
+ */
+export async function loadStoreEdgeSecret(db: Db, dataDir: string): Promise<KeyObject> {
+  const existing = await db.selectFrom("cluster_secrets").select("secret").where("name", "=", SECRET_NAME).executeTakeFirst();
+  if (!existing) {
+    const seed = await loadKeyFile(dataDir, EDGE_SECRET_FILE);
+    await db
+      .insertInto("cluster_secrets")
+      .values({ name: SECRET_NAME, secret: seed.toString("base64url"), created_at: new Date().toISOString() })
+      .onConflict((oc) => oc.column("name").doNothing())
+      .execute();
+  }
+  const row = existing ?? (await db.selectFrom("cluster_secrets").select("secret").where("name", "=", SECRET_NAME).executeTakeFirstOrThrow());
+  return createSecretKey(Buffer.from(row.secret, "base64url"));
+}
 
 /** The edge secret of this data dir (made on first start; deleting it invalidates every URL). A KeyObject, because
  *  turning raw bytes into a key on every HMAC costs more than the HMAC itself. */

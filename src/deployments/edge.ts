@@ -5,13 +5,14 @@
 
 import type { Socket } from "node:net";
 import type { KeyObject } from "node:crypto";
-import type { DeploymentRow, ServiceRow } from "../store/schema.ts";
+import type { Db, DeploymentRow, ServiceRow } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
 import type { MachineService } from "../machines/service.ts";
-import { loadEdgeSecret, sameToken, signEdgeToken, stableEdgeToken, verifyEdgeToken } from "./edge-tokens.ts";
+import { loadStoreEdgeSecret, sameToken, signEdgeToken, stableEdgeToken, verifyEdgeToken } from "./edge-tokens.ts";
 import type { AccessMode } from "./schemas.ts";
 import { edgeOriginOf } from "./edge-origin.ts";
 import type { EdgeDomain } from "./edge-origin.ts";
+import type { RemotePort, TunnelUse } from "../hosts/tunnel.ts";
 
 /** What the edge routes to for a service: its backing machine and port, its deployment and status. */
 export interface ServiceRoute {
@@ -117,6 +118,7 @@ export class DeploymentEdge {
   readonly #opts: EdgeOptions;
   #secret: KeyObject | undefined;
   #proxy: TunnelOwner | undefined;
+  #remotePort: RemotePort | undefined;
 
   /** `opts` is read on every use: the public URL may be set after start. */
   constructor(machines: MachineService, opts: EdgeOptions) {
@@ -124,8 +126,8 @@ export class DeploymentEdge {
     this.#opts = opts;
   }
 
-  async load(dataDir: string): Promise<void> {
-    this.#secret = await loadEdgeSecret(dataDir);
+  async load(db: Db, dataDir: string): Promise<void> {
+    this.#secret = await loadStoreEdgeSecret(db, dataDir);
   }
 
   /**
@@ -227,16 +229,33 @@ export class DeploymentEdge {
     return { serviceId: id, deploymentId, mode: "signed", expiresAtMs: check.expiresAtMs };
   }
 
-  /** A tunnel to a routable service's port inside its machine. */
-  async openServicePort(serviceId: string): Promise<Socket> {
+  /**
+   * A tunnel to a routable service's port inside its machine: through the guest agent here, or through the cluster
+   * tunnel when another host runs the replica. Either way a machine that is not running answers as it is (409), a
+   * port that does not answer 503.
+   */
+  async openServicePort(serviceId: string, use: TunnelUse = "http"): Promise<Socket> {
     const route = this.routes.get(serviceId);
     if (!route) throw new KilnError("unavailable", `Service ${serviceId} is not running`);
+    const silent = (err: unknown) => new KilnError("unavailable", `Service ${serviceId} does not answer on port ${route.port}`, { cause: err, detail: { retryable: true } });
+    let remote: Socket | undefined;
+    try {
+      remote = await this.#remotePort?.(route.machineId, route.port, use);
+    } catch (err) {
+      throw err instanceof KilnError && err.code !== "unavailable" ? err : silent(err);
+    }
+    if (remote) return remote;
     const { agent } = await this.#machines.agentOf(route.machineId);
     try {
       return await agent.connectPort(route.port);
     } catch (err) {
-      throw new KilnError("unavailable", `Service ${serviceId} does not answer on port ${route.port}`, { cause: err, detail: { retryable: true } });
+      throw silent(err);
     }
+  }
+
+  /** Where replicas other hosts run are reached (the cluster tunnel); unset on a server alone on its store. */
+  setRemotePort(open: RemotePort): void {
+    this.#remotePort = open;
   }
 
   setProxy(p: TunnelOwner): void {

@@ -70,7 +70,10 @@ export function acceptWebSocket(offered: string[], answered: string[]): boolean 
   return offered.includes("websocket") && answered.length === 1 && answered[0] === "websocket";
 }
 
-export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limits: ProxyLimits = DEFAULT_PROXY_LIMITS) {
+/** A tunnel to an upstream: `http` for the kept-alive connections of the pool, `pipe` for an upgraded connection. */
+export type OpenTunnel = (key: string, use: "http" | "pipe") => Promise<Socket>;
+
+export function createUpstreamProxy(open: OpenTunnel, limits: ProxyLimits = DEFAULT_PROXY_LIMITS) {
   const upstreams = new Map<string, Upstream>();
   // A coarse clock the watchdog advances each tick, for when an upstream was last used (the sweep counts minutes).
   let clock = Date.now();
@@ -82,14 +85,14 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
   sweeper.unref();
 
   /** A tunnel, or a clear failure within the connect bound (a tunnel that comes later is closed). */
-  function openTunnel(key: string): Promise<Socket> {
+  function openTunnel(key: string, use: "http" | "pipe"): Promise<Socket> {
     return new Promise((resolve, reject) => {
       let late = false;
       const timer = setTimeout(() => {
         late = true;
         reject(new KilnError("unavailable", `The service did not accept a connection within ${limits.connectTimeoutMs / 1000} s`, { detail: { retryable: true } }));
       }, limits.connectTimeoutMs);
-      open(key).then(
+      open(key, use).then(
         (socket) => {
           clearTimeout(timer);
           if (late) socket.destroy();
@@ -115,7 +118,7 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
           headersTimeout: 0,
           bodyTimeout: 0,
           connect: (_opts, callback) => {
-            openTunnel(key).then(
+            openTunnel(key, "http").then(
               (socket) => callback(null, socket),
               (err: Error) => callback(err, null),
             );
@@ -294,7 +297,7 @@ export function createUpstreamProxy(open: (key: string) => Promise<Socket>, limi
   async function upgrade(key: string, req: UpgradeRequest, client: Duplex, head: Buffer, opts: UpgradeOptions): Promise<number> {
     const u = upstreamFor(key);
     if (u.pipes.size >= limits.upgrades) throw new KilnError("unavailable", `The service has ${limits.upgrades} upgraded connections open: try again shortly`, { detail: { retryable: true } });
-    const tunnel = await openTunnel(key);
+    const tunnel = await openTunnel(key, "pipe");
     return new Promise((resolve, reject) => {
       let settled = false;
       const settle = (fn: () => void) => {

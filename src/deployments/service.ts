@@ -27,6 +27,7 @@ import type { CreateDeploymentInput, ReadinessInput, RestartInput, UpdateDeploym
 import { newestFirstPage } from "../store/pages.ts";
 import { ReplicaHosts } from "./spread.ts";
 import type { ReplicaCluster } from "./spread.ts";
+import type { RemotePort, TunnelUse } from "../hosts/tunnel.ts";
 
 /** How often the store is asked for deployments whose edge access changed on another server. */
 const ACCESS_POLL_MS = 1000;
@@ -59,7 +60,9 @@ export interface DeploymentService {
   /** Calls `fn` with a deployment whose edge access changed (its open WebSockets are cut). */
   onAccessChanged(fn: (deploymentId: string) => void): void;
   /** A tunnel to a routable service's port inside its machine. */
-  openServicePort(serviceId: string): Promise<Socket>;
+  openServicePort(serviceId: string, use?: TunnelUse): Promise<Socket>;
+  /** How the edge reaches replicas other hosts run (the cluster tunnel; src/hosts/tunnel.ts). */
+  setRemotePort(open: RemotePort): void;
   isRoutable(serviceId: string): boolean;
   /** The edge proxy registers itself so a stopping service's kept-alive tunnels are dropped. */
   setProxy(p: TunnelOwner): void;
@@ -332,7 +335,7 @@ export function createDeploymentService(deps: {
    * their processes (the agents kept them), half-stopped ones are finished, and unfinished rollouts resume.
    */
   async function start() {
-    await edge.load(opts.dataDir);
+    await edge.load(db, opts.dataDir);
     sealer = await loadEnvSealer(opts.dataDir);
     await pollAccess();
     accessPoll = setInterval(() => void pollAccess().catch((err: unknown) => log.warn({ err }, "reading deployments' edge access failed")), ACCESS_POLL_MS);
@@ -381,6 +384,24 @@ export function createDeploymentService(deps: {
     for (const r of rows) {
       edge.setAccess(r);
       if (r.updated_at > accessSince) accessSince = r.updated_at;
+    }
+    await pollRemoteServices();
+  }
+
+  /**
+   * The replicas other hosts of the store run, read with the access: the edge here routes to them through the
+   * cluster tunnel. All routable ones at start, then each second the rows written since; one that stops being
+   * routable drops its kept-alive tunnels. This server's own replicas are tracked from its own writes.
+   */
+  let servicesSince = "";
+  async function pollRemoteServices() {
+    let q = db.selectFrom("services").innerJoin("machines", "machines.id", "services.machine_id").selectAll("services").where("machines.host_id", "is not", null).where("machines.host_id", "!=", deps.hostId);
+    q = servicesSince === "" ? q.where("services.status", "in", ["starting", "ready", "unhealthy"]) : q.where("services.updated_at", ">=", servicesSince);
+    for (const row of await q.execute()) {
+      const routed = edge.routes.has(row.id);
+      edge.routes.track(row);
+      if (routed && !edge.routes.has(row.id)) edge.dropTunnels(row.id);
+      if (row.updated_at > servicesSince) servicesSince = row.updated_at;
     }
   }
 
@@ -436,7 +457,8 @@ export function createDeploymentService(deps: {
     rotateEdgeToken,
     authorizeEdge: (id, token) => edge.authorize(id, token),
     onAccessChanged: (fn) => edge.onAccessChanged(fn),
-    openServicePort: (serviceId) => edge.openServicePort(serviceId),
+    openServicePort: (serviceId, use) => edge.openServicePort(serviceId, use),
+    setRemotePort: (open) => edge.setRemotePort(open),
     isRoutable: (serviceId) => edge.routes.has(serviceId),
     setProxy: (p) => edge.setProxy(p),
     start,

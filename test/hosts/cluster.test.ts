@@ -9,6 +9,7 @@ import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
 import { createHash, createHmac } from "node:crypto";
 import { existsSync } from "node:fs";
+import { request as httpRequest } from "node:http";
 import { mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -260,6 +261,84 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   assert.equal((await resumed.commands.run("echo back")).stdout, "back\n");
   for (const x of e2bPlaced) await x.kill();
   for (const x of e2bPlaced) assert.equal((await a.call("GET", `/v1/machines/mch_${x.sandboxId}`)).body.status, "destroyed");
+  // The deployments edge and E2B's port proxy through any server, carried by the cluster tunnel: a replica answers
+  // through another host's edge (HTTP both ways, streamed, and a WebSocket echo), and a port of the sandbox on b
+  // answers getHost through host a.
+  const across = await b.call("POST", "/v1/agent-deployments", { template: "local/base", name: "across", command: appCommand(8080), port: 8080 });
+  assert.equal(across.status, 201, JSON.stringify(across.body));
+  const svc = await until("the replica to be ready", async () => {
+    const list = (await a.call("GET", `/v1/agent-deployments/${across.body.id}/services`)).body.services as { status: string; public_url: string | null; machine_id: string }[];
+    return list.find((x) => x.status === "ready" && x.public_url);
+  }, 120_000);
+  // Replicas are spread (any host may run it): the edge is asked through a server of another host.
+  const owner = await hostOf(db.url, svc.machine_id);
+  const via = [...servers].find(([h]) => h !== owner)![1];
+  const svcUrl = new URL(svc.public_url!);
+  const depUrl = new URL(across.body.edge_url);
+  for (const u of [svcUrl, depUrl]) {
+    // Another host learns of the owner's replicas from the store within about a second.
+    const hello = await until(`${u.pathname} answered through another host`, async () => {
+      const res = await request(`${via.url}${u.pathname}hello${u.search}`);
+      const text = await res.body.text();
+      return res.statusCode === 200 && text;
+    });
+    assert.equal(hello, "hello from /hello query ", "the service's own answer, the token taken off");
+  }
+  const upload = Buffer.alloc(3 * 1024 * 1024, 5);
+  const posted = await request(`${via.url}${svcUrl.pathname}${svcUrl.search}`, { method: "POST", body: upload });
+  assert.equal(await posted.body.text(), createHash("sha256").update(upload).digest("hex"), "a body streamed through another host to the replica");
+  const edgeWs = new WebSocket(`${via.url.replace("http", "ws")}${svcUrl.pathname}ws${svcUrl.search}`);
+  await new Promise((resolve, reject) => edgeWs.once("open", resolve).once("error", reject));
+  const echoes: Buffer[] = [];
+  const echoed = new Promise<void>((resolve) => edgeWs.on("message", (m: Buffer) => echoes.push(m) === 2 && resolve()));
+  const wsBig = Buffer.alloc(200_000, 3);
+  edgeWs.send("across hosts");
+  edgeWs.send(wsBig);
+  await echoed;
+  assert.equal(echoes[0].toString(), "across hosts");
+  assert.ok(echoes[1].equals(wsBig), "a WebSocket echo through another host's edge");
+  edgeWs.close();
+  assert.equal((await b.call("DELETE", `/v1/agent-deployments/${across.body.id}`)).status, 200);
+
+  await sbx.files.write("/tmp/site/index.html", "<h1>port 8000 on b</h1>");
+  const site = await sbx.commands.run("cd /tmp/site && exec python3 -m http.server 8000 --bind 127.0.0.1", { background: true });
+  const traffic = { host: sbx.getHost(8000), "e2b-traffic-access-token": sbx.trafficAccessToken! };
+  const page = await until("getHost(8000) answered through host a", async () => {
+    const res = await request(`${a.url}/index.html`, { headers: traffic });
+    const text = await res.body.text();
+    return res.statusCode === 200 && text;
+  });
+  assert.equal(page, "<h1>port 8000 on b</h1>");
+  const closedPort = await request(`${a.url}/`, { headers: { ...traffic, host: sbx.getHost(8001) } });
+  assert.equal(closedPort.statusCode, 502, "a closed port on b answers as it does locally");
+  await closedPort.body.dump();
+  const noTraffic = await request(`${a.url}/index.html`, { headers: { host: traffic.host } });
+  assert.equal(noTraffic.statusCode, 401, "the traffic token is checked by host a");
+  await noTraffic.body.dump();
+
+  // The tunnel route itself answers peers only: no cluster headers (with a key or not) and forged ones are refused;
+  // a genuine signature opens a byte stream to the port, once.
+  const tunnelPath = `/v1/cluster/machines/${mb}/ports/8000/tunnel?use=http`;
+  assert.equal((await tunnelStatus(b.url, tunnelPath, {})).status, 401, "a stranger");
+  assert.equal((await tunnelStatus(b.url, tunnelPath, { authorization: `Bearer ${TEST_KEY}` })).status, 401, "a key holder");
+  const forgedTunnel = { "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": "h-b", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-nonce": "forged", "x-kiln-cluster-sig": "AAAA" };
+  assert.equal((await tunnelStatus(b.url, tunnelPath, { ...forgedTunnel, authorization: `Bearer ${TEST_KEY}` })).status, 401, "forged cluster headers");
+  const tunnelSecret = await clusterSecret(db.url);
+  const ts = String(Date.now());
+  const mac = createHmac("sha256", tunnelSecret);
+  for (const p of ["GET", tunnelPath, ts, "t1", "", "h-a", "h-b"]) mac.update(`${p.length}:${p}\n`);
+  const genuine = { "x-kiln-cluster-from": "h-a", "x-kiln-cluster-to": "h-b", "x-kiln-cluster-ts": ts, "x-kiln-cluster-key": "", "x-kiln-cluster-nonce": "t1", "x-kiln-cluster-sig": mac.digest("base64url") };
+  const opened = await tunnelStatus(b.url, tunnelPath, genuine);
+  assert.equal(opened.status, 101);
+  opened.socket!.write("GET /index.html HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+  const overTunnel = await new Promise<string>((resolve) => {
+    let text = "";
+    opened.socket!.on("data", (c: Buffer) => (text += c.toString())).on("close", () => resolve(text));
+  });
+  assert.match(overTunnel, /^HTTP\/1\.[01] 200[\s\S]*port 8000 on b/, "bytes through the tunnel reach the machine's port");
+  assert.equal((await tunnelStatus(b.url, tunnelPath, genuine)).status, 401, "a replayed tunnel signature");
+  await site.kill();
+
   // A forged token is refused by the first server; nothing reaches host b.
   const forgedToken = await request(`${a.url}/process.Process/List`, { method: "POST", headers: { "e2b-sandbox-id": sbx.sandboxId, "x-access-token": `${e2bKey.id}.AAAA`, "content-type": "application/json" }, body: "{}" });
   assert.equal(forgedToken.statusCode, 401);
@@ -410,6 +489,9 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   const env = await b.call("POST", `/v1/machines/${onC.machine_id}/exec`, { cmd: `tr '\\0' '\\n' < /proc/${onC.process_id}/environ | grep GREETING` });
   assert.equal(env.body.stdout, `GREETING=${ENV_MARKER}\n`, JSON.stringify(env.body));
 
+  const mc = on("h-c");
+  // Its sandbox's traffic token, to reach one of its ports through a survivor once it is lost (below).
+  const mcTraffic = { host: `8000-${mc.slice("mch_".length)}.kiln.test`, "e2b-traffic-access-token": (await Sandbox.connect(mc.slice("mch_".length), e2b)).trafficAccessToken! };
   // A volume of c being moved to b when c is killed (wherever the move is then): after c restarts, one host holds it
   // whole and the record names that one; the other keeps no copy.
   const vol2 = await c.call("POST", "/v1/volumes", { name: "moving", size_mb: 16 });
@@ -419,7 +501,6 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   const midMove = a.call("POST", `/v1/volumes/${vol2.body.id}/move`, { host_id: "h-b" }).catch(() => undefined);
 
   // A host killed with SIGKILL: lost within the bound, its machine failed with the reason, its webhook once.
-  const mc = on("h-c");
   await new Promise((r) => setTimeout(r, 30));
   const killedAt = Date.now();
   c.child.kill("SIGKILL");
@@ -448,6 +529,11 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
     const ex = await via.call("POST", `/v1/machines/${on(h)}/exec`, { cmd: "echo alive" });
     assert.equal(ex.body.stdout, "alive\n");
   }
+  // A port of a machine on the lost host answers through a survivor as the local path does for a stopped machine.
+  const lostPort = await request(`${a.url}/`, { headers: mcTraffic });
+  const lostBody = await lostPort.body.text();
+  assert.equal(lostPort.statusCode, 409, lostBody);
+  assert.match(lostBody, new RegExp(`Machine ${mc} is failed`));
   // The deployment's replica on the lost host is failed, saying why, once (one event across both survivors), and a
   // replacement runs on a surviving host; its readiness_status names the replica it replaces.
   const gone = await until("the lost host's replica to be failed", async () => {
@@ -516,6 +602,22 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
     assert.equal(envFound.stdout.trim(), "", `the deployment's env is in no file of ${d}`);
   }
 });
+
+/** Sends a cluster tunnel upgrade; its status (101: the socket, the caller's to close) or the refusal's. */
+function tunnelStatus(base: string, path: string, headers: Record<string, string>): Promise<{ status: number; socket?: import("node:net").Socket }> {
+  return new Promise((resolve, reject) => {
+    const url = new URL(base);
+    // A connection of its own: a refused upgrade's connection is closed by the server, never reused.
+    const req = httpRequest({ host: url.hostname, port: url.port, path, agent: false, headers: { connection: "Upgrade", upgrade: "kiln-tunnel", ...headers } });
+    req.on("upgrade", (res, socket) => resolve({ status: res.statusCode ?? 0, socket }));
+    req.on("response", (res) => {
+      res.resume();
+      resolve({ status: res.statusCode ?? 0 });
+    });
+    req.on("error", reject);
+    req.end();
+  });
+}
 
 /** Warm machines a server holds ready now (its Prometheus metrics). */
 async function warmReady(s: ServerProcess): Promise<number> {

@@ -101,7 +101,17 @@ test("the route table is the server's own: every route declares its auth, and th
   // E2B template file uploads take their signed link, nothing else.
   assert.deepEqual(table.filter((r) => r.auth === "e2b-upload").map((r) => `${r.method} ${r.url}`), ["PUT /e2b-template-files/:id/:hash"]);
   // Host-to-host: a peer's layer fetch, answered on a cluster signature only (docs/hosts.md), never on a key.
-  assert.deepEqual(routesOf(["cluster"]).map((r) => `${r.method} ${r.url}`).sort(), ["GET /v1/cluster/layers/:digest", "HEAD /v1/cluster/layers/:digest", "POST /v1/cluster/deployments/:deployment_id/replicas", "POST /v1/cluster/services/:service_id/stop", "PUT /v1/cluster/volumes/:id/image"].sort());
+  // And the port tunnel a peer's edge or E2B port proxy opens to a machine of this host (an upgrade, kiln-tunnel),
+  // replicas a peer places here, and a volume's image a peer moves here.
+  assert.deepEqual(routesOf(["cluster"]).map((r) => `${r.method} ${r.url}`).sort(), [
+    "GET /v1/cluster/layers/:digest",
+    "GET /v1/cluster/machines/:id/ports/:port/tunnel",
+    "HEAD /v1/cluster/layers/:digest",
+    "HEAD /v1/cluster/machines/:id/ports/:port/tunnel",
+    "POST /v1/cluster/deployments/:deployment_id/replicas",
+    "POST /v1/cluster/services/:service_id/stop",
+    "PUT /v1/cluster/volumes/:id/image",
+  ].sort());
   for (const r of table) if (r.url.startsWith("/v1/")) assert.ok(r.auth === "key" || r.url === "/v1/openapi.json" || (r.auth === "cluster" && r.url.startsWith("/v1/cluster/")), `${r.method} ${r.url} is key-authenticated`);
 });
 
@@ -132,7 +142,7 @@ for (const [credential, headers] of [
 }
 
 test("every route × every spelling of its path, as a WebSocket upgrade without a key (or with a revoked one), answers 401 and never 101", async () => {
-  const cases = routesOf(["key", "envd-token", "e2b-volume-token", "edge-token"])
+  const cases = routesOf(["key", "envd-token", "e2b-volume-token", "edge-token", "cluster"])
     .filter((r) => r.method === "GET")
     .flatMap((r) =>
       spellings(concrete(r.url)).flatMap((s) =>
@@ -142,6 +152,23 @@ test("every route × every spelling of its path, as a WebSocket upgrade without 
     );
   const results = await inParallel(cases, 16, async ({ r, s, headers }) => ({ r, s, res: await rawRequest(port, "GET", s.target, headers) }));
   for (const { r, s, res } of results) assertRefused(res, `upgrade of ${r.url} as ${s.name} (${s.target})`);
+});
+
+test("the cluster port tunnel opens for no key and no forged signature: its own upgrade is refused 401, never 101", async () => {
+  const forged = { "x-kiln-cluster-from": "h-x", "x-kiln-cluster-to": "h-y", "x-kiln-cluster-ts": String(Date.now()), "x-kiln-cluster-key": "", "x-kiln-cluster-nonce": "n", "x-kiln-cluster-sig": "AAAA" };
+  const tunnel = { connection: "Upgrade", upgrade: "kiln-tunnel" };
+  for (const s of spellings(concrete("/v1/cluster/machines/:id/ports/:port/tunnel"))) {
+    const target = `${s.target}?use=pipe`;
+    // Forged headers are refused on any path; a key on the spellings the router folds back onto the route (others are 404s).
+    const withKey = /as registered|percent-encoded|absolute-form|lower-case hex/.test(s.name);
+    for (const [what, headers] of [
+      ...(withKey ? ([["a key", { ...tunnel, authorization: `Bearer ${TEST_KEY}` }]] as const) : []),
+      ["forged cluster headers", { ...tunnel, ...forged }],
+      ["forged cluster headers and a key", { ...tunnel, ...forged, authorization: `Bearer ${TEST_KEY}` }],
+    ] as const) {
+      assertRefused(await rawRequest(port, "GET", target, headers), `a tunnel upgrade of ${target} with ${what}`);
+    }
+  }
 });
 
 test("the spellings reach the route: with the key, the path tricks answer what the route answers (so the 401s above are the auth, not a 404)", async () => {

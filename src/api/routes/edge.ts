@@ -91,7 +91,7 @@ export function edgeTarget(url: string): EdgeTarget | undefined {
 
 export function createEdge(opts: { services: Services; log: Logger; secureCookies: boolean; limits?: ProxyLimits; edgeDomain?: EdgeDomain }) {
   const { deployments } = opts.services;
-  const proxy = createUpstreamProxy((id) => deployments.openServicePort(id), opts.limits ?? DEFAULT_PROXY_LIMITS);
+  const proxy = createUpstreamProxy((id, use) => deployments.openServicePort(id, use), opts.limits ?? DEFAULT_PROXY_LIMITS);
   deployments.setProxy(proxy);
   // A Kiln API key sent along (a client that adds its key to every request to Kiln's host) never reaches a service.
   const isKilnKey = rememberedCheck((c) => opts.services.keys.isKey(c));

@@ -8,6 +8,10 @@ import { KilnError } from "../../errors.ts";
 import { errors } from "../schemas.ts";
 import { packLayer } from "../../hosts/layers/pack.ts";
 import { LAYER_DIGEST } from "../../hosts/layers/service.ts";
+import { isTunnelUpgrade, TUNNEL_PROTOCOL, TUNNEL_ROUTE } from "../../hosts/tunnel.ts";
+import type { TunnelServer } from "../../hosts/tunnel.ts";
+import type { FastifyRequest } from "fastify";
+import type { Duplex } from "node:stream";
 
 const tags = ["Hosts"];
 const HostId = Type.String({ pattern: "^[A-Za-z0-9_.-]{1,64}$", description: "a host's id (KILN_HOST_ID, or made once per data dir)" });
@@ -41,7 +45,7 @@ const Host = Type.Object({
   self: Type.Boolean({ description: "true for the host of the server that answered" }),
 });
 
-export async function hostRoutes(app: App, opts: { services: Services }) {
+export async function hostRoutes(app: App, opts: { services: Services; tunnels: TunnelServer }) {
   const { hosts, keys } = opts.services;
 
   async function operatorOnly(keyId: string | undefined) {
@@ -71,10 +75,45 @@ export async function hostRoutes(app: App, opts: { services: Services }) {
       return reply.send(packLayer(held.dir, abort.signal));
     },
   );
+  // The port tunnel: a peer's edge or E2B port proxy reaching a port inside a machine this host runs (src/hosts/tunnel.ts).
+  // Cluster authentication only, and only as an upgrade; registered before @fastify/websocket, which would otherwise
+  // take the upgrade for a WebSocket handshake.
+  app.get(
+    TUNNEL_ROUTE,
+    {
+      config: { auth: "cluster" },
+      schema: {
+        hide: true,
+        params: Type.Object({ id: Type.String({ maxLength: 64 }), port: Type.Integer({ minimum: 1, maximum: 65535 }) }),
+        querystring: Type.Object({ use: Type.Union([Type.Literal("http"), Type.Literal("pipe")]) }),
+      },
+    },
+    async (req, reply) => {
+      const peer = upgradeParts(req);
+      if (!peer || !isTunnelUpgrade(req.raw)) throw new KilnError("invalid_request", `A tunnel is opened as an upgrade (Upgrade: ${TUNNEL_PROTOCOL})`);
+      const target = await opts.tunnels.connect(req.params.id, req.params.port);
+      reply.hijack();
+      if (peer.socket.destroyed) return void opts.tunnels.abandon(req.params.id, target);
+      opts.tunnels.splice(req.params.id, req.query.use, peer.socket, peer.head, target);
+    },
+  );
+  app.addHook("onClose", (_app, done) => {
+    opts.tunnels.close();
+    done();
+  });
   for (const [action, summary] of Object.entries(actions) as [keyof typeof actions, string][]) {
     app.post(`/v1/hosts/:id/${action}`, { config: { auth: "key" }, schema: { tags, summary, params: Params, response: { 200: Host, ...errors(403, 404, 409) } } }, async (req) => {
       await operatorOnly(req.apiKeyId);
       return hosts[action](req.params.id);
     });
   }
+}
+
+/** The socket and head buffer @fastify/websocket kept for an upgrade request (undefined for a plain request). */
+function upgradeParts(req: FastifyRequest): { socket: Duplex; head: Buffer } | undefined {
+  const raw = req.raw as unknown as Record<symbol, unknown>;
+  const symbols = Object.getOwnPropertySymbols(raw);
+  const socket = raw[symbols.find((s) => s.description === "ws-socket")!] as Duplex | undefined;
+  const head = raw[symbols.find((s) => s.description === "ws-head")!];
+  return socket ? { socket, head: Buffer.isBuffer(head) ? head : Buffer.alloc(0) } : undefined;
 }

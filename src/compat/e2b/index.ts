@@ -12,6 +12,7 @@ import { e2bError } from "./errors.ts";
 import { sendUnaryError } from "./connect.ts";
 import { createProcessRegistry } from "./processes.ts";
 import { createTokens, fileUrlSignature, loadTokenSecret, sameText } from "./token.ts";
+import type { RemotePort } from "../../hosts/tunnel.ts";
 import { installPortProxy, requestHost, SANDBOX_HOST_RE } from "./ports.ts";
 import { machineIdOf } from "./ids.ts";
 import { codeInterpreterRoutes, JUPYTER_PORT } from "./code-interpreter.ts";
@@ -36,6 +37,8 @@ export interface E2bOptions {
   limits?: ProxyLimits;
   /** KILN_BUILD_RETENTION_S: uploaded template files unused this long are removed. */
   buildRetentionS?: number;
+  /** A sandbox port on another host, through the cluster tunnel (undefined: not a cluster, or the sandbox is here). */
+  remotePort?: RemotePort;
 }
 
 /** The sandbox port a request names: `E2b-Sandbox-Port`, else the port of a `<port>-<id>.` Host. */
@@ -201,7 +204,7 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
 
   // After ready, so the websocket plugin's upgrade listener is among those it passes everything else to.
   app.addHook("onReady", (done) => {
-    installPortProxy(app.server, { machines: services.machines, keyOf: envdKeyOf, onRevoked: services.keys.onRevoked, isKey: services.keys.isKey, servedPorts: [ENVD_PORT, JUPYTER_PORT], proto: new URL(opts.publicUrl).protocol.replace(":", ""), limits: opts.limits });
+    installPortProxy(app.server, { machines: services.machines, keyOf: envdKeyOf, onRevoked: services.keys.onRevoked, isKey: services.keys.isKey, servedPorts: [ENVD_PORT, JUPYTER_PORT], proto: new URL(opts.publicUrl).protocol.replace(":", ""), limits: opts.limits, remotePort: opts.remotePort });
     done();
   });
 

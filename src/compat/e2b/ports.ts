@@ -12,6 +12,7 @@ import { acceptWebSocket, createUpstreamProxy, DEFAULT_PROXY_LIMITS, forwardedHe
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import { rememberedCheck, stripKilnCredentials } from "../../deployments/credentials.ts";
 import { machineIdOf, SANDBOX_ID_SOURCE } from "./ids.ts";
+import type { RemotePort } from "../../hosts/tunnel.ts";
 
 /** The machine port a request is for (`sandboxId`: the machine's id), or undefined (the ports Kiln serves itself — envd's, the code interpreter's — and Kiln's own names are not port requests). */
 export function portTargetOf(host: string | undefined, servedPorts: readonly number[]): { port: number; sandboxId: string } | undefined {
@@ -52,13 +53,18 @@ export interface PortProxyDeps {
   servedPorts: readonly number[];
   proto: string;
   limits?: ProxyLimits;
+  /** A sandbox port on another host, through the cluster tunnel; undefined when the sandbox is served here. */
+  remotePort?: RemotePort;
 }
 
 export function installPortProxy(server: Server, deps: PortProxyDeps) {
   const isKilnKey = rememberedCheck(deps.isKey);
   // One upstream per sandbox port, keyed `<sandbox id>:<port>`.
-  const proxy = createUpstreamProxy(async (key) => {
+  const proxy = createUpstreamProxy(async (key, use) => {
     const [sandboxId, port] = key.split(":");
+    // A sandbox another host runs: its errors are already the port's (a closed port 502, a stopped sandbox 409).
+    const remote = await deps.remotePort?.(sandboxId, Number(port), use);
+    if (remote) return remote;
     const { agent } = await deps.machines.agentOf(sandboxId);
     return agent.connectPort(Number(port)).catch((err: { status?: number; message?: string }) => {
       throw err?.status === 502 || err?.status === 404
