@@ -194,14 +194,17 @@ export async function codeInterpreterRoutes(parent: FastifyInstance, deps: CodeI
 /** Kiln's NDJSON frames as E2B's, line by line, keepalives between; `end` becomes number_of_executions + end_of_execution. */
 function streamExecution(reply: FastifyReply, frames: Readable, abort: AbortController) {
   const out = new PassThrough();
+  const lines = createInterface({ input: frames, crlfDelay: Infinity });
+  // Paced by the client, as the native code/execute is: while the client has not taken what waits, the agent's
+  // answer is not read (the agent then holds the kernel), so a client that does not read costs the server nothing.
   const send = (frame: Record<string, unknown>) => {
-    if (!out.writableEnded) out.write(JSON.stringify(frame) + "\n");
+    if (!out.writableEnded && !out.write(JSON.stringify(frame) + "\n") && frame.type !== "keepalive") lines.pause();
   };
+  out.on("drain", () => lines.resume());
   const keepalive = setInterval(() => send({ type: "keepalive" }), KEEPALIVE_MS);
   // Node sends the response's headers with its first bytes: one keepalive now, so the client has its headers at
   // once — the SDK's timeoutMs clock starts with them — however long the code stays silent.
   send({ type: "keepalive" });
-  const lines = createInterface({ input: frames, crlfDelay: Infinity });
   const finish = () => {
     clearInterval(keepalive);
     if (!out.writableEnded) out.end();

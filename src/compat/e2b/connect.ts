@@ -104,6 +104,14 @@ export interface ServerStream {
   onClose(fn: () => void): void;
 }
 
+/**
+ * What a server stream may hold for a client that reads slower than its sandbox writes (bytes not yet taken by the
+ * client's connection). One agent socket carries every process of a machine, so a slow client cannot pause its
+ * process without pausing the others: past this its stream ends with `resource_exhausted` (the process goes on, and
+ * `connect(pid)` attaches again), instead of the server holding the sandbox's output without bound.
+ */
+export const MAX_UNSENT_BYTES = 32 * 1024 * 1024;
+
 /** Starts a server-streaming response; the caller's handler returns what this returns. */
 export function openServerStream(reply: FastifyReply): { stream: ServerStream; response: FastifyReply } {
   const out = new PassThrough();
@@ -118,7 +126,11 @@ export function openServerStream(reply: FastifyReply): { stream: ServerStream; r
   reply.raw.once("close", close);
   const stream: ServerStream = {
     send(message) {
-      if (!closed) out.write(envelope(0, message));
+      if (closed) return;
+      out.write(envelope(0, message));
+      if (out.writableLength + out.readableLength > MAX_UNSENT_BYTES) {
+        stream.end(new ConnectFailure("resource_exhausted", `the client fell more than ${MAX_UNSENT_BYTES / 1024 / 1024} MiB behind this stream; this stream ends (a process goes on: connect to it again)`));
+      }
     },
     end(err) {
       if (closed) return;
