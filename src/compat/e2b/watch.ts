@@ -34,18 +34,45 @@ export function envdEventOf(watched: string, f: FileEventFrame): EnvdFsEvent | u
   return { name, type: EVENT_TYPE[f.event] };
 }
 
+/**
+ * Polled watchers a machine may hold at once, ended ones included (the agent's own bound is 64 live watches per
+ * socket; an ended one is kept only to tell its next poll why it ended).
+ */
+export const MAX_POLLED_PER_MACHINE = 64;
+/** An ended watcher nobody polled is dropped after this (a destroyed or paused sandbox's watchers end). */
+const ENDED_KEPT_MS = 60_000;
+
+type Polled = { machineId: string; events: EnvdFsEvent[]; pending: Set<Promise<void>>; stop: () => void; ended?: string; endedAt?: number };
+
 /** The polled watchers (CreateWatcher …): held in memory, ended with their machine's stream socket. */
 export function createPolledWatchers(processes: ProcessRegistry) {
-  const watchers = new Map<string, { machineId: string; events: EnvdFsEvent[]; pending: Set<Promise<void>>; stop: () => void; ended?: string }>();
+  const watchers = new Map<string, Polled>();
+
+  /** Drops ended watchers not polled within ENDED_KEPT_MS; then `machineId`'s oldest ended ones while it is at the bound. */
+  function sweep(machineId: string) {
+    const old = Date.now() - ENDED_KEPT_MS;
+    for (const [id, w] of watchers) if (w.endedAt !== undefined && w.endedAt < old) watchers.delete(id);
+    const own = [...watchers].filter(([, w]) => w.machineId === machineId);
+    for (const [id, w] of own) {
+      if (own.length < MAX_POLLED_PER_MACHINE) break;
+      if (w.endedAt === undefined) continue;
+      watchers.delete(id);
+      own.splice(own.findIndex(([x]) => x === id), 1);
+    }
+    return own.length;
+  }
 
   return {
     /** `entryAt` (includeEntry) stats an event's path; the event is held in order and filled when it answers. */
     async create(machineId: string, path: string, recursive: boolean, entryAt?: (path: string) => Promise<unknown>): Promise<string> {
+      if (sweep(machineId) >= MAX_POLLED_PER_MACHINE) throw new ConnectFailure("resource_exhausted", `At most ${MAX_POLLED_PER_MACHINE} watchers per sandbox: remove one (RemoveWatcher) first`);
       const id = randomUUID();
-      const entry = { machineId, events: [] as EnvdFsEvent[], pending: new Set<Promise<void>>(), stop: () => undefined as void, ended: undefined as string | undefined };
+      const entry: Polled = { machineId, events: [], pending: new Set<Promise<void>>(), stop: () => undefined };
       entry.stop = await processes.watch(machineId, path, recursive, (f) => {
-        if (f.type === "end") entry.ended = f.error;
-        else if (f.type === "file_event" && entry.events.length < MAX_POLLED_EVENTS) {
+        if (f.type === "end") {
+          entry.ended = f.error;
+          entry.endedAt = Date.now();
+        } else if (f.type === "file_event" && entry.events.length < MAX_POLLED_EVENTS) {
           const e = envdEventOf(path, f);
           if (!e) return;
           entry.events.push(e);
@@ -67,9 +94,9 @@ export function createPolledWatchers(processes: ProcessRegistry) {
       // Events whose entry is still being stat'ed are answered with it.
       await Promise.all(w.pending);
       const events = w.events.splice(0);
-      if (!events.length && w.ended) {
+      if (!events.length && w.endedAt !== undefined) {
         watchers.delete(id);
-        throw new ConnectFailure("not_found", `watcher ${id} ended: ${w.ended}`);
+        throw new ConnectFailure("not_found", `watcher ${id} ended: ${w.ended ?? "its watch ended"}`);
       }
       return events;
     },
