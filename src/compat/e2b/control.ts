@@ -273,7 +273,9 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     const out: MachineView[] = [];
     let next: string | undefined;
     for (;;) {
-      const page = await machines.list({ limit, after });
+      // Store pages of at least 100: a filter that matches few machines reads the records in few queries, not one
+      // query per machine for limit=1.
+      const page = await machines.list({ limit: Math.max(limit, 100), after });
       for (const m of page.machines) {
         // Newest first: once one is too old, all the rest are.
         if (startedAfter !== undefined && Date.parse(m.created_at) <= startedAfter) {
