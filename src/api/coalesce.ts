@@ -1,11 +1,12 @@
-// Single flight with freshness: callers that arrive while a run is in flight wait for the next run and share it, so
-// a burst of identical reads costs one run per batch, and no caller gets an answer begun before it asked. Runs begin
-// at least `minIntervalMs` apart, so a steady stream of callers is served in batches rather than one run each.
+// Single flight with freshness: callers share one run, and no caller gets an answer begun before it asked. A run
+// begins once the event loop has read the I/O that is already waiting (setImmediate), so the requests parsed in one
+// turn of the loop share a run begun after all of them arrived; callers that arrive while a run is in flight wait for
+// the next one. Runs begin at least `minIntervalMs` apart (0: one per loop turn at most).
 
 export function coalesce<T>(run: () => Promise<T>, minIntervalMs = 0): () => Promise<T> {
   let running: Promise<T> | undefined;
   let startedAt = -Infinity;
-  /** The run the callers waiting behind `running` (or the interval) will share. */
+  /** The run the callers that have not been served yet will share. */
   let next: Promise<T> | undefined;
 
   function start(): Promise<T> {
@@ -19,16 +20,20 @@ export function coalesce<T>(run: () => Promise<T>, minIntervalMs = 0): () => Pro
     return p;
   }
 
-  return () => {
-    if (next) return next;
-    const wait = startedAt + minIntervalMs - performance.now();
-    if (!running && wait <= 0) return start();
-    const settled = (running ?? Promise.resolve()).then(
+  const settled = (p: Promise<T> | undefined) =>
+    (p ?? Promise.resolve()).then(
       () => undefined,
       () => undefined,
     );
-    next = settled
-      .then(() => new Promise<void>((resolve) => (wait > 0 ? setTimeout(resolve, wait) : resolve())))
+
+  return () => {
+    if (next) return next;
+    next = new Promise<void>((resolve) => setImmediate(resolve))
+      .then(() => settled(running))
+      .then(() => {
+        const wait = startedAt + minIntervalMs - performance.now();
+        return wait > 0 ? new Promise<void>((resolve) => setTimeout(resolve, wait)) : undefined;
+      })
       .then(() => {
         next = undefined;
         return start();

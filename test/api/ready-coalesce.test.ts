@@ -14,6 +14,9 @@ test("callers that arrive while a report is being made share the next one, begun
     return n;
   });
   const first = report();
+  // The run begins once the loop has read the I/O already waiting (the callers of one turn share it).
+  await new Promise((r) => setImmediate(r));
+  assert.equal(runs, 1);
   // Arrive while the first run is in flight: they must not get its (older) answer.
   const late = [report(), report(), report()];
   release!();
@@ -22,6 +25,15 @@ test("callers that arrive while a report is being made share the next one, begun
   assert.equal(runs, 2, "one run for all three late callers");
   release!();
   assert.deepEqual(await Promise.all(late), [2, 2, 2]);
+});
+
+test("callers of one turn of the event loop share one run, begun after all of them asked", async () => {
+  let runs = 0;
+  const report = coalesce(async () => ++runs);
+  const together = [report(), report(), report()];
+  assert.equal(runs, 0, "no run begins while the turn's callers are still arriving");
+  assert.deepEqual(await Promise.all(together), [1, 1, 1]);
+  assert.equal(await report(), 2, "a caller after that run gets a new one");
 });
 
 test("a caller after a run has settled gets a new run; a failed run is not shared with later callers", async () => {

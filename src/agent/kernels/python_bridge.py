@@ -7,27 +7,45 @@
 #                  {"type": "stdout"|"stderr", "text"} | {"type": "result", "data", "is_main_result", "execution_count"}
 #                  {"type": "error", "name", "value", "traceback"} | {"type": "done", "execution_count", "status"}
 # Executes run one at a time, in arrival order; an interrupt reaches the kernel at once (SIGINT via the manager).
+# One thread: stdin is polled with the kernel's sockets, so a command is read the moment it arrives (a reader thread
+# handing executes over through a queue cost a thread wake-up and a GIL hand-over on every execute).
 
+import collections
 import json
 import os
-import queue
 import re
+import select
 import sys
-import threading
 
 # Frames go to a private copy of fd 1; fd 1 itself becomes stderr, so nothing the kernel (or a library) prints at
 # the file-descriptor level can corrupt the protocol stream.
-_proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+_proto = os.dup(1)
 os.dup2(2, 1)
-_lock = threading.Lock()
+# Not blocking: while the agent does not read (its caller is slow), the agent's commands are still read (an interrupt).
+os.set_blocking(_proto, False)
+_commands = None
 _ansi = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def emit(frame):
-    line = json.dumps(frame, ensure_ascii=False)
-    with _lock:
-        _proto.write(line + "\n")
-        _proto.flush()
+    data = (json.dumps(frame, ensure_ascii=False) + "\n").encode("utf-8")
+    while data:
+        try:
+            data = data[os.write(_proto, data) :]
+        except BlockingIOError:
+            wait_writable()
+
+
+def wait_writable():
+    """Until the agent reads again; its commands are handled meanwhile."""
+    poller = select.poll()
+    poller.register(_proto, select.POLLOUT)
+    listening = _commands is not None and not _commands.stopping
+    if listening:
+        poller.register(_commands.fd, select.POLLIN)
+    for fd, _ in poller.poll():
+        if listening and fd == _commands.fd:
+            _commands.read()
 
 
 # ipykernel sends what a cell printed in one message per flush (0.2 s): megabytes from a cell that floods. Frames
@@ -52,9 +70,11 @@ def main():
 
         km = KernelManager(kernel_name="python3")
         # The kernel's input history stays in memory (In, Out, _i and %history of this session work; -l of past ones
-        # does not): on
-        # disk it is a SQLite write per cell, in a thread that takes the kernel's GIL, ≈ 1–2 ms of every execute.
-        km.start_kernel(cwd=cwd, extra_arguments=["--HistoryManager.enabled=False"])
+        # does not): on disk it is a SQLite write per cell, in a thread that takes the kernel's GIL, ≈ 1–2 ms of every
+        # execute. ipykernel 6 also sleeps 0.5 ms after every execute (`_execute_sleep`, "mitigates" lost output in its
+        # own words) — more on a busy host; the flushes before it already wait until the output is sent, and the bridge
+        # reads the output up to the kernel's idle status, which comes after it on the same socket.
+        km.start_kernel(cwd=cwd, extra_arguments=["--HistoryManager.enabled=False", "--IPythonKernel._execute_sleep=0"])
         kc = Channels(km)
         kc.wait_for_ready(timeout=60)
     except Exception as e:  # noqa: BLE001 - any start failure is reported to the agent, then the bridge exits
@@ -63,39 +83,18 @@ def main():
 
     provisioner = getattr(km, "provisioner", None)
     pid = getattr(provisioner, "pid", None) or getattr(getattr(provisioner, "process", None), "pid", None)
-    work = queue.Queue()
-
-    def read_commands():
-        for line in sys.stdin:
-            try:
-                cmd = json.loads(line)
-            except ValueError:
-                continue
-            op = cmd.get("op")
-            if op == "interrupt":
-                try:
-                    km.interrupt_kernel()
-                except Exception:  # noqa: BLE001 - a dead kernel is noticed by the execute loop
-                    pass
-            elif op == "execute":
-                envs = cmd.get("envs")
-                work.put(("execute", cmd.get("code", ""), envs if isinstance(envs, dict) else None))
-            elif op == "environ":
-                envs = cmd.get("envs")
-                if isinstance(envs, dict):
-                    work.put(("environ", None, envs))
-            elif op == "shutdown":
-                break
-        work.put(None)  # stdin closed (the agent went away) or shutdown: stop
-
-    threading.Thread(target=read_commands, daemon=True).start()
+    kc.listen()
     emit({"type": "ready", "kernel_pid": pid})
 
+    commands = kc.commands
     while True:
-        item = work.get()
-        if item is None:
+        if commands.pending:
+            kind, code, envs = commands.pending.popleft()
+        elif commands.stopping:
             break
-        kind, code, envs = item
+        else:
+            kc.next(None)  # until a command arrives (kernel messages in between belong to no execute)
+            continue
         if kind == "environ":
             # The machine's envs, given to a kernel started before the machine was handed to its create (a hot pool):
             # kept in its os.environ from now on, as a kernel started after the create has them.
@@ -118,6 +117,63 @@ def main():
     return 0
 
 
+class Commands:
+    """
+    The agent's commands, read from stdin whenever the bridge polls: an interrupt reaches the kernel at once (also in
+    the middle of an execute), executes wait in `pending`, and a shutdown (or stdin closing: the agent went away)
+    stops the bridge once the executes already asked for have run.
+    """
+
+    def __init__(self, km):
+        self.km = km
+        self.fd = sys.stdin.fileno()
+        self.buf = b""
+        self.pending = collections.deque()
+        self.stopping = False
+        self.on_stop = None
+
+    def read(self):
+        chunk = b"" if self.stopping else os.read(self.fd, 1 << 16)
+        if not chunk:
+            self.stop()
+            return
+        lines = (self.buf + chunk).split(b"\n")
+        self.buf = lines.pop()
+        for line in lines:
+            self.handle(line)
+
+    def handle(self, line):
+        if self.stopping:
+            return
+        try:
+            cmd = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(cmd, dict):
+            return
+        op = cmd.get("op")
+        if op == "interrupt":
+            try:
+                self.km.interrupt_kernel()
+            except Exception:  # noqa: BLE001 - a dead kernel is noticed by the execute loop
+                pass
+        elif op == "execute":
+            envs = cmd.get("envs")
+            self.pending.append(("execute", cmd.get("code", ""), envs if isinstance(envs, dict) else None))
+        elif op == "environ":
+            envs = cmd.get("envs")
+            if isinstance(envs, dict):
+                self.pending.append(("environ", None, envs))
+        elif op == "shutdown":
+            self.stop()
+
+    def stop(self):
+        if not self.stopping:
+            self.stopping = True
+            if self.on_stop:
+                self.on_stop()
+
+
 class Channels:
     """
     The kernel's shell and iopub sockets, read synchronously with one poller. jupyter_client's blocking client runs an
@@ -132,6 +188,7 @@ class Channels:
         self.session = km.session
         self.shell = km.connect_shell()
         self.iopub = km.connect_iopub()
+        self.commands = Commands(km)
         self.poller = zmq.Poller()
         self.poller.register(self.shell, zmq.POLLIN)
         self.poller.register(self.iopub, zmq.POLLIN)
@@ -145,9 +202,23 @@ class Channels:
         content = {"code": code, "silent": silent, "store_history": store_history, "user_expressions": {}, "allow_stdin": False, "stop_on_error": False}
         return self.send("execute_request", content)
 
+    def listen(self):
+        """From now on the agent's commands are read (and handled) whenever a socket is polled, or a frame waits."""
+        global _commands
+        _commands = self.commands
+        if not self.commands.stopping:
+            self.poller.register(self.commands.fd, self.zmq.POLLIN)
+            self.commands.on_stop = lambda: self.poller.unregister(self.commands.fd)
+
     def next(self, timeout):
-        """The next message on either socket as (channel, msg), or None when `timeout` seconds pass with none."""
-        ready = dict(self.poller.poll(int(timeout * 1000)))
+        """
+        The next message on either socket as (channel, msg), or None when `timeout` seconds (None: no bound) pass with
+        none, or a command arrived (the caller looks at it before waiting again).
+        """
+        ready = dict(self.poller.poll(None if timeout is None else int(timeout * 1000)))
+        if self.commands.fd in ready:
+            self.commands.read()
+            return None
         for channel, sock in (("iopub", self.iopub), ("shell", self.shell)):
             if sock in ready:
                 _, msg = self.session.recv(sock, mode=self.zmq.NOBLOCK)
