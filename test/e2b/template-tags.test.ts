@@ -137,6 +137,10 @@ test("GET /templates lists Kiln's templates as E2B's; GET /templates/{id} shows 
   assert.equal(rest.data!.builds.length, 1);
   assert.notEqual(rest.data!.builds[0]!.buildID, page.data!.builds[0]!.buildID);
   assert.equal((await api().GET("/templates/{templateID}", { params: { path: { templateID: "no-such-template" } } })).response.status, 404);
+  // E2B's time-cursor build log is not served (the status route's logsOffset paging carries the same log): 501, saying so.
+  const logs = await k.call("GET", `/templates/${mine.templateID}/builds/${built.default}/logs`, { key });
+  assert.equal(logs.status, 501);
+  assert.match(logs.body.message, /status\?logsOffset=/);
 });
 
 test("bad input answers E2B's error shape and changes nothing: bad tags, unknown templates and tags, a name with a tag, the default tag", { skip }, async () => {

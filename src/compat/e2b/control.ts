@@ -404,6 +404,8 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   });
   // The template builder's routes are templates.ts, the catalog and tag moves template-catalog.ts; the rest of E2B's
   // template API (its deprecated build requests, PATCH of a template), secrets and teams are not served.
+  // E2B's timestamp-cursor build log API (the SDK has its type, never calls it): the status route carries the log.
+  app.get("/templates/:id/builds/:buildId/logs", { ...unserved, handler: notYet("GET /templates/{id}/builds/{buildID}/logs (E2B's timestamp-cursor build log; the build log is served by GET /templates/{id}/builds/{buildID}/status?logsOffset=, which the SDK polls)") });
   const UNSERVED_METHODS: Record<string, ("GET" | "POST" | "PUT" | "PATCH" | "DELETE")[]> = { "/templates": ["POST", "PUT", "PATCH", "DELETE"], "/v3/templates": ["GET", "PUT", "PATCH", "DELETE"] };
   for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/secrets", "/teams"]) {
     const what = `${prefix.replace(/^\/v\d/, "")} (E2B's deprecated template build requests and template updates, secrets and teams APIs)`;
