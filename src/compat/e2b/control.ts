@@ -368,10 +368,11 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
   // /v1/templates/{ref} removes it) or a snapshot (its id, or its name when no template has it, as at create).
   app.delete("/templates/:id", { ...unserved, schema: { hide: true, params: Type.Object({ id: Type.String({ minLength: 1, maxLength: 256 }) }) } }, async (req, reply) => {
     const { id } = req.params as { id: string };
-    const template = id.startsWith("snp_") ? undefined : await deps.services.templateCatalog.get(id).catch((err: unknown) => {
-          if (err instanceof KilnError && err.code === "not_found") return undefined;
-          throw err;
-        });
+    const missing = (err: unknown) => {
+      if (err instanceof KilnError && err.code === "not_found") return undefined;
+      throw err;
+    };
+    const template = id.startsWith("snp_") ? undefined : await deps.services.templateCatalog.get(id).catch(missing);
     if (template) {
       await deleteTemplate(template.template_id);
       return reply.code(204).send();
