@@ -136,6 +136,7 @@ test("GET /templates lists Kiln's templates as E2B's; GET /templates/{id} shows 
   const rest = await api().GET("/templates/{templateID}", { params: { path: { templateID: mine.templateID }, query: { limit: 1, nextToken: next } } });
   assert.equal(rest.data!.builds.length, 1);
   assert.notEqual(rest.data!.builds[0]!.buildID, page.data!.builds[0]!.buildID);
+  assert.equal((await api().GET("/templates/{templateID}", { params: { path: { templateID: mine.templateID }, query: { nextToken: "not-ours" } } })).response.status, 400);
   assert.equal((await api().GET("/templates/{templateID}", { params: { path: { templateID: "no-such-template" } } })).response.status, 404);
   // E2B's time-cursor build log is not served (the status route's logsOffset paging carries the same log): 501, saying so.
   const logs = await k.call("GET", `/templates/${mine.templateID}/builds/${built.default}/logs`, { key });

@@ -11,7 +11,7 @@ import type { Services } from "../../services/index.ts";
 import type { TemplateView } from "../../templates/catalog.ts";
 import { chooseTag, DEFAULT_NAMESPACE } from "../../templates/resolver.ts";
 import { MACHINE_DEFAULTS } from "../../machines/records.ts";
-import { KilnError } from "../../errors.ts";
+import { nextCursor, pageAfter } from "../../store/cursor.ts";
 import { ENVD_VERSION } from "./envd.ts";
 
 const Tags = Type.Array(Type.String({ maxLength: 256 }), { maxItems: 256 });
@@ -82,17 +82,11 @@ export async function templateCatalogRoutes(app: FastifyInstance, services: Serv
     const { id } = req.params as Static<typeof IdParams>;
     const q = req.query as Static<typeof BuildsQuery>;
     const t = await templateCatalog.get(id);
-    let after: [string, string] | undefined;
-    if (q.nextToken) {
-      try {
-        after = JSON.parse(Buffer.from(q.nextToken, "base64url").toString()) as [string, string];
-        if (!Array.isArray(after) || after.length !== 2 || !after.every((x) => typeof x === "string")) throw new Error();
-      } catch {
-        throw new KilnError("invalid_request", "nextToken is not one this server gave");
-      }
-    }
+    // nextToken is the keyset cursor Kiln's own build history pages with (src/store/cursor.ts).
+    const after = pageAfter(q.nextToken);
     const page = await services.builds.list(t.template_id, { limit: q.limit ?? 100, after });
-    if (page.more && page.last) reply.header("x-next-token", Buffer.from(JSON.stringify(page.last)).toString("base64url"));
+    const next = nextCursor(page);
+    if (next) reply.header("x-next-token", next);
     const builds = page.builds.map((b) => ({
       buildID: b.build_id,
       status: e2bBuildStatus(b.status),
