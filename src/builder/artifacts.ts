@@ -8,6 +8,7 @@ import type { ArtifactConfig } from "./artifact-config.ts";
 import { artifactConfig } from "./artifact-config.ts";
 import { sha256 } from "./dockerfile.ts";
 import type { PreparedBuild } from "./prepare.ts";
+import { pointTags } from "../templates/tags.ts";
 
 export interface ArtifactStore {
   /** An artifact built from the same input whose layers are all still on disk. */
@@ -52,23 +53,8 @@ export function createArtifactStore(deps: { db: Db; retentionS: number; contentD
   }
 
   /** Points the build's tags at the artifact; artifacts left with no tag start their retention clock. */
-  async function moveTags(p: PreparedBuild, artifactId: string) {
-    const now = new Date().toISOString();
-    const expires = new Date(Date.now() + deps.retentionS * 1000).toISOString();
-    await db.transaction().execute(async (tx) => {
-      const before = await tx.selectFrom("artifact_tags").select(["tag", "artifact_id"]).where("template_id", "=", p.template.id).execute();
-      for (const tag of p.tags) {
-        if (before.some((b) => b.tag === tag)) await tx.updateTable("artifact_tags").set({ artifact_id: artifactId, updated_at: now }).where("template_id", "=", p.template.id).where("tag", "=", tag).execute();
-        else await tx.insertInto("artifact_tags").values({ template_id: p.template.id, tag, artifact_id: artifactId, updated_at: now }).execute();
-      }
-      await tx.updateTable("artifacts").set({ retention_expires_at: null }).where("id", "=", artifactId).execute();
-      for (const old of new Set(before.map((b) => b.artifact_id))) {
-        if (old === artifactId) continue;
-        const still = await tx.selectFrom("artifact_tags").select("tag").where("artifact_id", "=", old).executeTakeFirst();
-        if (!still) await tx.updateTable("artifacts").set({ retention_expires_at: expires }).where("id", "=", old).where("retention_expires_at", "is", null).execute();
-      }
-      await tx.updateTable("templates").set({ updated_at: now }).where("id", "=", p.template.id).execute();
-    });
+  function moveTags(p: PreparedBuild, artifactId: string) {
+    return pointTags(db, { templateId: p.template.id, tags: p.tags, artifactId, retentionS: deps.retentionS });
   }
 
   return { find: findArtifact, reuse: reuseArtifact, record: recordArtifact };

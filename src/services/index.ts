@@ -135,7 +135,7 @@ export function createServices(deps: {
   const machines = createMachineService({ db: store.db, driver, templates, log, baseTemplateRef: BASE_TEMPLATE_REF, pool, hotPools, hostId, volumes, admission, teardown, boots, maxHibernationS: deps.snapshots?.maxHibernationS });
   const snapshots = createSnapshotService({ db: store.db, driver, machines, admission, log, hostId, maxSnapshots: deps.snapshots?.maxSnapshots });
   const builds = createBuildService({ db: store.db, driver, templates, log, dataDir: deps.dataDir, retentionS: deps.buildRetentionS, logMaxBytes: deps.buildLogMaxBytes, extensions: deps.buildExtensions, snapshots, hostId, layers });
-  const templateCatalog = createTemplateCatalog({ db: store.db });
+  const templateCatalog = createTemplateCatalog({ db: store.db, retentionS: deps.buildRetentionS });
   const dispatcher = createDispatcher({ db: store.db, dialect: store.dialect, hostId, log, scheduleMs: deps.webhooks.retryScheduleMs, allowPrivate: deps.webhooks.allowPrivate, historyS: deps.webhooks.historyS });
   const webhooks = createWebhookService({ db: store.db, allowPrivate: deps.webhooks.allowPrivate, rotationGraceMs: deps.webhooks.rotationGraceMs, wake: dispatcher.wake });
   const hostSettings = deps.hosts ?? { name: hostId, lostAfterS: 30, heartbeatMs: 5000 };

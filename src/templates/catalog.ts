@@ -1,10 +1,19 @@
-// Logical templates as the API shows them: list, get (with tags, aliases and artifacts) and delete, which refuses
-// while machines use the template and leaves its layers to the retention collector.
+// Logical templates as the API shows them: list, get (with tags, aliases and artifacts), delete, which refuses
+// while machines use the template and leaves its layers to the retention collector, and tag moves by hand (E2B's
+// assignTags/removeTags): a tag pointed at the artifact another tag names, or removed.
 
 import type { Db, TemplateRow } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
 import { artifactConfig } from "../builder/artifact-config.ts";
-import { BASE_TEMPLATE_REF, templateIdOf } from "./resolver.ts";
+import { BASE_TEMPLATE_REF, chooseTag, templateIdOf } from "./resolver.ts";
+import { dropTags, pointTags } from "./tags.ts";
+
+/** A tag as builds set them (src/builder/request.ts). */
+const TAG = /^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/;
+/** Tags one call moves at most (as a build's `tags`). */
+const MAX_TAGS = 64;
+/** The tag E2B gives a template when none is named; removing it is refused, as E2B does. */
+export const DEFAULT_TAG = "default";
 
 /** A logical template as the API shows it: its tags, aliases and latest artifacts. */
 export type TemplateView = {
@@ -36,9 +45,30 @@ export interface TemplateCatalog {
   get(id: string): Promise<TemplateView>;
   /** Refuses while machines use the template or a build of it runs; its layers are left to retention. */
   remove(id: string): Promise<TemplateView>;
+  /**
+   * Points `tags` at the artifact `target` names (`ref[:tag]`, a `tpl_` id or an alias; without a tag, the artifact
+   * the ref means to a create). Refused for a name reserved by a `name_claim_token` (only its builds move its tags).
+   */
+  assignTags(target: string, tags: string[]): Promise<{ template: TemplateRow; artifactId: string; buildId: string | null; tags: string[] }>;
+  /** Removes `tags` (never `default`) from the template `name` names; tags it lacks are ignored. */
+  removeTags(name: string, tags: string[]): Promise<{ template: TemplateRow; removed: string[] }>;
 }
 
-export function createTemplateCatalog(deps: { db: Db }): TemplateCatalog {
+/** `ref:tag` split at its last colon (a ref holds none); a `tpl_` id takes a tag the same way. */
+function splitTag(target: string): { ref: string; tag: string | undefined } {
+  const colon = target.lastIndexOf(":");
+  return colon > 0 ? { ref: target.slice(0, colon), tag: target.slice(colon + 1) } : { ref: target, tag: undefined };
+}
+
+function checkedTags(tags: string[]): string[] {
+  const unique = [...new Set(tags)];
+  if (unique.length === 0) throw new KilnError("invalid_request", "At least one tag is required");
+  if (unique.length > MAX_TAGS) throw new KilnError("invalid_request", `At most ${MAX_TAGS} tags at once`);
+  for (const t of unique) if (!TAG.test(t)) throw new KilnError("invalid_request", `Invalid tag ${JSON.stringify(t)}: 1 to 128 letters, digits, '.', '_' and '-', starting with a letter or digit`);
+  return unique;
+}
+
+export function createTemplateCatalog(deps: { db: Db; retentionS: number }): TemplateCatalog {
   const { db } = deps;
 
   async function view(t: TemplateRow) {
@@ -110,5 +140,34 @@ export function createTemplateCatalog(deps: { db: Db }): TemplateCatalog {
     return shown;
   }
 
-  return { list, get, remove };
+  /** The template a tag move names; a name reserved by a claim token moves its tags only through its builds. */
+  async function forTagMove(ref: string): Promise<TemplateRow> {
+    const t = await load(ref);
+    if (t.name_claim_hash) throw new KilnError("conflict", `The name ${t.canonical_ref} is reserved by a name_claim_token: its tags move only by building it with that token`);
+    return t;
+  }
+
+  async function assignTags(target: string, tags: string[]) {
+    const { ref, tag } = splitTag(target);
+    if (tag !== undefined && !TAG.test(tag)) throw new KilnError("invalid_request", `Invalid target ${JSON.stringify(target)}: its tag ${JSON.stringify(tag)} is not a tag`);
+    const wanted = checkedTags(tags);
+    const t = await forTagMove(ref);
+    const tagged = await db.selectFrom("artifact_tags").select(["tag", "artifact_id"]).where("template_id", "=", t.id).execute();
+    const chosen = chooseTag(tag, tagged.map((r) => r.tag));
+    const artifactId = tagged.find((r) => r.tag === chosen)?.artifact_id;
+    if (!artifactId) throw new KilnError("not_found", tag === undefined ? `Template ${t.canonical_ref} has no default tag: name the tag to copy, as ${ref}:<tag>` : `Template ${t.canonical_ref} has no tag ${JSON.stringify(tag)}`);
+    await pointTags(db, { templateId: t.id, tags: wanted, artifactId, retentionS: deps.retentionS });
+    const artifact = await db.selectFrom("artifacts").select("build_id").where("id", "=", artifactId).executeTakeFirstOrThrow();
+    return { template: t, artifactId, buildId: artifact.build_id, tags: wanted };
+  }
+
+  async function removeTags(name: string, tags: string[]) {
+    if (splitTag(name).tag !== undefined) throw new KilnError("invalid_request", "Template name should not contain a tag, use the 'tags' field instead");
+    const unwanted = checkedTags(tags);
+    if (unwanted.includes(DEFAULT_TAG)) throw new KilnError("invalid_request", `Cannot delete the '${DEFAULT_TAG}' tag`);
+    const t = await forTagMove(name);
+    return { template: t, removed: await dropTags(db, { templateId: t.id, tags: unwanted, retentionS: deps.retentionS }) };
+  }
+
+  return { list, get, remove, assignTags, removeTags };
 }

@@ -100,7 +100,7 @@ test("while the template is missing a create answers 503 (retryable) and starts 
   assert.equal((await sbx.runCode("import matplotlib; matplotlib.__version__")).error, undefined);
 });
 
-test("Template.exists answers from Kiln's templates (name, tag); moving tags answers 501 saying so (the builder itself: template-builder.test.ts)", async () => {
+test("Template.exists answers from Kiln's templates (name, tag); a tag move of an unknown template is E2B's 404 (the builder: template-builder.test.ts, tag moves: template-tags.test.ts)", async () => {
   const o = { apiKey: opts.apiKey, apiUrl: opts.apiUrl };
   assert.equal(await Template.exists("code-interpreter-v1", o), true);
   assert.equal(await Template.exists("base", o), true);
@@ -112,8 +112,8 @@ test("Template.exists answers from Kiln's templates (name, tag); moving tags ans
   assert.equal(bad.body.code, 400);
   const stranger = await k.call("GET", "/templates/aliases/base", { key: null });
   assert.equal(stranger.status, 401);
-  await assert.rejects(Template.assignTags("base:default", "production", o), (err: unknown) => {
-    assert.match((err as Error).message, /tag moves.*not supported by Kiln's E2B API yet/);
+  await assert.rejects(Template.assignTags("no-such-template-here:default", "production", o), (err: unknown) => {
+    assert.match((err as Error).message, /^404: No template "no-such-template-here"/);
     return true;
   });
 });

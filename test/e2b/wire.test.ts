@@ -116,6 +116,8 @@ test("bad control-plane requests get E2B's {code, message} and create nothing", 
     ['{"templateID":"base","network":{"allowOut":["example.com"]}}', 400],
     ['{"templateID":"base","network":{"rules":{"api.example.com":[{"transform":{"headers":{"x":"y"}}}]}}}', 400],
     ['{"templateID":"base","volumeMounts":[{"name":"no-such-volume","path":"/mnt"}]}', 404],
+    ['{"templateID":"base","mcp":{"github":{}}}', 400],
+    ['{"templateID":"base","iam":{"aws":{}}}', 400],
   ];
   for (const [body, status] of cases) {
     const res = await post(body);
@@ -127,12 +129,12 @@ test("bad control-plane requests get E2B's {code, message} and create nothing", 
   const unauth = await post('{"templateID":"base"}', "e2b_ffff");
   assert.equal(unauth.statusCode, 401);
   assert.deepEqual(((await unauth.body.json()) as { code: number }).code, 401);
-  for (const path of ["/sandboxes/00000000000000000000000000/logs", "/v2/sandboxes/00000000000000000000000000/logs", "/teams", "/templates", "/v3/templates", "/secrets"]) {
+  for (const path of ["/sandboxes/00000000000000000000000000/logs", "/v2/sandboxes/00000000000000000000000000/logs", "/teams", "/v2/templates", "/v3/templates", "/secrets"]) {
     const res = await request(`${k.url}${path}`, { headers: { "x-api-key": TEST_KEY } });
     assert.equal(res.statusCode, 501, path);
     assert.match(((await res.body.json()) as { message: string }).message, /not supported by Kiln/);
   }
-  const unservedNoKey = await request(`${k.url}/templates`);
+  const unservedNoKey = await request(`${k.url}/v2/templates`);
   assert.equal(unservedNoKey.statusCode, 401);
   await unservedNoKey.body.dump();
   const badList = await request(`${k.url}/v2/sandboxes?state=dead`, { headers: { "x-api-key": TEST_KEY } });

@@ -22,6 +22,7 @@ import { E2bNetwork, egressOf } from "./network.ts";
 import type { E2bNetworkBody } from "./network.ts";
 import { E2bVolumeMount, volumeMountsOf, volumeRoutes } from "./volumes.ts";
 import { volumeContentRoutes } from "./volume-content.ts";
+import { templateCatalogRoutes } from "./template-catalog.ts";
 
 export interface ControlDeps {
   services: Services;
@@ -364,10 +365,22 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     return { sandboxes };
   });
   const { deleteSnapshot } = await snapshotRoutes(app, { services: deps.services, live, created, sandboxReady: deps.sandboxReady, defaultTimeoutS: E2B_DEFAULT_TIMEOUT_S });
-  // E2B deletes a snapshot as a template: DELETE /templates/{id}; any other template call is unserved (below).
-  app.delete("/templates/:id", { ...unserved, schema: { hide: true, params: Type.Object({ id: Type.String({ minLength: 1, maxLength: 256 }) }) } }, async (req, reply) =>
-    deleteSnapshot(req, reply, notYet("/templates (E2B's template, volume and secret APIs)")),
-  );
+  const { deleteTemplate } = await templateCatalogRoutes(app, deps.services);
+  // E2B deletes a snapshot as a template: DELETE /templates/{id} names a template (removed as DELETE
+  // /v1/templates/{ref} removes it) or a snapshot (its id, or its name when no template has it, as at create).
+  app.delete("/templates/:id", { ...unserved, schema: { hide: true, params: Type.Object({ id: Type.String({ minLength: 1, maxLength: 256 }) }) } }, async (req, reply) => {
+    const { id } = req.params as { id: string };
+    const missing = (err: unknown) => {
+      if (err instanceof KilnError && err.code === "not_found") return undefined;
+      throw err;
+    };
+    const template = id.startsWith("snp_") ? undefined : await deps.services.templateCatalog.get(id).catch(missing);
+    if (template) {
+      await deleteTemplate(template.template_id);
+      return reply.code(204).send();
+    }
+    return deleteSnapshot(req, reply, () => Promise.reject(new KilnError("not_found", `No template or snapshot ${JSON.stringify(id)}`)));
+  });
   // E2B replaces the whole egress config: omitted fields are cleared.
   app.put("/sandboxes/:id/network", withBody(E2bNetwork), async (req, reply) => {
     const m = await live((req.params as { id: string }).id);
@@ -392,10 +405,14 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     if (!t || (tag !== undefined && !tags.includes(tag))) throw new KilnError("not_found", `No template ${JSON.stringify(alias)}`);
     return { templateID: t.id, public: false };
   });
-  // The template builder's own routes are templates.ts; the rest of E2B's template API (listing, tag moves, …) is not served.
+  // The template builder's routes are templates.ts, the catalog and tag moves template-catalog.ts; the rest of E2B's
+  // template API (its deprecated build requests, PATCH of a template), secrets and teams are not served.
+  // E2B's timestamp-cursor build log API (the SDK has its type, never calls it): the status route carries the log.
+  app.get("/templates/:id/builds/:buildId/logs", { ...unserved, handler: notYet("GET /templates/{id}/builds/{buildID}/logs (E2B's timestamp-cursor build log; the build log is served by GET /templates/{id}/builds/{buildID}/status?logsOffset=, which the SDK polls)") });
+  const UNSERVED_METHODS: Record<string, ("GET" | "POST" | "PUT" | "PATCH" | "DELETE")[]> = { "/templates": ["POST", "PUT", "PATCH", "DELETE"], "/v3/templates": ["GET", "PUT", "PATCH", "DELETE"] };
   for (const prefix of ["/templates", "/v2/templates", "/v3/templates", "/secrets", "/teams"]) {
-    const what = `${prefix.replace(/^\/v\d/, "")} (E2B's template listing and tag moves, secrets and teams APIs)`;
-    app.route({ method: prefix === "/v3/templates" ? ["GET", "PUT", "PATCH", "DELETE"] : ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(what) });
+    const what = `${prefix.replace(/^\/v\d/, "")} (E2B's deprecated template build requests and template updates, secrets and teams APIs)`;
+    app.route({ method: UNSERVED_METHODS[prefix] ?? ["GET", "POST", "PUT", "PATCH", "DELETE"], url: prefix, ...unserved, handler: notYet(what) });
     app.route({ method: ["GET", "POST", "PUT", "PATCH", "DELETE"], url: `${prefix}/*`, ...unserved, handler: notYet(what) });
   }
 }
