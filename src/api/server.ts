@@ -74,13 +74,17 @@ export interface ServerOptions {
   cluster?: { lostAfterS: number };
 }
 
-/** The hosts that already hold every layer of the template a create names (undefined: no preference). */
+/**
+ * What placement prefers for the template a create names: the hosts that already hold every layer of it (undefined:
+ * no preference), and the key of warm machines made for it (`base`, or a hot template's artifact id).
+ */
 function localityOf(services: Services) {
-  return async (ref: string | undefined): Promise<Set<string> | undefined> => {
-    if (!services.layers) return undefined;
+  return async (ref: string | undefined): Promise<{ holders?: Set<string>; warm?: string }> => {
     const resolved = await services.templates.resolve(ref ?? BASE_TEMPLATE_REF).catch(() => undefined);
-    const content = resolved && services.layers.travelling(resolved.artifact);
-    return content ? services.layers.holdersOfAll(content) : undefined;
+    if (!resolved) return {};
+    const warm = resolved.template.canonical_ref === BASE_TEMPLATE_REF ? "base" : resolved.artifact.id;
+    const content = services.layers?.travelling(resolved.artifact);
+    return { holders: content ? await services.layers!.holdersOfAll(content) : undefined, warm };
   };
 }
 

@@ -1,7 +1,7 @@
 // Placement of new machines across the hosts of one store: active hosts only (draining and lost ones get nothing),
 // whose heartbeat is fresh and whose admission floors still accept; those that already hold the template's layers
-// (template locality) first, then fewest live machines (counting the creates this server is placing right now),
-// then the most memory above the floor.
+// (template locality) first, then those with a warm machine ready for it, then fewest live machines (counting the
+// creates this server is placing right now), then the most memory above the floor.
 
 import { sql } from "kysely";
 import type { Db, HostRow } from "../store/schema.ts";
@@ -14,8 +14,11 @@ export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: numb
   /** Creates this server forwarded and that have not been answered yet, per host. */
   const inFlight = new Map<string, number>();
 
-  /** The hosts a create may go to, best first. Empty: no host can take one now. */
-  async function candidates(holders?: Set<string>): Promise<HostRow[]> {
+  /**
+   * The hosts a create may go to, best first. Empty: no host can take one now. `holders` hold the template's layers;
+   * `warm` keys the warm machines made for it in each host's reported `warm_ready`.
+   */
+  async function candidates(holders?: Set<string>, warm?: string): Promise<HostRow[]> {
     const fresh = Date.now() - deps.lostAfterS * 1000;
     const usable = [...(await deps.hosts()).values()].filter((h) => {
       if (h.status !== "active") return false;
@@ -35,7 +38,9 @@ export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: numb
     };
     const tiebreak = new Map(usable.map((h) => [h.id, Math.random()]));
     const local = (h: HostRow) => Number(holders?.has(h.id) ?? false);
-    return usable.sort((a, b) => Number(accepting(b)) - Number(accepting(a)) || local(b) - local(a) || load(a) - load(b) || headroom(b) - headroom(a) || tiebreak.get(a.id)! - tiebreak.get(b.id)!);
+    // A warm machine as of its last heartbeat, less the creates already on their way there: a handout, not a boot.
+    const ready = (h: HostRow) => Number(warm !== undefined && ((JSON.parse(h.capacity_json) as HostCapacity).warm_ready?.[warm] ?? 0) > (inFlight.get(h.id) ?? 0));
+    return usable.sort((a, b) => Number(accepting(b)) - Number(accepting(a)) || local(b) - local(a) || ready(b) - ready(a) || load(a) - load(b) || headroom(b) - headroom(a) || tiebreak.get(a.id)! - tiebreak.get(b.id)!);
   }
 
   function accepting(h: HostRow): boolean {

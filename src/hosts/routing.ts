@@ -18,7 +18,7 @@ export type BoundOf = (req: FastifyRequest) => Bound | undefined;
 
 export function installClusterRouting(
   app: App,
-  deps: { hostId: string; forwarder: Forwarder; placement: Placement; boundOf?: BoundOf; locality?: (templateRef: string | undefined) => Promise<Set<string> | undefined> },
+  deps: { hostId: string; forwarder: Forwarder; placement: Placement; boundOf?: BoundOf; locality?: (templateRef: string | undefined) => Promise<{ holders?: Set<string>; warm?: string }> },
 ) {
   const { forwarder, placement, hostId } = deps;
 
@@ -55,10 +55,11 @@ export function installClusterRouting(
       await forwarder.forwardHttp(req, reply, { id: fixed.id, url: fixed.advertise_url }, { body: Buffer.from(JSON.stringify(want)) });
       return reply;
     }
-    // Template locality: hosts that already hold the template's layers first; the others fetch them if chosen.
+    // Template locality: hosts that already hold the template's layers first (the others fetch them if chosen), then
+    // those with a warm machine ready for it.
     const template = url === "/v1/machines" ? want.template : want.templateID;
-    const holders = await deps.locality?.(typeof template === "string" ? template : undefined);
-    const hosts = await placement.candidates(holders);
+    const { holders, warm } = (await deps.locality?.(typeof template === "string" ? template : undefined)) ?? {};
+    const hosts = await placement.candidates(holders, warm);
     if (hosts.length === 0) throw new KilnError("unavailable", "No active host can take a machine now (all are draining, lost or under their admission floors); try again later", { detail: { retryable: true } });
     let body: Buffer | undefined;
     for (const host of hosts) {

@@ -25,6 +25,11 @@ export interface HostCapacity {
   max_disk_mb: number;
   live_machines: number;
   accepting: boolean;
+  /**
+   * Booted machines its warm pools hold ready, by what they are for: `base` (each host makes its own base template)
+   * or a hot template's artifact id. Placement prefers a host that can hand one out.
+   */
+  warm_ready?: Record<string, number>;
 }
 
 export interface HostView {

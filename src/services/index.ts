@@ -167,6 +167,7 @@ export function createServices(deps: {
         max_disk_mb: c.max_disk_mb,
         live_machines: c.live_machines,
         accepting: c.accepting,
+        warm_ready: { base: pool.stats().ready, ...Object.fromEntries(hotPools.stats().templates.map((t) => [t.artifact_id, t.ready])) },
       };
     },
   });

@@ -519,6 +519,10 @@ export interface paths {
                                     live_machines: number;
                                     /** @description whether the host's admission floors let a create in at its last heartbeat */
                                     accepting: boolean;
+                                    /** @description booted machines its warm pools hold ready: `base` for the base template, a hot template's artifact id for its pool; placement prefers a host with one */
+                                    warm_ready?: {
+                                        [key: string]: number;
+                                    };
                                 };
                                 heartbeat_at: string;
                                 started_at: string;
@@ -601,6 +605,10 @@ export interface paths {
                                 live_machines: number;
                                 /** @description whether the host's admission floors let a create in at its last heartbeat */
                                 accepting: boolean;
+                                /** @description booted machines its warm pools hold ready: `base` for the base template, a hot template's artifact id for its pool; placement prefers a host with one */
+                                warm_ready?: {
+                                    [key: string]: number;
+                                };
                             };
                             heartbeat_at: string;
                             started_at: string;
@@ -701,6 +709,10 @@ export interface paths {
                                 live_machines: number;
                                 /** @description whether the host's admission floors let a create in at its last heartbeat */
                                 accepting: boolean;
+                                /** @description booted machines its warm pools hold ready: `base` for the base template, a hot template's artifact id for its pool; placement prefers a host with one */
+                                warm_ready?: {
+                                    [key: string]: number;
+                                };
                             };
                             heartbeat_at: string;
                             started_at: string;
@@ -833,6 +845,10 @@ export interface paths {
                                 live_machines: number;
                                 /** @description whether the host's admission floors let a create in at its last heartbeat */
                                 accepting: boolean;
+                                /** @description booted machines its warm pools hold ready: `base` for the base template, a hot template's artifact id for its pool; placement prefers a host with one */
+                                warm_ready?: {
+                                    [key: string]: number;
+                                };
                             };
                             heartbeat_at: string;
                             started_at: string;

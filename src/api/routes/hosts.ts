@@ -28,6 +28,11 @@ const Capacity = Type.Object(
     max_disk_mb: Type.Integer(),
     live_machines: Type.Integer(),
     accepting: Type.Boolean({ description: "whether the host's admission floors let a create in at its last heartbeat" }),
+    warm_ready: Type.Optional(
+      Type.Record(Type.String(), Type.Integer(), {
+        description: "booted machines its warm pools hold ready: `base` for the base template, a hot template's artifact id for its pool; placement prefers a host with one",
+      }),
+    ),
   },
   { description: "what the host's admission enforces, as of its last heartbeat" },
 );
