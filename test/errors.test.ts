@@ -54,6 +54,7 @@ const PLAIN_ERROR_SEAMS: Record<string, string> = {
   "deployments/sealed-envs.ts": "damaged sealed envs: the replica fails with its reason",
   "hosts/layers/service.ts": "caught where thrown (a peer that answers other than 200: the next holder is tried, every reason goes in the 503)",
   "machines/create.ts": "caught in create: the machine fails with 'the machine failed to start'",
+  "machines/hot-pools.ts": "a pooled machine whose kernel did not start: the warm pool's boot handler logs it and destroys the machine",
   "runtime/guest-runtime.ts": "the MachineDriver seam: internal",
   "runtime/oci/cgroups.ts": "the MachineDriver seam: internal",
   "runtime/oci/disk-pool.ts": "the MachineDriver seam: internal",
