@@ -1,7 +1,7 @@
 // Placement of new machines across the hosts of one store: active hosts only (draining and lost ones get nothing),
 // whose heartbeat is fresh and whose admission floors still accept; those that already hold the template's layers
-// (template locality) first, then those with a warm machine ready for it, then fewest live machines (counting the
-// creates this server is placing right now), then the most memory above the floor.
+// (template locality) first, then fewest live machines (counting the creates this server is placing right now), then
+// those with a warm machine ready for it, then the most memory above the floor.
 
 import { sql } from "kysely";
 import type { Db, HostRow } from "../store/schema.ts";
@@ -40,7 +40,7 @@ export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: numb
     const local = (h: HostRow) => Number(holders?.has(h.id) ?? false);
     // A warm machine as of its last heartbeat, less the creates already on their way there: a handout, not a boot.
     const ready = (h: HostRow) => Number(warm !== undefined && ((JSON.parse(h.capacity_json) as HostCapacity).warm_ready?.[warm] ?? 0) > (inFlight.get(h.id) ?? 0));
-    return usable.sort((a, b) => Number(accepting(b)) - Number(accepting(a)) || local(b) - local(a) || ready(b) - ready(a) || load(a) - load(b) || headroom(b) - headroom(a) || tiebreak.get(a.id)! - tiebreak.get(b.id)!);
+    return usable.sort((a, b) => Number(accepting(b)) - Number(accepting(a)) || local(b) - local(a) || load(a) - load(b) || ready(b) - ready(a) || headroom(b) - headroom(a) || tiebreak.get(a.id)! - tiebreak.get(b.id)!);
   }
 
   function accepting(h: HostRow): boolean {
