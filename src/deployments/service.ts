@@ -417,6 +417,19 @@ export function createDeploymentService(deps: {
     return supervision.createHere(dep, version, envs, detail);
   }
 
+  /** Whether this server can open the envs of the deployment's current version (sealed with a data dir's key). */
+  async function canOpenEnvs(deploymentId: string): Promise<boolean> {
+    const dep = await db.selectFrom("deployments").select("current_version_id").where("id", "=", deploymentId).executeTakeFirst();
+    const version = dep?.current_version_id ? await db.selectFrom("deployment_versions").select("envs_sealed").where("id", "=", dep.current_version_id).executeTakeFirst() : undefined;
+    if (!version || !sealer) return false;
+    try {
+      sealer.open(version.envs_sealed);
+      return true;
+    } catch {
+      return false;
+    }
+  }
+
   async function rescheduleLost(host: { id: string; name: string }, reason: string) {
     const rows = await db
       .selectFrom("services")
@@ -427,6 +440,10 @@ export function createDeploymentService(deps: {
       .where("services.status", "in", ["starting", "ready", "unhealthy", "stopping"])
       .execute();
     for (const { deployment_id: id } of rows) {
+      // Its envs are sealed with the key of the server that took its create or last PATCH: only a server holding that
+      // key can start the replacements, so only such a server ends the replicas and reschedules them (every server's
+      // sweep comes here; the others leave it to one that can).
+      if (!(await canOpenEnvs(id))) continue;
       const ended = await records.claimLost(id, host.id, reason);
       const failed = ended.filter((r) => r.status === "failed");
       if (ended.length === 0) continue;
