@@ -210,14 +210,18 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
         const firstEnvs = starts || !createEnvs ? image.image.env : { ...image.image.env, ...createEnvs };
         const envsSet = Object.keys(firstEnvs).length > 0 || from?.memory ? agent.setEnvs(firstEnvs) : undefined;
         envsSet?.catch(() => undefined);
+        // A pooled kernel, started before this create: kept for the create's user and cwd, with its envs set in it —
+        // asked alongside the calls above (it sets its own envs; a user that does not exist fails both).
+        const adopt = () => agent.codeAdopt({ user: row.user, cwd: row.cwd ?? DEFAULT_WORKDIR, envs: input.envs ?? {} });
+        const adopted = hot?.kernel && !starts ? adopt() : undefined;
+        adopted?.catch(() => undefined);
         await userChecked;
         await envsSet;
         if (starts) {
           await runStartCommand(agent, image, row.user);
           if (createEnvs) await agent.setEnvs({ ...image.image.env, ...createEnvs });
         }
-        // A pooled kernel, started before this create: kept for the create's user and cwd, with its envs set in it.
-        if (hot?.kernel) await agent.codeAdopt({ user: row.user, cwd: row.cwd ?? DEFAULT_WORKDIR, envs: input.envs ?? {} });
+        if (hot?.kernel) await (adopted ?? adopt());
         // The machine's cwd is where its commands start: make sure it exists, owned by the machine's user.
         if (row.cwd) await agent.mkdir(row.cwd, { user: row.user });
         phase("set_up_ms");

@@ -74,6 +74,8 @@ interface CallBounds {
 
 /** The agent's own default for an execute without a timeout (agent/kernels). */
 const CODE_EXECUTE_DEFAULT_MS = 300_000;
+/** Users one agent client keeps (a machine has a handful; the bound only stops a caller naming many). */
+const MAX_KNOWN_USERS = 64;
 
 /** One call's deadline: started (and restarted) at each stage, firing an abort the request listens to. */
 function deadline(signal: AbortSignal | undefined) {
@@ -172,6 +174,7 @@ export interface AgentClient {
 
 export function createAgentClient(socketPath: string): AgentClient {
   const L = AGENT_ANSWER_LIMITS;
+  const users = new Map<string, Promise<UserInfo>>();
   const pool = new Pool("http://agent", { socketPath, connections: 16, pipelining: 1, keepAliveTimeout: 30_000, connectTimeout: L.connectMs, headersTimeout: L.headersMs, bodyTimeout: L.idleMs });
 
   /**
@@ -276,7 +279,17 @@ export function createAgentClient(socketPath: string): AgentClient {
     mkdir: (path: string, opts: { mode?: string; user?: string } = {}) => json<FileInfo>("POST", "/files/mkdir", { path, ...opts }),
     remove: (path: string, recursive: boolean) => json<{ removed: true }>("DELETE", `/files?${q({ path, recursive })}`),
     move: (src: string, dest: string, user?: string) => json<FileInfo>("POST", "/files/move", { src, dest, user }),
-    user: (name: string) => json<UserInfo>("GET", `/users/${encodeURIComponent(name)}`),
+    user(name: string): Promise<UserInfo> {
+      // A user found is kept for this client's life (one machine's execution): the create's own check fills it, so
+      // the first command, file call or E2B request does not ask again. A miss is asked again (a user made later).
+      const known = users.get(name);
+      if (known) return known;
+      const found = json<UserInfo>("GET", `/users/${encodeURIComponent(name)}`);
+      if (users.size >= MAX_KNOWN_USERS) users.clear();
+      users.set(name, found);
+      found.catch(() => users.delete(name));
+      return found;
+    },
     connectPort(port: number, timeoutMs: number = L.headersMs): Promise<Socket> {
       const bound = Math.min(timeoutMs, L.headersMs);
       return new Promise((resolve, reject) => {

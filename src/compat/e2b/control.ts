@@ -32,8 +32,6 @@ export interface ControlDeps {
   volumeTokenOf: (volumeId: string, keyId: string) => string;
   /** The domain sandboxes are reached under (the host of KILN_PUBLIC_URL); undefined: the Host the client used. */
   domain: string | undefined;
-  /** Told about every sandbox this API made or resumed (envd warms its per-machine state). */
-  sandboxReady: (id: string) => void;
 }
 
 /** The template `@e2b/code-interpreter`'s Sandbox.create() names by default. */
@@ -188,7 +186,6 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
         if (err instanceof KilnError && err.code === "not_found" && CODE_INTERPRETER_NAMES.has(template)) throw deps.services.codeInterpreterTemplate.notReady();
         throw err;
       });
-    deps.sandboxReady(m.id);
     return created(m, req);
   }
 
@@ -232,7 +229,6 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
       // onResume "reboot": Kiln resumes a sandbox as it was paused; only a disk pause comes back as a fresh boot.
       if (memory === false && m.hibernate_mode !== "disk") bad(`sandbox "${sandboxIdOf(m.id)}" was paused with its memory; Kiln resumes it as it was (onResume "reboot" needs pause({keepMemory: false}))`);
       await machines.resume(m.id);
-      deps.sandboxReady(m.id);
       status = 201;
     } else if (opts.mustBePaused) {
       throw new KilnError("conflict", `sandbox "${sandboxIdOf(m.id)}" is already running`);
@@ -364,7 +360,7 @@ export async function controlRoutes(app: FastifyInstance, deps: ControlDeps) {
     );
     return { sandboxes };
   });
-  const { deleteSnapshot } = await snapshotRoutes(app, { services: deps.services, live, created, sandboxReady: deps.sandboxReady, defaultTimeoutS: E2B_DEFAULT_TIMEOUT_S });
+  const { deleteSnapshot } = await snapshotRoutes(app, { services: deps.services, live, created, defaultTimeoutS: E2B_DEFAULT_TIMEOUT_S });
   const { deleteTemplate } = await templateCatalogRoutes(app, deps.services);
   // E2B deletes a snapshot as a template: DELETE /templates/{id} names a template (removed as DELETE
   // /v1/templates/{ref} removes it) or a snapshot (its id, or its name when no template has it, as at create).

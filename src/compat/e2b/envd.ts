@@ -24,8 +24,6 @@ export interface EnvdDeps {
   /** The sandbox id of an envd request (from E2b-Sandbox-Id or the Host name). */
   sandboxIdOf: (req: FastifyRequest) => string;
   bodyLimit: number;
-  /** Subscribes to sandboxes becoming usable (created, resumed) through the control plane. */
-  onSandboxReady: (fn: (id: string) => void) => void;
 }
 
 /** The user an `Authorization: Basic base64("user:")` header names, if any. */
@@ -46,25 +44,12 @@ function userNameOf(req: FastifyRequest): string | undefined {
 
 export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
   const { services, processes } = deps;
-  const homes = new Map<string, string>();
-
-  async function homeOf(id: string, agent: Parameters<typeof userOf>[0], user: string): Promise<string> {
-    const key = `${id}\0${user}`;
-    let home = homes.get(key);
-    if (home === undefined) {
-      home = (await userOf(agent, user)).home;
-      if (homes.size > 10_000) homes.clear();
-      homes.set(key, home);
-    }
-    return home;
-  }
-
-  /** The machine, the acting user and that user's home (cached: homes do not move while a machine runs). */
+  /** The machine, the acting user and that user's home (the agent client keeps users it found: see agent-client.ts). */
   async function context(req: FastifyRequest) {
     const id = deps.sandboxIdOf(req);
     const { row, agent } = await services.machines.agentOf(id);
     const user = userNameOf(req) ?? row.user;
-    return { id, user, home: await homeOf(id, agent, user) };
+    return { id, user, home: (await userOf(agent, user)).home };
   }
 
   /** Relative paths resolve from the user's home, as envd does. */
@@ -100,13 +85,6 @@ export async function envdRoutes(app: FastifyInstance, deps: EnvdDeps) {
       return opened?.response ?? reply;
     });
   }
-
-  // A sandbox the control plane just made or resumed gets its stream socket and default user's home looked up
-  // now, so its first command does not wait for them.
-  deps.onSandboxReady((id) => {
-    processes.prepare(id);
-    services.machines.agentOf(id).then(({ row, agent }) => homeOf(id, agent, row.user)).catch(() => undefined);
-  });
 
   const kit: EnvdKit = { app, services, processes, bodyLimit: deps.bodyLimit, sandboxIdOf: deps.sandboxIdOf, context, resolvePath, unary, serverStream };
   processRpcs(kit);

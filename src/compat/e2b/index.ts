@@ -209,14 +209,12 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
   });
 
   const jupyter = await codeInterpreterRoutes(app, { services, sandboxIdOf: (req) => sandboxIdOf(req)! });
-  const readyListeners: ((id: string) => void)[] = [];
-  await controlRoutes(app, { services, tokenOf: tokens.tokenOf, volumeTokenOf: tokens.volumeTokenOf, domain: publicDomain(opts.publicUrl), sandboxReady: (id) => readyListeners.forEach((fn) => fn(id)) });
+  await controlRoutes(app, { services, tokenOf: tokens.tokenOf, volumeTokenOf: tokens.volumeTokenOf, domain: publicDomain(opts.publicUrl) });
   await templateBuilderRoutes(app, { services, auth: opts.auth, secret, dataDir: opts.dataDir, publicUrl: opts.publicUrl, retentionS: opts.buildRetentionS ?? 604_800, maxBytes: app.initialConfig.bodyLimit ?? 1024 * 1024 });
   await envdRoutes(app, {
     services,
     processes,
     sandboxIdOf: (req) => sandboxIdOf(req)!,
     bodyLimit: app.initialConfig.bodyLimit ?? 1024 * 1024,
-    onSandboxReady: (fn) => readyListeners.push(fn),
   });
 }

@@ -437,10 +437,6 @@ export function createProcessRegistry(machines: MachineService) {
   return {
     start,
     watch,
-    /** Opens the machine's stream socket ahead of its first command (a new sandbox's first run then skips it). */
-    prepare(machineId: string) {
-      tableOf(machineId).catch(() => undefined);
-    },
     /** Adds a listener to a running process; returns its pid and the function that removes the listener. */
     async attach(machineId: string, selector: { pid?: number; tag?: string }, listener: Listener): Promise<{ pid: number; detach: () => void }> {
       const t = await tableOf(machineId);

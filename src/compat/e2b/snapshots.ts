@@ -20,7 +20,6 @@ export interface SnapshotKit {
   live(id: string): Promise<MachineView>;
   /** A sandbox as create and connect answer it (ids, tokens, domain). */
   created(m: MachineView, req: FastifyRequest): Record<string, unknown>;
-  sandboxReady(machineId: string): void;
   /** E2B's default timeout of a new sandbox (seconds). */
   defaultTimeoutS: number;
 }
@@ -148,7 +147,6 @@ export async function snapshotRoutes(app: FastifyInstance, kit: SnapshotKit) {
       timeout_s: body.timeout ?? kit.defaultTimeoutS,
       memory: keepsMemory(services) && m.status === "running",
     });
-    for (const child of machines) kit.sandboxReady(child.id);
     return reply.code(201).send(machines.map((child) => ({ sandbox: kit.created(child, req) })));
   });
 
