@@ -21,15 +21,15 @@ export type ClusterVerifier = (method: string, path: string, headers: FastifyReq
  * template file upload link; `edge-token`: a deployment service's signed edge token; `cluster`: host-to-host calls (a
  * peer's own request, signed with the cluster secret for no key: the layer fetch; refused without a signature). A
  * request forwarded by another host of the store carries a cluster signature instead of the caller's credential: for
- * a `key`, `envd-token` or `e2b-volume-token` route the signed key id stands for the key the first server found behind
- * the credential (the token's key for E2B's), and that key must still be active here; an `edge-token` route checks its
+ * a `key`, `envd-token`, `e2b-volume-token` or `e2b-upload` route the signed key id stands for the key the first
+ * server found behind the credential (the token's or upload link's key for E2B's), and that key must still be active here; an `edge-token` route checks its
  * own credential as usual. Cluster headers that do not verify
  * are refused (401), whatever the route.
  */
 export const AUTH_KINDS = ["key", "none", "envd-token", "e2b-volume-token", "e2b-upload", "edge-token", "cluster"] as const;
 export type AuthKind = (typeof AUTH_KINDS)[number];
 /** The kinds whose credential a forwarded request carries as the signed key id (the first server checked it). */
-const FORWARDED_KINDS = new Set<AuthKind>(["key", "envd-token", "e2b-volume-token"]);
+const FORWARDED_KINDS = new Set<AuthKind>(["key", "envd-token", "e2b-volume-token", "e2b-upload"]);
 
 /**
  * Checks a request's credential for one kind: answers the id of the API key the credential stands for (undefined

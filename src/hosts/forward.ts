@@ -44,8 +44,11 @@ export interface ForwardTarget {
   url: string;
 }
 
-/** What a host-bound request is bound to: a machine, a volume (its data), a build (its live log) or a snapshot (its files). */
-export type BoundKind = "machines" | "volumes" | "builds" | "snapshots";
+/**
+ * What a host-bound request is bound to: a machine, a volume (its data), a build (its live log), a snapshot (its
+ * files), or a host named outright (`hosts`: the id is the host's; E2B's template uploads, src/compat/e2b/templates.ts).
+ */
+export type BoundKind = "machines" | "volumes" | "builds" | "snapshots" | "hosts";
 export interface Bound {
   kind: BoundKind;
   id: string;
@@ -73,14 +76,14 @@ export function createForwarder(deps: { db: Db; hostId: string; auth: ClusterAut
 
   /**
    * The host a machine (volume, build, snapshot) is on, when it is another one; undefined: serve it here (ours,
-   * unknown — the route answers 404 — or recorded without a host). Machines, builds and snapshots never move, so
-   * their host is remembered.
+   * unknown — the route answers 404 — or recorded without a host; a named host that is unknown or lost). Machines,
+   * builds and snapshots never move, so their host is remembered.
    */
   async function ownerOf(target: Bound | string): Promise<HostRow | undefined> {
     const { kind, id } = typeof target === "string" ? { kind: "machines" as const, id: target } : target;
     const cacheKey = `${kind}:${id}`;
-    let owner = owners.get(cacheKey);
-    if (owner === undefined) {
+    let owner = kind === "hosts" ? id : owners.get(cacheKey);
+    if (owner === undefined && kind !== "hosts") {
       const row = await db.selectFrom(kind).select("host_id").where("id", "=", id).executeTakeFirst();
       if (!row?.host_id) return undefined;
       owner = row.host_id;
@@ -89,7 +92,7 @@ export function createForwarder(deps: { db: Db; hostId: string; auth: ClusterAut
         owners.set(cacheKey, owner);
       }
     }
-    if (owner === hostId) return undefined;
+    if (owner === undefined || owner === hostId) return undefined;
     const host = (await deps.hosts()).get(owner);
     // A lost host's machines are failed: this server answers for their records.
     return host && host.status !== "lost" ? host : undefined;

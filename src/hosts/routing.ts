@@ -13,8 +13,11 @@ import type { Placement } from "./placement.ts";
 /** A create body placement may hold to try another host; creates are small JSON documents. */
 const CREATE_BODY_MAX = 1024 * 1024;
 
-/** What a layer outside /v1 (E2B's) says a request is bound to; asked after Kiln's own routes' rule. */
-export type BoundOf = (req: FastifyRequest) => Bound | undefined;
+/**
+ * What a layer outside /v1 (E2B's) says a request is bound to; asked after Kiln's own routes' rule. A promise when
+ * the answer is in the store (E2B's requested template builds).
+ */
+export type BoundOf = (req: FastifyRequest) => Bound | undefined | Promise<Bound | undefined>;
 
 export function installClusterRouting(
   app: App,
@@ -26,7 +29,8 @@ export function installClusterRouting(
     if (req.is404 || req.forwardedBy !== undefined) return done();
     const bound = boundTo(req.method, req.routeOptions.url, req.params as Record<string, string | undefined>) ?? deps.boundOf?.(req);
     if (!bound) return done();
-    forwarder.ownerOf(bound).then(
+    const owner = bound instanceof Promise ? bound.then((b) => (b ? forwarder.ownerOf(b) : undefined)) : forwarder.ownerOf(bound);
+    owner.then(
       (host) => {
         if (!host) return done();
         const target = { id: host.id, url: host.advertise_url };

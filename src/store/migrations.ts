@@ -406,6 +406,26 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.alterTable("volumes").addColumn("host_id", "text").execute();
       },
     },
+    // E2B template builds requested and not started, in the store rather than one server's memory: any server finds
+    // the host a requested build's uploads, start and status go to (docs/e2b.md, docs/hosts.md).
+    "0029_e2b_build_requests": {
+      async up(db: Kysely<any>) {
+        await db.schema
+          .createTable("e2b_build_requests")
+          .addColumn("id", "text", (c) => c.primaryKey())
+          .addColumn("template_id", "text", (c) => c.notNull())
+          .addColumn("host_id", "text", (c) => c.notNull())
+          .addColumn("name", "text", (c) => c.notNull())
+          .addColumn("tags_json", "text", (c) => c.notNull())
+          .addColumn("vm_json", "text", (c) => c.notNull())
+          .addColumn("key_id", "text")
+          .addColumn("expires_at", "text", (c) => c.notNull())
+          .addColumn("created_at", "text", (c) => c.notNull())
+          .execute();
+        await db.schema.createIndex("e2b_build_requests_template").on("e2b_build_requests").columns(["template_id", "expires_at"]).execute();
+        await db.schema.createIndex("e2b_build_requests_expires").on("e2b_build_requests").columns(["expires_at"]).execute();
+      },
+    },
   };
 }
 

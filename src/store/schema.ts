@@ -340,6 +340,23 @@ export interface LayerHoldersTable {
   created_at: string;
 }
 
+/**
+ * A template build E2B's SDK requested (POST /v3/templates) and has not started yet (room: e2b): the host that will
+ * build it (its uploads go there), and what the request said. Forgotten at `expires_at`.
+ */
+export interface E2bBuildRequestsTable {
+  /** The build id the request reserved. */
+  id: string;
+  template_id: string;
+  host_id: string;
+  name: string;
+  tags_json: string;
+  vm_json: string;
+  key_id: string | null;
+  expires_at: string;
+  created_at: string;
+}
+
 export interface Database {
   api_keys: ApiKeysTable;
   templates: TemplatesTable;
@@ -364,6 +381,7 @@ export interface Database {
   hosts: HostsTable;
   cluster_secrets: ClusterSecretsTable;
   layer_holders: LayerHoldersTable;
+  e2b_build_requests: E2bBuildRequestsTable;
 }
 
 export type Db = Kysely<Database>;

@@ -67,11 +67,14 @@ const HOST_BOUND_CONTROL = /^\/(v2\/)?sandboxes\/:id(\/|$)/;
 
 /**
  * What an E2B request is bound to in a cluster (src/hosts/routing.ts): envd and the code interpreter are served by
- * the sandbox's host, as are the control routes on one sandbox and the volume content API; the rest (create, lists,
- * templates, volumes' records) any server answers from the store.
+ * the sandbox's host, as are the control routes on one sandbox and the volume content API, and a requested template
+ * build's upload link, upload, start and status by the host that builds it; the rest (create, lists, templates,
+ * volumes' records) any server answers from the store.
  */
-export function e2bBoundOf(req: FastifyRequest): Bound | undefined {
-  const config = req.routeOptions.config as { e2b?: string } | undefined;
+export function e2bBoundOf(req: FastifyRequest): Bound | undefined | Promise<Bound | undefined> {
+  const config = req.routeOptions.config as { e2b?: string; hostBound?: (req: FastifyRequest) => Promise<Bound | undefined> } | undefined;
+  // A route that finds its host in the store says so itself (the template builder's: templates.ts).
+  if (config?.hostBound) return config.hostBound(req);
   if (config?.e2b === "envd" || config?.e2b === "jupyter") {
     const id = sandboxIdOf(req);
     return id ? { kind: "machines", id } : undefined;

@@ -4,6 +4,10 @@
 // ready or error. The name is claimed as a Kiln template at the first call; the steps become one Kiln build request
 // (RUN → run, COPY → copy from the uploaded files, ENV → env, WORKDIR → workdir, USER → user, startCmd/readyCmd →
 // start_cmd/ready_cmd, fromImage → base_image, fromTemplate → a Kiln template base) whose durable log is E2B's.
+// Several servers on one store: the requested build is recorded in the store with the host that will build it (the
+// one that took the request, or the host of the template's other requested builds); the upload link, the upload (its
+// link names that host, signed), the start and the status are served there, forwarded by any other server
+// (src/hosts/routing.ts), so a load balancer need not be sticky.
 
 import { createHash, createHmac, randomBytes } from "node:crypto";
 import { createReadStream, createWriteStream } from "node:fs";
@@ -17,6 +21,7 @@ import { Type } from "typebox";
 import type { Static } from "typebox";
 import tar from "tar-stream";
 import type { Services } from "../../services/index.ts";
+import type { Bound } from "../../hosts/forward.ts";
 import { KilnError } from "../../errors.ts";
 import { Compile } from "typebox/compile";
 import { BuildRequest } from "../../builder/request.ts";
@@ -27,6 +32,7 @@ import { parseTemplateRef } from "../../templates/resolver.ts";
 import { unauthorized } from "../../api/auth.ts";
 import type { Auth } from "../../api/auth.ts";
 import { sameText } from "./token.ts";
+import { requestHost } from "./ports.ts";
 
 /** E2B's own base image (`fromBaseImage()`, and a template with no `from…`): Kiln's base template stands for it. */
 const E2B_BASE_IMAGE = "e2bdev/base";
@@ -61,8 +67,10 @@ interface PendingBuild {
   tags: string[];
   vm: { vcpus?: number; memory_mb?: number };
   keyId: string | null;
-  expiresAt: number;
+  hostId: string;
 }
+/** A host id as an upload link carries it (what KILN_HOST_ID may be). */
+const HOST_ID = /^[A-Za-z0-9_.-]{1,64}$/;
 
 const RequestBody = Type.Object(
   {
@@ -326,11 +334,12 @@ export async function templateBuilderRoutes(
   deps: { services: Services; auth: Auth; secret: Buffer; dataDir: string; publicUrl: string; retentionS: number; maxBytes: number },
 ) {
   const { services } = deps;
+  const { db } = services.store;
+  const hostId = services.hosts.hostId;
   const files = createE2bTemplateFiles(deps.dataDir, deps.maxBytes);
-  const pending = new Map<string, PendingBuild>();
   const sweep = setInterval(() => {
-    const now = Date.now();
-    for (const [id, p] of pending) if (p.expiresAt < now) pending.delete(id);
+    // Any server forgets expired requests (idempotent); each removes its own unused uploads.
+    db.deleteFrom("e2b_build_requests").where("expires_at", "<", new Date().toISOString()).execute().catch((err: unknown) => app.log.warn({ err }, "forgetting expired e2b build requests failed"));
     files.collect(deps.retentionS).catch((err: unknown) => app.log.warn({ err }, "e2b template file collection failed"));
   }, 60_000);
   sweep.unref();
@@ -339,15 +348,31 @@ export async function templateBuilderRoutes(
     done();
   });
 
-  // An upload link: signed for one template, one hash and one key, until it expires; the key must still be active.
-  const mac = (templateId: string, hash: string, expires: number, keyId: string) => createHmac("sha256", deps.secret).update(`e2b-upload:${templateId}:${hash}:${expires}:${keyId}`).digest("base64url");
+  /** A requested build not started and not expired, as the store holds it. */
+  async function pendingOf(buildId: string): Promise<PendingBuild | undefined> {
+    const row = await db.selectFrom("e2b_build_requests").selectAll().where("id", "=", buildId).where("expires_at", ">=", new Date().toISOString()).executeTakeFirst();
+    if (!row) return undefined;
+    return { templateId: row.template_id, name: row.name, tags: JSON.parse(row.tags_json) as string[], vm: JSON.parse(row.vm_json) as PendingBuild["vm"], keyId: row.key_id, hostId: row.host_id };
+  }
+
+  /** The host a template's requested builds build on (all of them one host, so its uploads are where they build). */
+  async function buildHostOf(templateId: string): Promise<string | undefined> {
+    const row = await db.selectFrom("e2b_build_requests").select("host_id").where("template_id", "=", templateId).where("expires_at", ">=", new Date().toISOString()).orderBy("created_at", "desc").limit(1).executeTakeFirst();
+    return row?.host_id;
+  }
+  const onHost = (id: string | undefined): Bound | undefined => (id ? { kind: "hosts", id } : undefined);
+
+  // An upload link: signed for one template, one hash, one key and the host that keeps the upload, until it expires;
+  // the key must still be active.
+  const mac = (templateId: string, hash: string, expires: number, keyId: string, host: string) => createHmac("sha256", deps.secret).update(`e2b-upload:${templateId}:${hash}:${expires}:${keyId}:${host}`).digest("base64url");
   deps.auth.provide("e2b-upload", async (req) => {
     const q = req.query as Record<string, unknown>;
     const { id, hash } = req.params as { id?: string; hash?: string };
     const keyId = typeof q.key === "string" && /^key_[0-9a-z]{1,64}$/.test(q.key) ? q.key : undefined;
     const expires = typeof q.expires === "string" && /^\d{1,12}$/.test(q.expires) ? Number(q.expires) : undefined;
-    if (!keyId || expires === undefined || typeof q.signature !== "string" || !id || !hash) throw unauthorized("an upload link carries key, expires and signature");
-    if (!sameText(mac(id, hash, expires, keyId), q.signature)) throw unauthorized("invalid upload link signature");
+    const host = typeof q.host === "string" && HOST_ID.test(q.host) ? q.host : undefined;
+    if (!keyId || expires === undefined || !host || typeof q.signature !== "string" || !id || !hash) throw unauthorized("an upload link carries key, expires, host and signature");
+    if (!sameText(mac(id, hash, expires, keyId, host), q.signature)) throw unauthorized("invalid upload link signature");
     if (expires < Math.floor(Date.now() / 1000)) throw unauthorized("the upload link has expired: the SDK asks for a new one");
     if (!(await services.keys.isActive(keyId))) throw unauthorized("the key this upload link was issued to is no longer active");
     return keyId;
@@ -356,7 +381,9 @@ export async function templateBuilderRoutes(
   const keyRoute = { config: { e2b: "control", auth: "key" as const } };
   const originOf = (req: FastifyRequest) => {
     const pub = new URL(deps.publicUrl);
-    return pub.port === "0" ? `${req.protocol}://${req.headers.host}` : pub.origin;
+    if (pub.port !== "0") return pub.origin;
+    // Forwarded by a peer: the Host the caller used is the one it sent (the peer's own is this server's address).
+    return `${req.protocol}://${requestHost(req) ?? req.headers.host}`;
   };
 
   async function templateOf(id: string) {
@@ -371,33 +398,45 @@ export async function templateBuilderRoutes(
     const raw = body.name ?? body.alias;
     if (!raw) bad("name is required");
     const { name, tags } = e2bNameAndTags(raw, body.tags);
-    if (pending.size >= MAX_PENDING) throw new KilnError("unavailable", `${MAX_PENDING} template builds are requested and not started; start or let them expire first`);
+    const now = new Date().toISOString();
+    const live = db.selectFrom("e2b_build_requests").select((eb) => eb.fn.countAll().as("n")).where("expires_at", ">=", now);
+    if (Number((await live.executeTakeFirstOrThrow()).n) >= MAX_PENDING) throw new KilnError("unavailable", `${MAX_PENDING} template builds are requested and not started; start or let them expire first`);
     const keyId = req.apiKeyId ?? null;
-    let mine = 0;
-    for (const p of pending.values()) if (p.keyId === keyId) mine++;
-    if (mine >= MAX_PENDING_PER_KEY) throw new KilnError("unavailable", `${MAX_PENDING_PER_KEY} template builds requested with this key are not started; start or let them expire first`);
+    const mine = await live.where("key_id", keyId === null ? "is" : "=", keyId).executeTakeFirstOrThrow();
+    if (Number(mine.n) >= MAX_PENDING_PER_KEY) throw new KilnError("unavailable", `${MAX_PENDING_PER_KEY} template builds requested with this key are not started; start or let them expire first`);
     const claimed = await services.builds.prepare({ name, tags, steps: [] }, req.apiKeyId ?? null);
-    pending.set(claimed.buildId, { templateId: claimed.template.id, name: claimed.name, tags, vm: { vcpus: body.cpuCount, memory_mb: body.memoryMB }, keyId, expiresAt: Date.now() + PENDING_TTL_MS });
+    // Built here, unless the template has other requested builds: their host, while it is not lost (the SDK's upload
+    // links name the template, not the build, so all of one template's go to one host).
+    const sibling = await buildHostOf(claimed.template.id);
+    const builder = sibling && sibling !== hostId && (await services.hosts.hosts()).get(sibling)?.status !== "lost" ? sibling : hostId;
+    await db
+      .insertInto("e2b_build_requests")
+      .values({ id: claimed.buildId, template_id: claimed.template.id, host_id: builder, name: claimed.name, tags_json: JSON.stringify(tags), vm_json: JSON.stringify({ vcpus: body.cpuCount, memory_mb: body.memoryMB }), key_id: keyId, expires_at: new Date(Date.now() + PENDING_TTL_MS).toISOString(), created_at: now })
+      .execute();
     const short = claimed.name.replace(/^local\//, "");
     return reply.code(202).send({ templateID: claimed.template.id, buildID: claimed.buildId, names: [short], aliases: [short], tags, public: false });
   });
 
-  // 2. Upload links for `copy`: present when Kiln holds the hash's files, a signed PUT link either way.
-  app.get("/templates/:id/files/:hash", { ...keyRoute, schema: { hide: true, params: Type.Object({ id: Type.String({ maxLength: 256 }), hash: Type.String({ maxLength: 128 }) }) } }, async (req) => {
+  // 2. Upload links for `copy`: present when Kiln holds the hash's files, a signed PUT link either way. Answered by
+  // the host the template's requested builds build on (this one when there is none), whose id the link carries.
+  const linkRoute = { config: { ...keyRoute.config, hostBound: async (req: FastifyRequest) => onHost(await buildHostOf((req.params as { id: string }).id)) } };
+  app.get("/templates/:id/files/:hash", { ...linkRoute, schema: { hide: true, params: Type.Object({ id: Type.String({ maxLength: 256 }), hash: Type.String({ maxLength: 128 }) }) } }, async (req) => {
     const { id, hash } = req.params as { id: string; hash: string };
     if (!FILES_HASH.test(hash)) bad("A files hash is the lowercase hex sha256 the SDK computes");
     await templateOf(id);
     const expires = Math.floor(Date.now() / 1000) + UPLOAD_LINK_S;
     const keyId = req.apiKeyId!;
-    const url = `${originOf(req)}/e2b-template-files/${encodeURIComponent(id)}/${hash}?key=${keyId}&expires=${expires}&signature=${mac(id, hash, expires, keyId)}`;
+    const url = `${originOf(req)}/e2b-template-files/${encodeURIComponent(id)}/${hash}?key=${keyId}&expires=${expires}&host=${encodeURIComponent(hostId)}&signature=${mac(id, hash, expires, keyId, hostId)}`;
     return { present: await files.present(hash), url };
   });
 
   // The upload itself (the SDK PUTs a tar, gzipped by default, with no content type): in its own scope, so the
-  // catch-all body parser hands this route the raw stream and no other route.
+  // catch-all body parser hands this route the raw stream and no other route. Kept by the host its link names (the
+  // signature checked first, by whichever server took it), streamed there and bounded there.
+  const uploadHost = async (req: FastifyRequest) => onHost((req.query as { host?: string }).host);
   await app.register(async (scope) => {
     scope.addContentTypeParser("*", (_req, payload, done) => done(null, payload));
-    scope.put("/e2b-template-files/:id/:hash", { config: { e2b: "control", auth: "e2b-upload" as const }, schema: { hide: true, params: Type.Object({ id: Type.String({ maxLength: 256 }), hash: Type.String({ pattern: "^[0-9a-f]{64}$" }) }) } }, async (req, reply) => {
+    scope.put("/e2b-template-files/:id/:hash", { config: { e2b: "control", auth: "e2b-upload" as const, hostBound: uploadHost }, schema: { hide: true, params: Type.Object({ id: Type.String({ maxLength: 256 }), hash: Type.String({ pattern: "^[0-9a-f]{64}$" }) }) } }, async (req, reply) => {
       const { id, hash } = req.params as { id: string; hash: string };
       await templateOf(id);
       if (Number(req.headers["content-length"] ?? 0) > deps.maxBytes) throw new KilnError("payload_too_large", `A template file upload may hold at most ${deps.maxBytes} bytes (KILN_BODY_LIMIT_BYTES)`);
@@ -409,15 +448,18 @@ export async function templateBuilderRoutes(
     });
   });
 
-  // 3. The steps: one Kiln build, under the id reserved at step 1; it runs detached, as every Kiln build.
+  // 3. The steps: one Kiln build, under the id reserved at step 1, on the host the request names (where the uploads
+  // are); it runs detached, as every Kiln build.
   const BuildParams = Type.Object({ id: Type.String({ maxLength: 256 }), buildId: Type.String({ maxLength: 128 }) });
-  app.post("/v2/templates/:id/builds/:buildId", { ...keyRoute, schema: { hide: true, params: BuildParams, body: StartBody } }, async (req, reply) => {
+  const requestHostOf = async (buildId: string) => (await db.selectFrom("e2b_build_requests").select("host_id").where("id", "=", buildId).executeTakeFirst())?.host_id;
+  const startRoute = { config: { ...keyRoute.config, hostBound: async (req: FastifyRequest) => onHost(await requestHostOf((req.params as { buildId: string }).buildId)) } };
+  app.post("/v2/templates/:id/builds/:buildId", { ...startRoute, schema: { hide: true, params: BuildParams, body: StartBody } }, async (req, reply) => {
     const { id, buildId } = req.params as Static<typeof BuildParams>;
-    const p = pending.get(buildId);
+    const p = await pendingOf(buildId);
     if (!p || p.templateId !== id) {
       const started = await services.store.db.selectFrom("builds").select("id").where("id", "=", buildId).where("template_id", "=", id).executeTakeFirst();
       if (started) throw new KilnError("conflict", `Build ${buildId} has already started`);
-      throw new KilnError("not_found", `No requested build ${buildId} of template ${id}: request it with POST /v3/templates (a request not started within an hour, or across a server restart, is forgotten)`);
+      throw new KilnError("not_found", `No requested build ${buildId} of template ${id}: request it with POST /v3/templates (a request not started within an hour is forgotten)`);
     }
     const { req: request, copies } = buildRequestOf(p, req.body as StartBodyT);
     const context = new Map<string, { path: string; sha256: string; mode: string }>();
@@ -426,18 +468,25 @@ export async function templateBuilderRoutes(
     if (context.size) request.context = { files: [...context.values()] };
     const prepared = await services.builds.prepare(checked(request), req.apiKeyId ?? null);
     if (prepared.template.id !== id) throw new KilnError("conflict", `The name ${p.name} now belongs to another template`);
-    pending.delete(buildId);
+    // Taken once: of two starts at the same moment, one deletes the request and builds.
+    const taken = await db.deleteFrom("e2b_build_requests").where("id", "=", buildId).executeTakeFirst();
+    if (Number(taken.numDeletedRows) === 0) throw new KilnError("conflict", `Build ${buildId} has already started`);
     prepared.buildId = buildId;
     await services.builds.start(prepared);
     return reply.code(202).send();
   });
 
   // 4. Status and logs: the build record's status, the durable log from `logsOffset` (entries already received).
+  // Answered by the building host (its log's newest entries are there first): the request's host, then the build's.
+  const statusRoute = { config: { ...keyRoute.config, hostBound: async (req: FastifyRequest): Promise<Bound> => {
+    const { buildId } = req.params as { buildId: string };
+    return onHost(await requestHostOf(buildId)) ?? { kind: "builds", id: buildId };
+  } } };
   const StatusQuery = Type.Object({ logsOffset: Type.Optional(Type.Integer({ minimum: 0 })), limit: Type.Optional(Type.Integer({ minimum: 1, maximum: 100 })), level: Type.Optional(Type.String()) }, { additionalProperties: true });
-  app.get("/templates/:id/builds/:buildId/status", { ...keyRoute, schema: { hide: true, params: BuildParams, querystring: StatusQuery } }, async (req) => {
+  app.get("/templates/:id/builds/:buildId/status", { ...statusRoute, schema: { hide: true, params: BuildParams, querystring: StatusQuery } }, async (req) => {
     const { id, buildId } = req.params as Static<typeof BuildParams>;
     const q = req.query as Static<typeof StatusQuery>;
-    const p = pending.get(buildId);
+    const p = await pendingOf(buildId);
     if (p && p.templateId === id) return { templateID: id, buildID: buildId, status: "waiting", logEntries: [], logs: [] };
     const row = await services.store.db.selectFrom("builds").select(["status", "failure_reason"]).where("id", "=", buildId).where("template_id", "=", id).executeTakeFirst();
     if (!row) throw new KilnError("not_found", `No build ${buildId} of template ${id}`);
