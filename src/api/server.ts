@@ -145,7 +145,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     opts.services.deployments.setRemotePort(remotePort);
     opts.services.layers?.connect(clusterAuth, hosts.hosts);
     opts.services.volumes.connectCluster({ auth: clusterAuth, hosts: hosts.hosts });
-    opts.services.deployments.connectCluster({ auth: clusterAuth, hosts: hosts.hosts, candidates: () => placement.candidates() });
+    opts.services.deployments.connectCluster({ auth: clusterAuth, hosts: hosts.hosts, candidates: () => placement.candidates(), hasPeers: hosts.hasPeers });
     app.addHook("onClose", async () => opts.services.layers?.close());
     app.addHook("onClose", async () => forwarder.close());
   }

@@ -64,6 +64,8 @@ export interface DeploymentService {
   /** How the edge reaches replicas other hosts run (the cluster tunnel; src/hosts/tunnel.ts). */
   setRemotePort(open: RemotePort): void;
   isRoutable(serviceId: string): boolean;
+  /** Whether the edge reads the store each second for other hosts' writes and replicas (not while alone on it). */
+  edgePolls(): boolean;
   /** The edge proxy registers itself so a stopping service's kept-alive tunnels are dropped. */
   setProxy(p: TunnelOwner): void;
   start(): Promise<void>;
@@ -338,7 +340,11 @@ export function createDeploymentService(deps: {
     await edge.load(db, opts.dataDir);
     sealer = await loadEnvSealer(opts.dataDir);
     await pollAccess();
-    accessPoll = setInterval(() => void pollAccess().catch((err: unknown) => log.warn({ err }, "reading deployments' edge access failed")), ACCESS_POLL_MS);
+    accessPoll = setInterval(() => {
+      // Alone on its store, every write is this server's own and reaches the edge as it is made: nothing to poll for.
+      if (!edgePolls()) return;
+      void pollAccess().catch((err: unknown) => log.warn({ err }, "reading deployments' edge access failed"));
+    }, ACCESS_POLL_MS);
     accessPoll.unref();
     if (!opts.edgeDomain) {
       const shared = await db.selectFrom("deployments").select((eb) => eb.fn.countAll<number>().as("n")).where("status", "=", "active").where("public_url", "=", 1).executeTakeFirst();
@@ -376,6 +382,7 @@ export function createDeploymentService(deps: {
    * The edge's view of every deployment's access, read from the store: all at start, then each second the rows
    * written since (by this server or another on the store), so a rotation or delete made elsewhere stops the old
    * token here within about a second. Timestamps are ISO strings; ">=" re-reads the last instant's rows (harmless).
+   * Only while other hosts share the store (or replicas of one that left are still routed): a server alone skips it.
    */
   let accessSince = "";
   let accessPoll: NodeJS.Timeout | undefined;
@@ -394,6 +401,9 @@ export function createDeploymentService(deps: {
    * routable drops its kept-alive tunnels. This server's own replicas are tracked from its own writes.
    */
   let servicesSince = "";
+  /** Other hosts' replicas the edge here routes to (the poll goes on while there are any, to see them end). */
+  const remoteRouted = new Set<string>();
+  const edgePolls = () => spread.peered || remoteRouted.size > 0;
   async function pollRemoteServices() {
     let q = db.selectFrom("services").innerJoin("machines", "machines.id", "services.machine_id").selectAll("services").where("machines.host_id", "is not", null).where("machines.host_id", "!=", deps.hostId);
     q = servicesSince === "" ? q.where("services.status", "in", ["starting", "ready", "unhealthy"]) : q.where("services.updated_at", ">=", servicesSince);
@@ -401,6 +411,8 @@ export function createDeploymentService(deps: {
       const routed = edge.routes.has(row.id);
       edge.routes.track(row);
       if (routed && !edge.routes.has(row.id)) edge.dropTunnels(row.id);
+      if (edge.routes.has(row.id)) remoteRouted.add(row.id);
+      else remoteRouted.delete(row.id);
       if (row.updated_at > servicesSince) servicesSince = row.updated_at;
     }
   }
@@ -477,6 +489,7 @@ export function createDeploymentService(deps: {
     openServicePort: (serviceId, use) => edge.openServicePort(serviceId, use),
     setRemotePort: (open) => edge.setRemotePort(open),
     isRoutable: (serviceId) => edge.routes.has(serviceId),
+    edgePolls,
     setProxy: (p) => edge.setProxy(p),
     start,
     setPublicUrl,

@@ -20,6 +20,8 @@ export interface ReplicaCluster {
   hosts: () => Promise<Map<string, HostRow>>;
   /** Placement's candidates (active, fresh, accepting), best first; this host among them when it is active. */
   candidates: () => Promise<HostRow[]>;
+  /** Whether another host (not lost) shares the store, as last seen (no query). */
+  hasPeers: () => boolean;
 }
 
 export class ReplicaHosts {
@@ -35,6 +37,11 @@ export class ReplicaHosts {
 
   connect(cluster: ReplicaCluster): void {
     this.#cluster = cluster;
+  }
+
+  /** Whether other hosts share the store (false without a cluster): their replicas and writes are worth polling for. */
+  get peered(): boolean {
+    return this.#cluster?.hasPeers() ?? false;
   }
 
   /**

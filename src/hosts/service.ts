@@ -79,6 +79,8 @@ export function createHostService(deps: HostServiceDeps) {
   let beating: Promise<void> | undefined;
   let peers: { at: number; rows: Map<string, HostRow> } = { at: 0, rows: new Map() };
   let ownStatus: string | undefined;
+  /** Whether another host that is not lost was registered at the last read of the hosts (heartbeat or peers table). */
+  let others = false;
 
   /** Tells onStatus when this host's status (as the store says, whoever changed it) is new. */
   function sawOwnStatus(status: string | undefined) {
@@ -127,6 +129,7 @@ export function createHostService(deps: HostServiceDeps) {
       )
       .execute();
     peers.at = 0;
+    await hosts();
     const self = await get(hostId);
     sawOwnStatus(self.status);
     return self;
@@ -141,8 +144,11 @@ export function createHostService(deps: HostServiceDeps) {
     await db.updateTable("hosts").set({ heartbeat_at: now, capacity_json: capacity, updated_at: now }).where("id", "=", hostId).where("status", "!=", "lost").execute();
     await sweepLost();
     peers.at = 0;
-    // Another server may have drained or activated this host: its own row says so at each heartbeat.
-    sawOwnStatus((await db.selectFrom("hosts").select("status").where("id", "=", hostId).executeTakeFirst())?.status);
+    // Another server may have drained or activated this host: its own row says so at each heartbeat, and the others'
+    // whether this host is alone on the store.
+    const rows = await db.selectFrom("hosts").select(["id", "status"]).where((eb) => eb.or([eb("status", "!=", "lost"), eb("id", "=", hostId)])).execute();
+    others = rows.some((r) => r.id !== hostId);
+    sawOwnStatus(rows.find((r) => r.id === hostId)?.status);
   }
 
   /**
@@ -248,6 +254,7 @@ export function createHostService(deps: HostServiceDeps) {
     if (Date.now() - peers.at < PEERS_TTL_MS) return peers.rows;
     const rows = await db.selectFrom("hosts").selectAll().execute();
     peers = { at: Date.now(), rows: new Map(rows.map((r) => [r.id, r])) };
+    others = rows.some((r) => r.id !== hostId && r.status !== "lost");
     return peers.rows;
   }
 
@@ -263,6 +270,11 @@ export function createHostService(deps: HostServiceDeps) {
     drain: (id: string) => setStatus(id, "draining"),
     activate: (id: string) => setStatus(id, "active"),
     hosts,
+    /**
+     * Whether another host (not lost) shares the store, as of the last heartbeat or read of the hosts, whichever came
+     * last: what lets a server alone on its store skip polling for other hosts' work.
+     */
+    hasPeers: () => others,
     advertiseUrl: () => advertiseUrl,
   };
 }

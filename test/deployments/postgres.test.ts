@@ -1,5 +1,6 @@
 // Agent deployments over PostgreSQL: the same lifecycle (ready, restart with request-only envs, an idempotent
-// repeat, delete), and no table of the database ever holds the restart envs or an edge token.
+// repeat, delete), and no table of the database ever holds the restart envs or an edge token; the edge polls the
+// store for other hosts' work only once another server shares it.
 
 import { test } from "node:test";
 import assert from "node:assert/strict";
@@ -11,8 +12,20 @@ import { appCommand, createDeployment, services, waitService } from "./support.t
 
 test("deployments on PostgreSQL: ready, restart envs reach the process and no table holds them, idempotent repeat, delete", async () => {
   const pg = await startPostgres();
-  const k = await startTestKiln({ env: { KILN_DATABASE_URL: pg.url } });
+  const k = await startTestKiln({ env: { KILN_DATABASE_URL: pg.url, KILN_HOST_HEARTBEAT_MS: "200" } });
+  let peer: Awaited<ReturnType<typeof startTestKiln>> | undefined;
   try {
+    // Alone on its store the edge has no one else's writes or replicas to poll for; a second server makes it poll.
+    assert.equal(k.kiln.services.deployments.edgePolls(), false, "a server alone on its store does not poll");
+    peer = await startTestKiln({ env: { KILN_DATABASE_URL: pg.url, KILN_WARM_POOL: "0" }, captureLogs: false });
+    const deadline = Date.now() + 10_000;
+    while (!k.kiln.services.deployments.edgePolls()) {
+      assert.ok(Date.now() < deadline, "the first server saw its peer at a heartbeat");
+      await new Promise((r) => setTimeout(r, 50));
+    }
+    await peer.close();
+    peer = undefined;
+
     const dep = await createDeployment(k, { name: "pg", command: appCommand(8085), port: 8085, readiness: { interval_s: 0.2, timeout_s: 1, path: "/health" } });
     const [svc] = await services(k, dep.id);
     await waitService(k, dep.id, svc.id, (s) => s.status === "ready");
@@ -40,6 +53,7 @@ test("deployments on PostgreSQL: ready, restart envs reach the process and no ta
     assert.equal(del.body.status, "deleted");
     assert.equal((await services(k, dep.id))[0].status, "stopped");
   } finally {
+    await peer?.close();
     await k.close();
     await pg.stop();
   }

@@ -17,8 +17,12 @@ import pg from "pg";
 import { request } from "undici";
 import { Sandbox } from "e2b";
 import { WebSocket } from "ws";
+import { connect as connectTcp, createServer as createTcpServer } from "node:net";
+import type { Socket } from "node:net";
 import { startPostgres } from "../support/postgres.ts";
-import { TEST_KEY } from "../support/kiln.ts";
+import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
+import { createTunnelServer } from "../../src/hosts/tunnel.ts";
+import { DEFAULT_PROXY_LIMITS } from "../../src/deployments/proxy-limits.ts";
 import { collectFrames } from "../support/frames.ts";
 import { TEST_RUNTIME } from "../support/paths.ts";
 import { startServerProcess } from "../webhooks/server-process.ts";
@@ -601,6 +605,84 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
     const envFound = spawnSync("sh", ["-c", 'find "$1" -xdev -type f -size -64M ! -name "*.img" ! -name "*.xfs" -print0 | xargs -0r grep -lF --binary-files=text -e "$2"', "sh", d, ENV_MARKER], { encoding: "utf8" });
     assert.equal(envFound.stdout.trim(), "", `the deployment's env is in no file of ${d}`);
   }
+});
+
+test("a machine's tunnels from other hosts are bounded: past its share one is refused, and an idle http tunnel is closed", async () => {
+  // The owner's side of the tunnel on a real machine's port, with a share and an idle bound small enough to reach.
+  const k = await startTestKiln({ captureLogs: false });
+  cleanups.push(() => k.close());
+  const m = await k.kiln.services.machines.create({ internet: false });
+  const exec = await k.call("POST", `/v1/machines/${m.id}/exec`, { body: { cmd: "(nohup python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 &)" } });
+  assert.equal(exec.status, 200, exec.text);
+  const { agent } = await k.kiln.services.machines.agentOf(m.id);
+  await until("the port to listen", async () => agent.connectPort(8000).then((s) => (s.destroy(), true), () => false));
+  const limits = { ...DEFAULT_PROXY_LIMITS, connections: 2, upgrades: 1, idleTimeoutMs: 300 };
+  const cap = limits.connections + limits.upgrades;
+  const tunnels = createTunnelServer({ machines: k.kiln.services.machines, limits });
+  // The peer's connection as the owner's server holds it (`peer`) and as the first server does (`near`).
+  const link = await new Promise<{ pair(): Promise<{ peer: Socket; near: Socket }>; close(): void }>((resolve) => {
+    const accepted: ((s: Socket) => void)[] = [];
+    const server = createTcpServer((s) => accepted.shift()!(s)).listen(0, "127.0.0.1", () => {
+      const port = (server.address() as { port: number }).port;
+      resolve({
+        async pair() {
+          const peer = new Promise<Socket>((r) => accepted.push(r));
+          const near = connectTcp(port, "127.0.0.1");
+          await new Promise((r) => near.once("connect", r));
+          return { peer: await peer, near };
+        },
+        close: () => server.close(),
+      });
+    });
+  });
+  cleanups.push(async () => link.close());
+  // A socket's end, whether it ended cleanly or was reset (dropping a tunnel with bytes unread resets it).
+  const closed = (s: Socket) => new Promise<void>((resolve) => (s.destroyed ? resolve() : s.once("close", () => resolve())));
+  const open = async (use: "http" | "pipe") => {
+    const target = await tunnels.connect(m.id, 8000);
+    const { peer, near } = await link.pair();
+    tunnels.splice(m.id, use, peer, Buffer.alloc(0), target);
+    near.resume(); // the 101, and whatever the port sends: read, so its end is seen
+    return { peer, near };
+  };
+
+  // The share: `cap` tunnels open, the next refused (retryable, nothing counted), one closed makes room again.
+  const held = [];
+  for (let i = 0; i < cap; i++) held.push(await open("pipe"));
+  assert.equal(tunnels.count(m.id), cap);
+  await assert.rejects(tunnels.connect(m.id, 8000), (err: any) => err.code === "unavailable" && err.detail?.retryable === true && err.message.includes(`${cap} tunnels open`));
+  assert.equal(tunnels.count(m.id), cap, "a refused tunnel takes no place");
+  const peerGone = closed(held[0].peer);
+  held[0].near.destroy();
+  await peerGone;
+  assert.equal(tunnels.count(m.id), cap - 1, "a closed tunnel gives its place back");
+  held[0] = await open("pipe");
+  assert.equal(tunnels.count(m.id), cap);
+  await assert.rejects(tunnels.connect(m.id, 8000), /tunnels open/);
+  for (const h of held) {
+    const gone = closed(h.peer);
+    h.near.destroy();
+    await gone;
+  }
+  assert.equal(tunnels.count(m.id), 0);
+  // A closed port refuses without taking a place either.
+  await assert.rejects(tunnels.connect(m.id, 8001), (err: any) => err.code === "unavailable");
+  assert.equal(tunnels.count(m.id), 0);
+
+  // The idle bound: a silent http tunnel (the first server's kept-alive connection nobody uses) is closed by the
+  // owner at its bound, both ends; a pipe tunnel (a WebSocket's) as silent stays open, watched by TCP keepalive.
+  const pipe = await open("pipe");
+  const http = await open("http");
+  const quietFrom = Date.now();
+  await Promise.all([closed(http.peer), closed(http.near)]);
+  assert.ok(Date.now() - quietFrom >= limits.idleTimeoutMs - 20, "closed for its silence, not before its bound");
+  assert.equal(tunnels.count(m.id), 1, "the idle tunnel's place is given back");
+  assert.ok(!pipe.peer.destroyed && !pipe.near.destroyed, "a quiet pipe tunnel stays open");
+  const pipeGone = closed(pipe.peer);
+  pipe.near.destroy();
+  await pipeGone;
+  assert.equal(tunnels.count(m.id), 0);
+  tunnels.close();
 });
 
 /** Sends a cluster tunnel upgrade; its status (101: the socket, the caller's to close) or the refusal's. */

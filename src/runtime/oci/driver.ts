@@ -21,7 +21,7 @@ import { applyHostLimits, cgroupFreezer, defaultHostLimits, detectCgroups, KILN_
 import type { HostLimits } from "./cgroups.ts";
 import { isMounted } from "./mounts.ts";
 import { machineUsage } from "./usage.ts";
-import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, makeNetns, removeNetns, slirpAlive, startSlirp, stopSlirp } from "./network.ts";
+import { HOST_ALIAS, SLIRP_DNS, SLIRP_GATEWAY, makeNetns, quickAckLoopback, removeNetns, slirpAlive, startSlirp, stopSlirp } from "./network.ts";
 import { trimLog } from "./health.ts";
 import { createDiskStock, mountWritableLayer, unmountWritableLayer, writableLayer } from "./disk.ts";
 import type { DiskStock } from "./disk.ts";
@@ -415,6 +415,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       agentReady,
       spec.internet && !netnsFirst ? egressCgroup!.then((cgroupProcs) => startSlirp({ target: { pid: pid! }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs })) : undefined,
       restoreImage ? cli.setHostname(spec.id, spec.hostname) : undefined,
+      // A slow loopback costs latency, not correctness: the machine boots either way.
+      opts.runtime === "runc" ? quickAckLoopback(pid!).catch((err: unknown) => opts.log.warn({ err, machine_id: spec.id }, "the machine's loopback keeps delayed ACKs")) : undefined,
     ]);
     // Machine root could otherwise swap its socket for a symlink the host would follow (to another machine's agent).
     if (!passFd) await Promise.all([chown(p.run, 0, 0), chmod(p.run, 0o755), rm(join(p.run, RELISTEN_FILE), { force: true })]);
