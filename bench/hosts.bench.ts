@@ -14,9 +14,8 @@ import { api } from "./api.ts";
 import { median, percentile } from "./report.ts";
 import type { BenchResult } from "./report.ts";
 import type { BenchContext } from "./run.ts";
-import { startTestKiln } from "../test/support/kiln.ts";
 import type { TestKiln } from "../test/support/kiln.ts";
-import { startPostgres } from "../test/support/postgres.ts";
+import { withCluster } from "./cluster.ts";
 import { startServerProcess } from "../test/webhooks/server-process.ts";
 import { appCommand } from "../test/deployments/support.ts";
 import { mkdtemp, rm } from "node:fs/promises";
@@ -30,29 +29,19 @@ const LOST_AFTER_S = 5;
 const HEARTBEAT_MS = 500;
 
 export async function run(ctx: BenchContext): Promise<BenchResult[]> {
-  const db = await startPostgres();
-  const env = { KILN_LOG_LEVEL: "warn", KILN_DATABASE_URL: db.url, KILN_WARM_POOL: "0", KILN_HOST_LOST_AFTER_S: String(LOST_AFTER_S), KILN_HOST_HEARTBEAT_MS: String(HEARTBEAT_MS) };
-  const servers: TestKiln[] = [];
-  try {
-    const front = await startTestKiln({ env, captureLogs: false });
-    servers.push(front);
-    const owner = await startTestKiln({ env, captureLogs: false });
-    servers.push(owner);
+  const env = { KILN_HOST_LOST_AFTER_S: String(LOST_AFTER_S), KILN_HOST_HEARTBEAT_MS: String(HEARTBEAT_MS) };
+  return withCluster(2, env, async ([front, owner], cluster) => {
     const results: BenchResult[] = [await forwardedExec(ctx, front, owner)];
     progress(results);
     results.push(await edgeThroughPeer(ctx, front, owner));
     progress(results);
 
-    const third = await startTestKiln({ env, captureLogs: false });
-    servers.push(third);
+    const third = await cluster.start();
     results.push(await spreadCreates(ctx, front, [owner, third]));
     progress(results);
-    results.push(await deathToFailed(ctx, front, db.url));
+    results.push(await deathToFailed(ctx, front, cluster.dbUrl));
     return results;
-  } finally {
-    for (const s of servers.reverse()) await s.close().catch(() => undefined);
-    await db.stop();
-  }
+  });
 }
 
 /** Each result as soon as it is measured (the run prints them all only at its end). */

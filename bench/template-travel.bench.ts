@@ -8,22 +8,14 @@
 import { median } from "./report.ts";
 import type { BenchResult } from "./report.ts";
 import type { BenchContext } from "./run.ts";
-import { startTestKiln } from "../test/support/kiln.ts";
 import type { TestKiln } from "../test/support/kiln.ts";
-import { startPostgres } from "../test/support/postgres.ts";
+import { withCluster } from "./cluster.ts";
 
 const ROUNDS = 3;
 const LAYER_MB = 32;
 
 export async function run(ctx: BenchContext): Promise<BenchResult[]> {
-  const db = await startPostgres();
-  const env = { KILN_LOG_LEVEL: "warn", KILN_DATABASE_URL: db.url, KILN_WARM_POOL: "0" };
-  const servers: TestKiln[] = [];
-  try {
-    const builder = await startTestKiln({ env, captureLogs: false });
-    servers.push(builder);
-    const other = await startTestKiln({ env, captureLogs: false });
-    servers.push(other);
+  return withCluster(2, {}, async ([builder, other]) => {
     const firstCreate = async (k: TestKiln, template: string) => {
       const t0 = performance.now();
       const m = await k.kiln.services.machines.create({ template });
@@ -53,10 +45,7 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
         note: `${ROUNDS} templates, one round each; warm-up create on the lacking host ${(warmup / 1000).toFixed(1)} s`,
       },
     ];
-  } finally {
-    for (const s of servers.reverse()) await s.close().catch(() => undefined);
-    await db.stop();
-  }
+  });
 }
 
 /** Builds a template whose one built layer holds `mb` MiB of random bytes, and waits for its end. */

@@ -13,9 +13,8 @@ import { api } from "./api.ts";
 import { median } from "./report.ts";
 import type { BenchResult } from "./report.ts";
 import type { BenchContext } from "./run.ts";
-import { startTestKiln } from "../test/support/kiln.ts";
 import type { TestKiln } from "../test/support/kiln.ts";
-import { startPostgres } from "../test/support/postgres.ts";
+import { withCluster } from "./cluster.ts";
 
 const exec = promisify(execFile);
 const ROUNDS = 6;
@@ -23,14 +22,7 @@ const SIZE_MB = 256;
 const DATA_MB = 64;
 
 export async function run(ctx: BenchContext): Promise<BenchResult[]> {
-  const db = await startPostgres();
-  const env = { KILN_LOG_LEVEL: "warn", KILN_DATABASE_URL: db.url, KILN_WARM_POOL: "0" };
-  const servers: TestKiln[] = [];
-  try {
-    const a = await startTestKiln({ env, captureLogs: false });
-    servers.push(a);
-    const b = await startTestKiln({ env, captureLogs: false });
-    servers.push(b);
+  return withCluster(2, {}, async ([a, b]) => {
     const hostOf = (s: TestKiln) => s.kiln.services.hosts.hostId;
     const vol = await api(a.url, ctx.key, "POST", "/v1/volumes", { name: "bench-move", size_mb: SIZE_MB });
     const put = await request(`${a.url}/v1/volumes/${vol.id}/files?path=/data.bin`, { method: "PUT", headers: { authorization: `Bearer ${ctx.key}`, "content-type": "application/octet-stream" }, body: randomBytes(DATA_MB * 1024 * 1024) });
@@ -65,8 +57,5 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
         note: `${ROUNDS} moves, alternating between two servers in one process on one PostgreSQL`,
       },
     ];
-  } finally {
-    for (const s of servers.reverse()) await s.close().catch(() => undefined);
-    await db.stop();
-  }
+  });
 }

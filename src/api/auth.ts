@@ -179,21 +179,19 @@ export function createAuth(keys: KeyService) {
       reply.header("x-request-id", req.id);
       // An unmatched path needs a key like any API route, so route existence is not revealed to strangers.
       const kind: AuthKind = req.is404 ? "key" : (req.routeOptions.config as { auth: AuthKind }).auth;
-      let forwardedKey: string | undefined;
+      let forwarded: Forwarded | undefined;
       if (hasClusterHeaders(req.headers)) {
         // A forged or replayed forward never falls back to other credentials.
         if (!clusterVerifier) return done(unauthorized("This server accepts no forwarded requests"));
         try {
-          const forwarded = clusterVerifier(req.method, req.url, req.headers);
+          forwarded = clusterVerifier(req.method, req.url, req.headers);
           req.forwardedBy = forwarded.from;
-          forwardedKey = forwarded.keyId;
         } catch (err) {
           return done(err as Error);
         }
       }
       if (kind === "none") return done();
-      // A `cluster` route (a peer's own call, as a layer fetch) is answered on the signature alone, for no key.
-      const verifier = req.forwardedBy !== undefined && kind === "cluster" ? () => undefined : req.forwardedBy !== undefined && FORWARDED_KINDS.has(kind) ? forwardedVerifier(forwardedKey) : verifiers.get(kind);
+      const verifier = verifierFor(kind, forwarded);
       if (!verifier) return done(unauthorized(`This route's credential (${kind}) is not accepted by this server`));
       const accept = (keyId: string | undefined) => {
         if (keyId !== undefined) {
@@ -225,6 +223,18 @@ export function createAuth(keys: KeyService) {
         (err: Error) => done(err),
       );
     });
+  }
+
+  /**
+   * The check for a request to a route of `kind`, or undefined when this server accepts no credential of that kind.
+   * A request a peer forwarded (`forwarded`: its verified cluster signature) is checked on the signature: a `cluster`
+   * route (a peer's own call, as a layer fetch) on the signature alone, for no key; a FORWARDED_KINDS route on the key
+   * id it signs. Any other request, and an `edge-token` route's even when forwarded, checks its own credential.
+   */
+  function verifierFor(kind: AuthKind, forwarded: Forwarded | undefined): Verifier | undefined {
+    if (forwarded && kind === "cluster") return () => undefined;
+    if (forwarded && FORWARDED_KINDS.has(kind)) return forwardedVerifier(forwarded.keyId);
+    return verifiers.get(kind);
   }
 
   /** A forwarded request's key: the id the first server authenticated, still active here. */

@@ -21,6 +21,11 @@ export interface ArtifactConfig {
   readyCmd?: string;
   /** gVisor: the build machine saved once start_cmd was ready; machines continue it instead of starting it. */
   checkpoint?: MachineCheckpoint;
+  /**
+   * Machines a hot pool boots ahead for this template are handed out with the default Python kernel started (unless
+   * the template has a start_cmd). Set by the code-interpreter template's making (src/templates/code-interpreter.ts).
+   */
+  prestartKernel?: boolean;
 }
 
 export function artifactConfig(row: Pick<ArtifactRow, "config_json">): ArtifactConfig {

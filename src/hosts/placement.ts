@@ -20,6 +20,10 @@ export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: numb
    */
   async function candidates(holders?: Set<string>, warm?: string): Promise<HostRow[]> {
     const fresh = Date.now() - deps.lostAfterS * 1000;
+    // A host's reported capacity, parsed once (the sort below asks for it on every comparison).
+    const parsed = new Map<HostRow, HostCapacity>();
+    const capacity = (h: HostRow) => parsed.get(h) ?? parsed.set(h, JSON.parse(h.capacity_json) as HostCapacity).get(h)!;
+    const accepting = (h: HostRow) => capacity(h).accepting !== false;
     const usable = [...(await deps.hosts()).values()].filter((h) => {
       if (h.status !== "active") return false;
       // This host stays a candidate whatever its last heartbeat said: its own admission answers live, and says why.
@@ -32,19 +36,12 @@ export function createPlacement(deps: { db: Db; hostId: string; lostAfterS: numb
       (await db.selectFrom("machines").select(["host_id", sql<number>`count(*)`.as("n")]).where("status", "in", LIVE).groupBy("host_id").execute()).map((r) => [r.host_id, Number(r.n)]),
     );
     const load = (h: HostRow) => (counts.get(h.id) ?? 0) + (inFlight.get(h.id) ?? 0);
-    const headroom = (h: HostRow) => {
-      const c = JSON.parse(h.capacity_json) as HostCapacity;
-      return (c.mem_available_mb ?? 0) - (c.min_free_memory_mb ?? 0);
-    };
+    const headroom = (h: HostRow) => (capacity(h).mem_available_mb ?? 0) - (capacity(h).min_free_memory_mb ?? 0);
     const tiebreak = new Map(usable.map((h) => [h.id, Math.random()]));
     const local = (h: HostRow) => Number(holders?.has(h.id) ?? false);
     // A warm machine as of its last heartbeat, less the creates already on their way there: a handout, not a boot.
-    const ready = (h: HostRow) => Number(warm !== undefined && ((JSON.parse(h.capacity_json) as HostCapacity).warm_ready?.[warm] ?? 0) > (inFlight.get(h.id) ?? 0));
+    const ready = (h: HostRow) => Number(warm !== undefined && (capacity(h).warm_ready?.[warm] ?? 0) > (inFlight.get(h.id) ?? 0));
     return usable.sort((a, b) => Number(accepting(b)) - Number(accepting(a)) || local(b) - local(a) || load(a) - load(b) || ready(b) - ready(a) || headroom(b) - headroom(a) || tiebreak.get(a.id)! - tiebreak.get(b.id)!);
-  }
-
-  function accepting(h: HostRow): boolean {
-    return (JSON.parse(h.capacity_json) as HostCapacity).accepting !== false;
   }
 
   /** Counts a create on its way to `id` until the returned function is called. */

@@ -11,13 +11,12 @@ import { refusedRangeMet } from "../net/addresses.ts";
 import { AgentError } from "../runtime/agent-client.ts";
 import type { TemplateService } from "../templates/service.ts";
 import type { VolumeMountRequest, VolumeService } from "../volumes/service.ts";
-import { artifactConfig } from "../builder/artifact-config.ts";
 import { runStartCommand } from "../builder/start-command.ts";
 import type { Admission } from "./admission.ts";
 import type { WarmPool } from "./warm-pool.ts";
 import type { HotPools } from "./hot-pools.ts";
 import { DEFAULT_WORKDIR } from "./paths.ts";
-import { CODE_INTERPRETER_REF } from "../templates/code-interpreter.ts";
+import { templateConfig } from "../templates/code-interpreter.ts";
 import type { BootQueue } from "./boot-queue.ts";
 import { checkEnvs, checkMetadata } from "./input-limits.ts";
 import { MACHINE_DEFAULTS, machineView } from "./records.ts";
@@ -109,7 +108,7 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     }
     const resolved = await templates.resolve(from ? from.artifactId : (input.template ?? deps.baseTemplateRef), { local: true });
     // A built template's image config gives the defaults: its envs, working directory and user.
-    const image = artifactConfig(resolved.artifact);
+    const image = templateConfig(resolved);
     const now = new Date();
     const timeoutS = input.timeout_s ?? MACHINE_DEFAULTS.timeoutS;
     const vcpus = input.vcpus ?? MACHINE_DEFAULTS.vcpus;
@@ -127,12 +126,10 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     const restore = saved && saved.internet === (input.internet !== false) && driver.canRestore?.(saved) ? saved : undefined;
     const poolable = !restore && !from && !input.volumes?.length;
     const want = { artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules };
-    // A template other than the base counts toward its own pool's demand; the code interpreter's pooled machines have
-    // its default kernel started, for the template's user and working directory.
+    // A template other than the base counts toward its own pool's demand (its config says whether its pooled
+    // machines have the default kernel started).
     if (poolable && deps.hotPools && resolved.template.canonical_ref !== deps.baseTemplateRef) {
-      const kernel = resolved.template.canonical_ref === CODE_INTERPRETER_REF && !image.startCmd;
-      const user = image.image.user ?? MACHINE_DEFAULTS.user;
-      deps.hotPools.note({ artifactId: resolved.artifact.id, layers: resolved.layers, vcpus: MACHINE_DEFAULTS.vcpus, memoryMb: MACHINE_DEFAULTS.memoryMb, env: image.image.env, kernel: kernel ? { user, cwd: image.image.workingDir ?? DEFAULT_WORKDIR } : undefined });
+      deps.hotPools.note({ artifactId: resolved.artifact.id, layers: resolved.layers, vcpus: MACHINE_DEFAULTS.vcpus, memoryMb: MACHINE_DEFAULTS.memoryMb, config: image });
     }
     const hot = poolable ? deps.hotPools?.take(want) : undefined;
     const warm = hot?.live ?? (poolable ? deps.pool?.take(want) : undefined);

@@ -1,9 +1,10 @@
 // Hot-template pools: a template other than the base (which has its own fixed pool, warm-pool.ts) that is created
 // often gets machines of its own booted ahead of time, as many as its recent demand asks for, within per-template and
 // host-wide caps and only while the host is above its admission floors. A pool whose template has not been asked for
-// during the idle window is released. Machines of the code-interpreter template are handed out with its default
-// Python kernel already started (E2B snapshots that template with its kernel server running), so the first runCode
-// of a create answers without the kernel's start (≈ 3 s with numpy/pandas/matplotlib installed).
+// during the idle window is released. Machines of a template whose config says `prestartKernel` (the code-interpreter
+// template's) are handed out with its default Python kernel already started (E2B snapshots that template with its
+// kernel server running), so the first runCode of a create answers without the kernel's start (≈ 3 s with
+// numpy/pandas/matplotlib installed).
 //
 // A pooled kernel started before its machine had a create; at handout (create.ts) it is kept only for the create's
 // user and working directory, and the create's envs are set in its os.environ (POST /code/adopt): it sees what a
@@ -14,6 +15,9 @@ import type { LiveMachine, MachineDriver } from "../runtime/driver.ts";
 import { newId } from "../store/ids.ts";
 import type { Logger } from "../log.ts";
 import type { BootQueue } from "./boot-queue.ts";
+import type { ArtifactConfig } from "../builder/artifact-config.ts";
+import { DEFAULT_WORKDIR } from "./paths.ts";
+import { MACHINE_DEFAULTS } from "./records.ts";
 import { createWarmPool } from "./warm-pool.ts";
 import type { WarmPool } from "./warm-pool.ts";
 
@@ -36,10 +40,17 @@ export interface HotTemplate {
   layers: string[];
   vcpus: number;
   memoryMb: number;
-  /** The template's image envs, set in the agent before anything is started in it. */
-  env: Record<string, string>;
-  /** Where the prestarted kernel runs, as whom; none: machines are only booted. */
-  kernel?: { user: string; cwd: string };
+  /**
+   * The template's artifact config: its image envs are set in the agent before anything is started in it; with
+   * `prestartKernel` (and no start_cmd) the default Python kernel is started, for the image's user and directory.
+   */
+  config: ArtifactConfig;
+}
+
+/** Where a pooled machine's prestarted kernel runs, as whom; none: the template's machines are only booted. */
+function kernelOf(t: HotTemplate): { user: string; cwd: string } | undefined {
+  const { image, prestartKernel, startCmd } = t.config;
+  return prestartKernel && !startCmd ? { user: image.user ?? MACHINE_DEFAULTS.user, cwd: image.workingDir ?? DEFAULT_WORKDIR } : undefined;
 }
 
 interface Want {
@@ -73,9 +84,11 @@ const RATE_WINDOW_MS = 60_000;
 async function startKernel(live: LiveMachine, t: HotTemplate): Promise<void> {
   const agent = createAgentClient(live.agentSocket);
   try {
-    if (Object.keys(t.env).length > 0) await agent.setEnvs(t.env);
-    if (!t.kernel) return;
-    const frames = await agent.codeExecute({ code: "", default_context: { id: newId("ctx"), language: "python", cwd: t.kernel.cwd, user: t.kernel.user }, timeout_ms: 60_000 });
+    const env = t.config.image.env;
+    if (Object.keys(env).length > 0) await agent.setEnvs(env);
+    const kernel = kernelOf(t);
+    if (!kernel) return;
+    const frames = await agent.codeExecute({ code: "", default_context: { id: newId("ctx"), language: "python", cwd: kernel.cwd, user: kernel.user }, timeout_ms: 60_000 });
     let text = "";
     for await (const chunk of frames) text = (text + String(chunk)).slice(-4096);
     if (!text.includes('"type":"end"') || !text.includes('"status":"ok"')) throw new Error(`the pooled kernel did not start: ${text.slice(-300)}`);
@@ -151,7 +164,7 @@ export function createHotPools(deps: {
     take(want: Want) {
       const e = entries.get(want.artifactId);
       const live = e?.pool?.take(want);
-      return live && e ? { live, kernel: e.t.kernel } : undefined;
+      return live && e ? { live, kernel: kernelOf(e.t) } : undefined;
     },
     stats() {
       const templates = [...entries.values()].map((e) => {

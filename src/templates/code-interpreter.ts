@@ -6,12 +6,27 @@
 import { KilnError } from "../errors.ts";
 import type { Logger } from "../log.ts";
 import { CODE_INTERPRETER_TEMPLATE, cachedCodeInterpreterLayer, ensureCodeInterpreterLayer } from "../builder/code-interpreter-template.ts";
+import { artifactConfig } from "../builder/artifact-config.ts";
+import type { ArtifactConfig } from "../builder/artifact-config.ts";
 import { BASE_TEMPLATE_REF, DEFAULT_NAMESPACE } from "./resolver.ts";
 import type { ResolvedTemplate, TemplateService } from "./service.ts";
 
 export const CODE_INTERPRETER_REF = `${DEFAULT_NAMESPACE}/${CODE_INTERPRETER_TEMPLATE}`;
 /** After a failed making, creates say why for this long before the next one tries again. */
 const RETRY_AFTER_FAILURE_MS = 60_000;
+/** What the making records with the template: its pooled machines are handed out with the Python kernel started. */
+const CODE_INTERPRETER_CONFIG: ArtifactConfig = { image: { env: {} }, prestartKernel: true };
+
+/**
+ * A template's artifact config, as machines are made from it. The one place the code interpreter's name still
+ * decides anything: a code-interpreter-v1 recorded before its making set `prestartKernel` has no such setting (and
+ * registerBuiltIn keeps that artifact while the cached layer is unchanged), so its name stands for the setting.
+ */
+export function templateConfig(t: ResolvedTemplate): ArtifactConfig {
+  const config = artifactConfig(t.artifact);
+  if (config.prestartKernel === undefined && t.template.canonical_ref === CODE_INTERPRETER_REF) return { ...config, prestartKernel: true };
+  return config;
+}
 
 export interface CodeInterpreterTemplate {
   /** Records it at start when its layer is already in the cache (no making). */
@@ -39,7 +54,7 @@ export function createCodeInterpreterTemplate(deps: { templates: TemplateService
     const b = await base();
     const layer = await cachedCodeInterpreterLayer(cacheDir, b.digest);
     if (!layer) return false;
-    await templates.registerBuiltIn(CODE_INTERPRETER_REF, [...b.layers, layer.layerDir], layer.digest);
+    await templates.registerBuiltIn(CODE_INTERPRETER_REF, [...b.layers, layer.layerDir], layer.digest, CODE_INTERPRETER_CONFIG);
     return true;
   }
 
@@ -47,7 +62,7 @@ export function createCodeInterpreterTemplate(deps: { templates: TemplateService
     making ??= (async () => {
       const b = await base();
       const layer = await ensureCodeInterpreterLayer({ cacheDir, baseLayerDir: b.layerDir, baseDigest: b.digest, log, onProgress });
-      const t = await templates.registerBuiltIn(CODE_INTERPRETER_REF, [...b.layers, layer.layerDir], layer.digest);
+      const t = await templates.registerBuiltIn(CODE_INTERPRETER_REF, [...b.layers, layer.layerDir], layer.digest, CODE_INTERPRETER_CONFIG);
       log.info({ artifact_id: t.artifact.id, created: layer.created }, "the code-interpreter-v1 template is ready");
       failed = undefined;
       return t;

@@ -5,6 +5,7 @@
 import type { Db, ArtifactRow, TemplateRow } from "../store/schema.ts";
 import { newId } from "../store/ids.ts";
 import { KilnError } from "../errors.ts";
+import type { ArtifactConfig } from "../builder/artifact-config.ts";
 import { BASE_TEMPLATE_REF, chooseTag, findTemplate, parseTemplateRef } from "./resolver.ts";
 
 export interface ResolvedTemplate {
@@ -24,7 +25,8 @@ export interface TemplateService {
   /** Records (once) the logical template local/base and its artifact tagged `default` for a built base layer. */
   registerBase(layerDir: string, digest: string): Promise<ResolvedTemplate>;
   /** The same for another template Kiln makes itself in its cache (`local/code-interpreter-v1`): its layers, lowest first. */
-  registerBuiltIn(canonicalRef: string, layers: string[], digest: string): Promise<ResolvedTemplate>;
+  /** `config`: recorded with a new artifact (one of the same layers already tagged default is kept as it is). */
+  registerBuiltIn(canonicalRef: string, layers: string[], digest: string, config?: ArtifactConfig): Promise<ResolvedTemplate>;
   setPending(message: string | null): void;
   /** Why the base template cannot be used yet (being made, or its making failed); null once it is recorded. */
   pendingReason(): string | null;
@@ -74,7 +76,7 @@ export function createTemplateService(db: Db): TemplateService {
     return registerBuiltIn(BASE_TEMPLATE_REF, [layerDir], digest);
   }
 
-  async function registerBuiltIn(canonicalRef: string, layers: string[], digest: string): Promise<ResolvedTemplate> {
+  async function registerBuiltIn(canonicalRef: string, layers: string[], digest: string, config?: ArtifactConfig): Promise<ResolvedTemplate> {
     const now = new Date().toISOString();
     const [namespace, name] = canonicalRef.split("/") as [string, string];
     await db.transaction().execute(async (tx) => {
@@ -92,7 +94,7 @@ export function createTemplateService(db: Db): TemplateService {
         .executeTakeFirst();
       if (tagged && tagged.digest === digest && tagged.layers_json === JSON.stringify(layers)) return;
       const artifactId = newId("art");
-      await tx.insertInto("artifacts").values({ id: artifactId, template_id: template.id, build_id: null, layers_json: JSON.stringify(layers), digest, created_at: now }).execute();
+      await tx.insertInto("artifacts").values({ id: artifactId, template_id: template.id, build_id: null, layers_json: JSON.stringify(layers), digest, created_at: now, config_json: config ? JSON.stringify(config) : null }).execute();
       if (tagged) {
         await tx.updateTable("artifact_tags").set({ artifact_id: artifactId, updated_at: now }).where("template_id", "=", template.id).where("tag", "=", "default").execute();
       } else {

@@ -100,6 +100,10 @@ test("code contexts: created with a cwd, listed, isolated, restarted (state gone
 test("envs apply to one runCode only, in Python and JavaScript", async () => {
   assert.equal((await sbx.runCode("import os; os.environ.get('RUN_ONLY')", { envs: { RUN_ONLY: "yes" } })).text, "'yes'");
   assert.equal((await sbx.runCode("import os; repr(os.environ.get('RUN_ONLY'))")).text, "'None'");
+  // A variable the kernel already has is given back its value after the call.
+  const home = (await sbx.runCode("import os; os.environ['HOME']")).text;
+  assert.equal((await sbx.runCode("import os; os.environ['HOME']", { envs: { HOME: "/tmp/run-only" } })).text, "'/tmp/run-only'");
+  assert.equal((await sbx.runCode("import os; os.environ['HOME']")).text, home);
   assert.match((await sbx.runCode("process.env.RUN_ONLY", { language: "js", envs: { RUN_ONLY: "js-yes" } })).text ?? "", /js-yes/);
   assert.match((await sbx.runCode("String(process.env.RUN_ONLY)", { language: "js" })).text ?? "", /undefined/);
 });

@@ -10,7 +10,9 @@ import { Sandbox } from "@e2b/code-interpreter";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { generateKeyIn } from "../../src/keys/service.ts";
-import { CODE_INTERPRETER_REF } from "../../src/templates/code-interpreter.ts";
+import { CODE_INTERPRETER_REF, templateConfig } from "../../src/templates/code-interpreter.ts";
+import type { ResolvedTemplate } from "../../src/templates/service.ts";
+import { artifactConfig } from "../../src/builder/artifact-config.ts";
 import { sandboxIdOf } from "../../src/compat/e2b/ids.ts";
 
 let k: TestKiln;
@@ -85,6 +87,18 @@ test("a pooled code-interpreter machine has the requested limits, and its first 
   const child = await execute(m.body.id, "import subprocess\nsubprocess.run(['sh', '-c', 'echo $KILN_HOT_MARK'], capture_output=True, text=True).stdout.strip()");
   assert.equal(child.find((f) => f.type === "result")?.data["text/plain"], "'from-create'");
   for (const id of [first.body.id, m.body.id, cold.body.id]) assert.equal((await k.call("DELETE", `/v1/machines/${id}`)).status, 200);
+});
+
+test("the prestarted kernel is the template's setting: the making records it; a code-interpreter-v1 recorded before it has its name stand for it", async () => {
+  const made = await k.kiln.services.templates.resolve(CODE_INTERPRETER_REF);
+  assert.equal(artifactConfig(made.artifact).prestartKernel, true, `recorded: ${made.artifact.config_json}`);
+  const base = await k.kiln.services.templates.resolve("local/base");
+  assert.equal(templateConfig(base).prestartKernel, undefined);
+  // As recorded before the setting: no artifact config at all.
+  const old = { ...made, artifact: { ...made.artifact, config_json: null } } satisfies ResolvedTemplate;
+  assert.equal(templateConfig(old).prestartKernel, true);
+  const renamed = { ...old, template: { ...old.template, canonical_ref: "local/not-the-interpreter" } } satisfies ResolvedTemplate;
+  assert.equal(templateConfig(renamed).prestartKernel, undefined);
 });
 
 test("Sandbox.create() takes a pooled machine whose first runCode sees the sandbox's and the call's envs", async () => {

@@ -5,12 +5,11 @@
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { request } from "node:http";
-import type { IncomingMessage } from "node:http";
 import { setTimeout as sleep } from "node:timers/promises";
 import { Sandbox } from "e2b";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
+import { startUnread, readOn } from "../support/unread.ts";
 import { generateKeyIn } from "../../src/keys/service.ts";
 import { envelope } from "../../src/compat/e2b/connect.ts";
 
@@ -27,28 +26,16 @@ after(async () => {
   await k?.close();
 });
 
-/** Sends a request to the sandbox (E2b-Sandbox-Id, its token) and hands back the response unread (paused). */
-function startUnread(path: string, port: number, contentType: string, body: Buffer | string): Promise<IncomingMessage> {
-  return new Promise((resolve, reject) => {
-      const req = request(
-      new URL(path, k.url),
-      { method: "POST", headers: { ...sandboxHeaders(port), "content-type": contentType } },
-      (res) => {
-        res.pause();
-        resolve(res);
-      },
-    );
-    req.once("error", reject);
-    req.end(body);
-  });
-}
-
 const sandboxHeaders = (port: number) => ({ "e2b-sandbox-id": sbx.sandboxId, "e2b-sandbox-port": String(port), "x-access-token": sbx.trafficAccessToken! });
+
+/** POSTs to the sandbox's `port` (E2b-Sandbox-Id, its token) and hands back the response unread (paused). */
+const startUnreadIn = (path: string, port: number, contentType: string, body: Buffer | string) =>
+  startUnread(new URL(path, k.url), { ...sandboxHeaders(port), "content-type": contentType }, body);
 
 test("an execution whose client does not read is paced: the kernel waits for its reader instead of the server holding its flood", async () => {
   // The kernel counts the 4 KB lines it got out, in a file the test reads through envd meanwhile.
   const code = `const fs = require("fs"); const line = "y".repeat(4000); for (let n = 1; ; n++) { console.log(line); if (n % 250 === 0) fs.writeFileSync("/tmp/flood-count", String(n)) }`;
-  const unread = await startUnread("/execute", 49999, "application/json", JSON.stringify({ code, language: "js" }));
+  const unread = await startUnreadIn("/execute", 49999, "application/json", JSON.stringify({ code, language: "js" }));
   assert.equal(unread.statusCode, 200);
   // Paced, the kernel stops once the buffers between it and the client are full; unpaced, the server takes all it
   // writes (tens of MB a second) and the count runs on. Wait for the count to stand still, or to pass 256 MB.
@@ -62,13 +49,7 @@ test("an execution whose client does not read is paced: the kernel waits for its
     await sleep(2000);
   }
   // Reading on hands over what waited, and the kernel goes on.
-  unread.resume();
-  let got = 0;
-  for await (const chunk of unread) {
-    got += (chunk as Buffer).length;
-    if (got > 4 * 1024 * 1024) break;
-  }
-  unread.destroy();
+  const got = (await readOn(unread, 4 * 1024 * 1024)).length;
   assert.ok(got > 4 * 1024 * 1024, `the client read ${got} bytes once it read`);
   // The sandbox goes on: a new execution answers.
   const res = await fetch(new URL("/execute", k.url), { method: "POST", headers: { ...sandboxHeaders(49999), "content-type": "application/json" }, body: JSON.stringify({ code: "6 * 7" }) });
@@ -78,24 +59,15 @@ test("an execution whose client does not read is paced: the kernel waits for its
 test("a process stream whose client does not read ends with resource_exhausted once 32 MiB wait for it; the process goes on", async () => {
   // 100 MB of output, then a mark, then the process lives on.
   const script = "head -c 100000000 /dev/zero; touch /tmp/flood-done; exec sleep 600";
-  const unread = await startUnread("/process.Process/Start", 49983, "application/connect+json", envelope(0, { process: { cmd: "/bin/sh", args: ["-c", script] } }));
+  const unread = await startUnreadIn("/process.Process/Start", 49983, "application/connect+json", envelope(0, { process: { cmd: "/bin/sh", args: ["-c", script] } }));
   assert.equal(unread.statusCode, 200);
   // Once the process wrote it all, the server has had all of it (nothing paces an envd stream: one agent socket
   // carries every process of the machine).
   while (!(await sbx.files.exists("/tmp/flood-done"))) await sleep(500);
   // What was held is handed over, then the end frame says why the stream ended. Unbounded, the stream holds all
   // 100 MB (133 MB as base64 in JSON) and never ends: reading stops past 64 MiB.
-  unread.resume();
-  const chunks: Buffer[] = [];
-  let got = 0;
-  for await (const chunk of unread) {
-    chunks.push(chunk as Buffer);
-    got += (chunk as Buffer).length;
-    if (got > 64 * 1024 * 1024) break;
-  }
-  unread.destroy();
-  assert.ok(got <= 40 * 1024 * 1024, `the server held ${Math.round(got / 1024 / 1024)} MiB for a client that read nothing`);
-  const all = Buffer.concat(chunks);
+  const all = await readOn(unread, 64 * 1024 * 1024);
+  assert.ok(all.length <= 40 * 1024 * 1024, `the server held ${Math.round(all.length / 1024 / 1024)} MiB for a client that read nothing`);
   let at = 0;
   let end: { error?: { code: string; message: string } } | undefined;
   let pid: number | undefined;

@@ -4,11 +4,10 @@
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { request } from "node:http";
-import type { IncomingMessage } from "node:http";
 import { setTimeout as sleep } from "node:timers/promises";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
+import { startUnread, readOn } from "../support/unread.ts";
 
 let k: TestKiln;
 before(async () => {
@@ -30,19 +29,6 @@ async function agentRssKiB(id: string): Promise<number> {
   return kib;
 }
 
-/** Starts an execute and hands back its response unread (paused): the caller that does not keep up. */
-function startUnread(id: string, body: Record<string, unknown>): Promise<IncomingMessage> {
-  return new Promise((resolve, reject) => {
-    const url = new URL(`${k.url}/v1/machines/${id}/code/execute`);
-    const req = request(url, { method: "POST", headers: { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json" } }, (res) => {
-      res.pause();
-      resolve(res);
-    });
-    req.once("error", reject);
-    req.end(JSON.stringify(body));
-  });
-}
-
 for (const language of ["python", "javascript"] as const) {
   test(`a ${language} kernel flooding output to a caller that does not read is paced: the agent stays small and the machine keeps running`, async () => {
     const res = await k.call("POST", "/v1/machines", { body: { template: "local/base", memory_mb: 1024, timeout_s: 600 } });
@@ -50,7 +36,11 @@ for (const language of ["python", "javascript"] as const) {
     const m = res.body as { id: string };
     const before = await agentRssKiB(m.id);
     const code = language === "python" ? `line = "y" * 200\nwhile True:\n    print(line)` : `const line = "y".repeat(4000); for (;;) console.log(line)`;
-    const unread = await startUnread(m.id, { code, language, timeout_s: 120 });
+    const unread = await startUnread(
+      new URL(`${k.url}/v1/machines/${m.id}/code/execute`),
+      { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json" },
+      JSON.stringify({ code, language, timeout_s: 120 }),
+    );
     assert.equal(unread.statusCode, 200);
     // The kernel writes tens of MB a second; without pacing the agent holds all of it (a 512 MB machine is killed by
     // the OOM killer within about 20 s).
@@ -61,13 +51,7 @@ for (const language of ["python", "javascript"] as const) {
     assert.ok(during - before < 100 * 1024, `the agent grew from ${before} to ${during} KiB while its caller did not read`);
     // The caller reads on: what waited is handed over. (ipykernel itself keeps what its reader does not take, so a
     // Python kernel that floods on may end by the OOM killer: its own death, reported as KernelDied, not the machine's.)
-    unread.resume();
-    let got = 0;
-    for await (const chunk of unread) {
-      got += (chunk as Buffer).length;
-      if (got > 4 * 1024 * 1024) break;
-    }
-    unread.destroy();
+    const got = (await readOn(unread, 4 * 1024 * 1024)).length;
     assert.ok(got > 4 * 1024 * 1024, `the caller read ${got} bytes once it read`);
     // Hanging up interrupted the execute. A new context works; so does the JavaScript one that flooded (its console
     // survives an interrupt that lands mid-write). The Python one may have been ended as hung: ipykernel still had the

@@ -98,16 +98,14 @@ def main():
         if kind == "environ":
             # The machine's envs, given to a kernel started before the machine was handed to its create (a hot pool):
             # kept in its os.environ from now on, as a kernel started after the create has them.
-            run_silent(kc, "__import__('os').environ.update(__import__('json').loads(%r))" % json.dumps(envs))
+            set_environ(kc, envs)
             continue
         if envs:
-            # Variables for this one execute: set in the kernel before it, put back after it (silently: no output,
-            # no execution count).
-            names = json.dumps(sorted(envs))
-            run_silent(kc, "import os as __kiln_os, json as __kiln_json\n__kiln_saved_env = {k: __kiln_os.environ.get(k) for k in __kiln_json.loads(%r)}\n__kiln_os.environ.update(__kiln_json.loads(%r))" % (names, json.dumps(envs)))
+            # Variables for this one execute: set in the kernel before it, put back after it.
+            set_environ(kc, envs, keep_old=True)
         run(km, kc, code)
         if envs:
-            run_silent(kc, "for __kiln_k, __kiln_v in __kiln_saved_env.items():\n    __kiln_os.environ.pop(__kiln_k, None) if __kiln_v is None else __kiln_os.environ.__setitem__(__kiln_k, __kiln_v)\ndel __kiln_saved_env")
+            run_silent(kc, "for __kiln_k, __kiln_v in __kiln_saved_env.items():\n    __import__('os').environ.pop(__kiln_k, None) if __kiln_v is None else __import__('os').environ.__setitem__(__kiln_k, __kiln_v)\ndel __kiln_saved_env")
 
     try:
         kc.close()
@@ -253,6 +251,17 @@ class Channels:
     def close(self):
         self.shell.close(linger=0)
         self.iopub.close(linger=0)
+
+
+def set_environ(kc, envs, keep_old=False):
+    """
+    Sets `envs` in the kernel's os.environ, silently (no output, no execution count). `keep_old`: what those names
+    held before is kept in the kernel, as `__kiln_saved_env` (None: unset), for the bridge to put back.
+    """
+    code = "__import__('os').environ.update(__import__('json').loads(%r))" % json.dumps(envs)
+    if keep_old:
+        code = "__kiln_saved_env = {k: __import__('os').environ.get(k) for k in __import__('json').loads(%r)}\n" % json.dumps(sorted(envs)) + code
+    run_silent(kc, code)
 
 
 def run_silent(kc, code):
