@@ -406,6 +406,14 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.alterTable("volumes").addColumn("host_id", "text").execute();
       },
     },
+    // The host whose server runs a deployment's rollout while it is rolling: that server resumes it after a restart
+    // (wherever the replicas run), a survivor takes it over when that host is lost, and a rollout that another
+    // server took over (a PATCH there, a lost host's replacements) stops at its next step. Null: made before this.
+    "0029_deployment_rollout_host": {
+      async up(db: Kysely<any>) {
+        await db.schema.alterTable("deployments").addColumn("rollout_host_id", "text").execute();
+      },
+    },
   };
 }
 
