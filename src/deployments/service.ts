@@ -47,6 +47,8 @@ export interface DeploymentOptions {
   edgeTokenTtlS: number;
   /** KILN_EDGE_DOMAIN: each deployment's pages on an origin of its own (`<label>.<domain>`); unset: /edge/<id>/ on the API's origin, sandboxed. */
   edgeDomain?: EdgeDomain;
+  /** KILN_DEPLOYMENT_ENVS_KEY_FILE: the key that seals deployment envs, shared by the servers of a store; unset: the data dir's own. */
+  envsKeyFile?: string;
 }
 
 export interface DeploymentService {
@@ -117,6 +119,18 @@ export function createDeploymentService(deps: {
   function sealEnvs(envs: Record<string, string>) {
     if (!sealer) throw new KilnError("unavailable", "Deployments are not ready yet");
     return { envs_sealed: sealer.seal(envs), env_names_json: JSON.stringify(Object.keys(envs).sort()) };
+  }
+
+  /**
+   * The previous version's envs for a new one: sealed again under this server's key when it can open them (so a
+   * PATCH moves a deployment onto a shared key, docs/deployments.md), else kept as they are.
+   */
+  function resealed(sealed: string): string {
+    try {
+      return sealer ? sealer.seal(sealer.open(sealed)) : sealed;
+    } catch {
+      return sealed;
+    }
   }
 
   /** The readiness settings of a version: a given `readiness` object replaces the whole of the previous one. */
@@ -201,7 +215,7 @@ export function createDeploymentService(deps: {
         template: input.template ?? cur.template,
         command: input.command ?? cur.command,
         port: input.port ?? cur.port,
-        ...(input.envs !== undefined ? sealEnvs(input.envs) : { envs_sealed: cur.envs_sealed, env_names_json: cur.env_names_json }),
+        ...(input.envs !== undefined ? sealEnvs(input.envs) : { envs_sealed: resealed(cur.envs_sealed), env_names_json: cur.env_names_json }),
         readiness_json: JSON.stringify(readinessOf(input.readiness, readinessOfVersion(cur))),
         created_at: now,
       };
@@ -345,7 +359,7 @@ export function createDeploymentService(deps: {
    */
   async function start() {
     await edge.load(db, opts.dataDir);
-    sealer = await loadEnvSealer(opts.dataDir);
+    sealer = await loadEnvSealer(opts.dataDir, opts.envsKeyFile);
     await pollAccess();
     accessPoll = setInterval(() => void pollAccess().catch((err: unknown) => log.warn({ err }, "reading deployments' edge access failed")), ACCESS_POLL_MS);
     accessPoll.unref();
