@@ -61,7 +61,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
   });
   const hostId = await ensureHostId(config.dataDir, config.hostId);
   const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs, historyS: config.webhookHistoryS };
-  const deployments = { dataDir: config.dataDir, publicUrl: config.publicUrl, maxCrashes: config.serviceMaxCrashes, backoffMs: config.serviceBackoffMs, edgeTokenTtlS: config.edgeTokenTtlS, edgeDomain: config.edgeDomain };
+  const deployments = { dataDir: config.dataDir, publicUrl: config.publicUrl, maxCrashes: config.serviceMaxCrashes, backoffMs: config.serviceBackoffMs, edgeTokenTtlS: config.edgeTokenTtlS, edgeDomain: config.edgeDomain, envsKeyFile: config.deploymentEnvsKeyFile };
   const limits = { dataDir: config.dataDir, maxDiskMb: config.maxDiskMb, minFreeDiskMb: config.minFreeDiskMb, minFreeMemoryMb: config.minFreeMemoryMb, memoryOvercommit: config.memoryOvercommit };
   // Image imports and Dockerfile builds plug into the build pipeline; a Dockerfile's FROM may name a Kiln template,
   // resolved through the template service the pipeline itself is part of (bound once the services exist).

@@ -73,6 +73,8 @@ export interface Config {
   serviceBackoffMs: number;
   /** Lifetime of a signed edge_token in a service's public URL. */
   edgeTokenTtlS: number;
+  /** KILN_DEPLOYMENT_ENVS_KEY_FILE: a key file sealing deployment envs that every server of a store is given. */
+  deploymentEnvsKeyFile: string | undefined;
   /** Each service's (and sandbox port's) share and waits through the edge. */
   edgeLimits: ProxyLimits;
   /** Largest `disk_mb` a machine may ask for. */
@@ -153,6 +155,7 @@ export const CONFIG_VARS = [
   ["KILN_SERVICE_MAX_CRASHES", "5", "crashes in a row after which a deployment's service ends failed"],
   ["KILN_SERVICE_BACKOFF_MS", "500", "first delay before a crashed service starts again (doubles per crash, up to 30 s)"],
   ["KILN_EDGE_TOKEN_TTL_S", "3600", "lifetime of the signed edge_token of a deployment with access: signed (a fresh one on every read)"],
+  ["KILN_DEPLOYMENT_ENVS_KEY_FILE", "$KILN_DATA_DIR/deployment-envs-key", "key file (64 hex characters, mode 0600) sealing deployment envs; give every server of one store the same file so any of them can start any deployment's replicas"],
   ["KILN_EDGE_MAX_CONNECTIONS", "64", "requests in flight at once to one service (or sandbox port) through the edge"],
   ["KILN_EDGE_QUEUE", "256", "requests that may wait for one of those; past it the edge answers 503 at once"],
   ["KILN_EDGE_HEADERS_TIMEOUT_S", "60", "longest wait through the edge for a place, and for a service's response head (504)"],
@@ -246,6 +249,7 @@ export function loadConfig(env: Env = process.env): Config {
     serviceMaxCrashes: intVar(env, "KILN_SERVICE_MAX_CRASHES", 5, 1, 1000),
     serviceBackoffMs: intVar(env, "KILN_SERVICE_BACKOFF_MS", 500, 0, 600_000),
     edgeTokenTtlS: intVar(env, "KILN_EDGE_TOKEN_TTL_S", 3600, 1, 30 * 24 * 3600),
+    deploymentEnvsKeyFile: env.KILN_DEPLOYMENT_ENVS_KEY_FILE ? resolve(env.KILN_DEPLOYMENT_ENVS_KEY_FILE) : undefined,
     edgeLimits: {
       ...DEFAULT_PROXY_LIMITS,
       connections: intVar(env, "KILN_EDGE_MAX_CONNECTIONS", DEFAULT_PROXY_LIMITS.connections, 1, 4096),

@@ -28,10 +28,15 @@ export interface DeploymentRecords {
    * The replicas of one deployment whose machines ran on a lost host, ended once per cluster: under the
    * deployment's row lock (`FOR UPDATE SKIP LOCKED` on PostgreSQL: a server that finds it locked leaves it to the
    * one holding it), each by a conditional update with its event — a running one `failed` with the reason, a
-   * stopping one `stopped` — and the deployment set rolling. Returns the replicas this call ended (none: another
-   * server did, or does now).
+   * stopping one `stopped` — and the deployment set rolling, its rollout this host's (`by`). Returns the replicas
+   * this call ended (none: another server did, or does now).
    */
-  claimLost(deploymentId: string, hostId: string, reason: string): Promise<ServiceRow[]>;
+  claimLost(deploymentId: string, hostId: string, reason: string, by: string): Promise<ServiceRow[]>;
+  /**
+   * Takes over a rolling deployment's rollout from `from` (its recorded runner: a lost host, or null for a row made
+   * before rollouts were recorded) for `to`: a conditional update, so one server wins. Whether this one did.
+   */
+  claimRollout(deploymentId: string, from: string | null, to: string): Promise<boolean>;
 }
 
 /** `written` hears every service row the transition wrote (the edge keeps its routes from it). */
@@ -81,7 +86,7 @@ export function createDeploymentRecords(db: Db, written: (row: ServiceRow) => vo
       return row;
     },
 
-    async claimLost(deploymentId, hostId, reason) {
+    async claimLost(deploymentId, hostId, reason, by) {
       let queued = 0;
       const ended = await db.transaction().execute(async (tx) => {
         let lock = tx.selectFrom("deployments").select(["id", "status"]).where("id", "=", deploymentId);
@@ -108,13 +113,19 @@ export function createDeploymentRecords(db: Db, written: (row: ServiceRow) => vo
           out.push(after);
         }
         if (out.some((r) => r.status === "failed") && dep.status === "active") {
-          await tx.updateTable("deployments").set({ rollout_status: "rolling", rollout_error: null, updated_at: new Date().toISOString() }).where("id", "=", deploymentId).execute();
+          await tx.updateTable("deployments").set({ rollout_status: "rolling", rollout_error: null, rollout_host_id: by, updated_at: new Date().toISOString() }).where("id", "=", deploymentId).execute();
         }
         return out;
       });
       if (queued > 0) announceDeliveries(db);
       for (const row of ended) written(row);
       return ended;
+    },
+
+    async claimRollout(deploymentId, from, to) {
+      let q = db.updateTable("deployments").set({ rollout_host_id: to, updated_at: new Date().toISOString() }).where("id", "=", deploymentId).where("status", "=", "active").where("rollout_status", "=", "rolling");
+      q = from === null ? q.where("rollout_host_id", "is", null) : q.where("rollout_host_id", "=", from);
+      return Number((await q.executeTakeFirst()).numUpdatedRows) === 1;
     },
 
     async setRollout(deploymentId, status, error) {

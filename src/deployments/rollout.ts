@@ -1,5 +1,6 @@
 // Rolling updates: bringing a deployment's services onto its current version one replica at a time, one rollout per
-// deployment at once (a later one queues behind the running one), resumable after a restart.
+// deployment at once (a later one queues behind the running one), resumable after a restart. The deployment records
+// which host's server runs its rollout (`rollout_host_id`); a rollout another server took over stops at its next step.
 
 import type { Db } from "../store/schema.ts";
 import { KilnError } from "../errors.ts";
@@ -15,9 +16,9 @@ export class Rollouts {
   /** The rollout running (or queued last) for each deployment. */
   readonly #running = new Map<string, Promise<void>>();
   #closed = false;
-  readonly #d: { db: Db; log: Logger; records: DeploymentRecords; supervision: ServiceSupervision };
+  readonly #d: { db: Db; log: Logger; records: DeploymentRecords; supervision: ServiceSupervision; hostId: string };
 
-  constructor(deps: { db: Db; log: Logger; records: DeploymentRecords; supervision: ServiceSupervision }) {
+  constructor(deps: { db: Db; log: Logger; records: DeploymentRecords; supervision: ServiceSupervision; hostId: string }) {
     this.#d = deps;
   }
 
@@ -40,6 +41,11 @@ export class Rollouts {
     return next;
   }
 
+  /** Whether a rollout of the deployment runs (or is queued) on this server. */
+  running(deploymentId: string): boolean {
+    return this.#running.has(deploymentId);
+  }
+
   /** Settles when the deployment's current rollout has (at once if none runs). */
   async settled(deploymentId: string): Promise<void> {
     await this.#running.get(deploymentId);
@@ -49,6 +55,11 @@ export class Rollouts {
   async close(): Promise<void> {
     this.#closed = true;
     await Promise.all([...this.#running.values()]);
+  }
+
+  /** Whether another host's server runs the deployment's rollout now (a PATCH there, or its lost-host replacements). */
+  #takenOver(dep: { rollout_host_id: string | null }): boolean {
+    return dep.rollout_host_id !== null && dep.rollout_host_id !== this.#d.hostId;
   }
 
   async #runNow(deploymentId: string, why?: ReadinessDetail): Promise<void> {
@@ -64,7 +75,7 @@ export class Rollouts {
   async #steps(deploymentId: string, why?: ReadinessDetail): Promise<void> {
     const { db, records, supervision } = this.#d;
     let dep = await records.loadDeployment(deploymentId);
-    if (dep.status !== "active") return;
+    if (dep.status !== "active" || this.#takenOver(dep)) return;
     const version = await records.loadVersion(dep.current_version_id);
     await records.setRollout(deploymentId, "rolling", null);
     // Failed replicas of any version are replaced; their records stay for inspection.
@@ -75,7 +86,7 @@ export class Rollouts {
     let have = Math.min(current.length, dep.replicas);
     while (have < dep.replicas && !this.#closed) {
       dep = await records.loadDeployment(deploymentId);
-      if (dep.status !== "active" || dep.current_version_id !== version.id) return; // a newer update or a delete took over
+      if (dep.status !== "active" || dep.current_version_id !== version.id || this.#takenOver(dep)) return; // a newer update, a delete or another server took over
       const fresh = await supervision.createReplica(dep, version, why);
       if (!(await this.#waitReady(fresh.id, deploymentId, version.id, ROLLOUT_READY_TIMEOUT_MS))) {
         const now = await records.loadDeployment(deploymentId);
@@ -92,7 +103,8 @@ export class Rollouts {
     // Failed replicas of earlier versions kept their machines for their logs; once the new version serves, those go.
     const stale = await db.selectFrom("services").select("id").where("deployment_id", "=", deploymentId).where("status", "=", "failed").where("version_id", "!=", version.id).execute();
     for (const s of stale) await supervision.stopReplica(s.id);
-    if (!this.#closed) await records.setRollout(deploymentId, "idle", null);
+    if (this.#closed || this.#takenOver(await records.loadDeployment(deploymentId))) return;
+    await records.setRollout(deploymentId, "idle", null);
   }
 
   /** Waits until a service is ready (true) or failed/stopped/timed out (false), by reading its record. */

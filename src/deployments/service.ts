@@ -31,6 +31,12 @@ import type { RemotePort, TunnelUse } from "../hosts/tunnel.ts";
 
 /** How often the store is asked for deployments whose edge access changed on another server. */
 const ACCESS_POLL_MS = 1000;
+/**
+ * How long a lost host found with no replica left to end (and no rollout to take over) is skipped by the sweep that
+ * runs at each heartbeat; then it is looked at once more (a replica written there late is still ended). Bounded.
+ */
+const LOST_RECHECK_MS = 5 * 60_000;
+const SETTLED_LOST_MAX = 10_000;
 
 export interface DeploymentOptions {
   dataDir: string;
@@ -41,6 +47,8 @@ export interface DeploymentOptions {
   edgeTokenTtlS: number;
   /** KILN_EDGE_DOMAIN: each deployment's pages on an origin of its own (`<label>.<domain>`); unset: /edge/<id>/ on the API's origin, sandboxed. */
   edgeDomain?: EdgeDomain;
+  /** KILN_DEPLOYMENT_ENVS_KEY_FILE: the key that seals deployment envs, shared by the servers of a store; unset: the data dir's own. */
+  envsKeyFile?: string;
 }
 
 export interface DeploymentService {
@@ -77,7 +85,7 @@ export interface DeploymentService {
   /** Stops a replica whose machine this host runs (asked by another host). */
   stopHere(serviceId: string): Promise<ServiceRow>;
   /** A host was lost: its replicas end (once per cluster) and their deployments make new ones elsewhere. */
-  rescheduleLost(host: { id: string; name: string }, reason: string): Promise<void>;
+  rescheduleLost(host: { id: string; name: string; lost_at?: string | null }, reason: string): Promise<void>;
   close(): Promise<void>;
 }
 
@@ -100,7 +108,7 @@ export function createDeploymentService(deps: {
   const records = createDeploymentRecords(db, (row) => edge.routes.track(row), { rowLocks: deps.rowLocks ?? false });
   const spread = new ReplicaHosts(db, deps.hostId);
   const supervision = new ServiceSupervision({ db, machines, log, records, edge, locks, opts, openEnvs: (sealed) => sealer!.open(sealed), hostId: deps.hostId, spread });
-  const rollouts = new Rollouts({ db, log, records, supervision });
+  const rollouts = new Rollouts({ db, log, records, supervision, hostId: deps.hostId });
   const { loadDeployment, loadVersion, loadService } = records;
   const view = (row: DeploymentRow, withVersions: boolean) => {
     edge.setAccess(row);
@@ -113,6 +121,18 @@ export function createDeploymentService(deps: {
   function sealEnvs(envs: Record<string, string>) {
     if (!sealer) throw new KilnError("unavailable", "Deployments are not ready yet");
     return { envs_sealed: sealer.seal(envs), env_names_json: JSON.stringify(Object.keys(envs).sort()) };
+  }
+
+  /**
+   * The previous version's envs for a new one: sealed again under this server's key when it can open them (so a
+   * PATCH moves a deployment onto a shared key, docs/deployments.md), else kept as they are.
+   */
+  function resealed(sealed: string): string {
+    try {
+      return sealer ? sealer.seal(sealer.open(sealed)) : sealed;
+    } catch {
+      return sealed;
+    }
   }
 
   /** The readiness settings of a version: a given `readiness` object replaces the whole of the previous one. */
@@ -149,6 +169,7 @@ export function createDeploymentService(deps: {
       status: "active",
       rollout_status: "rolling",
       rollout_error: null,
+      rollout_host_id: deps.hostId,
       created_at: now,
       updated_at: now,
       deleted_at: null,
@@ -196,7 +217,7 @@ export function createDeploymentService(deps: {
         template: input.template ?? cur.template,
         command: input.command ?? cur.command,
         port: input.port ?? cur.port,
-        ...(input.envs !== undefined ? sealEnvs(input.envs) : { envs_sealed: cur.envs_sealed, env_names_json: cur.env_names_json }),
+        ...(input.envs !== undefined ? sealEnvs(input.envs) : { envs_sealed: resealed(cur.envs_sealed), env_names_json: cur.env_names_json }),
         readiness_json: JSON.stringify(readinessOf(input.readiness, readinessOfVersion(cur))),
         created_at: now,
       };
@@ -212,6 +233,7 @@ export function createDeploymentService(deps: {
             access: input.access ?? dep.access,
             rollout_status: "rolling",
             rollout_error: null,
+            rollout_host_id: deps.hostId,
             updated_at: now,
           })
           .where("id", "=", id)
@@ -334,11 +356,12 @@ export function createDeploymentService(deps: {
 
   /**
    * After a (re)start: the edge secret is loaded, services that were running are re-attached without restarting
-   * their processes (the agents kept them), half-stopped ones are finished, and unfinished rollouts resume.
+   * their processes (the agents kept them), half-stopped ones are finished, and unfinished rollouts resume: those
+   * this host's server ran (wherever their replicas run), and those recorded before rollouts named their runner.
    */
   async function start() {
     await edge.load(db, opts.dataDir);
-    sealer = await loadEnvSealer(opts.dataDir);
+    sealer = await loadEnvSealer(opts.dataDir, opts.envsKeyFile);
     await pollAccess();
     accessPoll = setInterval(() => {
       // Alone on its store, every write is this server's own and reaches the edge as it is made: nothing to poll for.
@@ -370,11 +393,9 @@ export function createDeploymentService(deps: {
       attached++;
     }
     const ours = new Set(rows.map((r) => r.deployment_id));
-    const deps_ = (await db.selectFrom("deployments").select(["id", "status", "rollout_status"]).where("status", "!=", "deleted").execute()).filter((d) => ours.has(d.id));
-    for (const d of deps_) {
-      if (d.status === "deleting") void remove(d.id).catch((err: unknown) => log.error({ err, deployment_id: d.id }, "finishing a delete failed"));
-      else if (d.rollout_status === "rolling") void rollouts.run(d.id);
-    }
+    const deleting = (await db.selectFrom("deployments").select("id").where("status", "=", "deleting").execute()).filter((d) => ours.has(d.id));
+    for (const d of deleting) void remove(d.id).catch((err: unknown) => log.error({ err, deployment_id: d.id }, "finishing a delete failed"));
+    await resumeRollouts();
     if (rows.length > 0) log.info({ services: attached }, "services re-attached after start");
   }
 
@@ -442,7 +463,46 @@ export function createDeploymentService(deps: {
     }
   }
 
-  async function rescheduleLost(host: { id: string; name: string }, reason: string) {
+  /**
+   * Rolling deployments whose rollout this server runs, or whose runner is not recorded (claimed here by a
+   * conditional update, when this server can open their envs), that no rollout here is running: resumed. A kill -9
+   * mid-rollout leaves the deployment rolling; its server resumes it at start.
+   */
+  async function resumeRollouts() {
+    const rolling = await db
+      .selectFrom("deployments")
+      .select(["id", "rollout_host_id"])
+      .where("status", "=", "active")
+      .where("rollout_status", "=", "rolling")
+      .where((eb) => eb.or([eb("rollout_host_id", "=", deps.hostId), eb("rollout_host_id", "is", null)]))
+      .execute();
+    for (const d of rolling) {
+      if (rollouts.running(d.id) || rollouts.closed) continue;
+      if (d.rollout_host_id === null && !((await canOpenEnvs(d.id)) && (await records.claimRollout(d.id, null, deps.hostId)))) continue;
+      log.info({ deployment_id: d.id }, "resuming an unfinished rollout");
+      void rollouts.run(d.id);
+    }
+  }
+
+  /**
+   * Lost hosts this server found with nothing left to end or take over (host id and lost_at → when): skipped by the
+   * sweeps of the next minutes rather than queried at every heartbeat. A host lost again has another lost_at.
+   */
+  const settledLost = new Map<string, number>();
+
+  async function rescheduleLost(host: { id: string; name: string; lost_at?: string | null }, reason: string) {
+    const settledKey = `${host.id}@${host.lost_at ?? ""}`;
+    const settledAt = settledLost.get(settledKey);
+    if (settledAt !== undefined && Date.now() - settledAt < LOST_RECHECK_MS) return;
+    settledLost.delete(settledKey);
+    // Rollouts the lost host's server ran (a PATCH there, or its own replacements): taken over by one server that can
+    // open the deployment's envs, which resumes it.
+    const orphaned = await db.selectFrom("deployments").select("id").where("status", "=", "active").where("rollout_status", "=", "rolling").where("rollout_host_id", "=", host.id).execute();
+    for (const { id } of orphaned) {
+      if (rollouts.closed || !(await canOpenEnvs(id)) || !(await records.claimRollout(id, host.id, deps.hostId))) continue;
+      log.warn({ deployment_id: id, host_id: host.id }, "the rollout of a lost host's server taken over here");
+      void rollouts.run(id);
+    }
     const rows = await db
       .selectFrom("services")
       .innerJoin("machines", "machines.id", "services.machine_id")
@@ -456,11 +516,15 @@ export function createDeploymentService(deps: {
       // key can start the replacements, so only such a server ends the replicas and reschedules them (every server's
       // sweep comes here; the others leave it to one that can).
       if (!(await canOpenEnvs(id))) continue;
-      const ended = await records.claimLost(id, host.id, reason);
+      const ended = await records.claimLost(id, host.id, reason, deps.hostId);
       const failed = ended.filter((r) => r.status === "failed");
       if (ended.length === 0) continue;
       log.warn({ deployment_id: id, host_id: host.id, failed: failed.map((r) => r.id), stopped: ended.length - failed.length }, "replicas of a lost host ended; the deployment makes new ones on the other hosts");
       if (failed.length > 0 && !rollouts.closed) void rollouts.run(id, { rescheduled: { replaces: failed.map((r) => r.id), from_host: host.id, reason } });
+    }
+    if (rows.length === 0 && orphaned.length === 0) {
+      if (settledLost.size >= SETTLED_LOST_MAX) settledLost.delete(settledLost.keys().next().value!);
+      settledLost.set(settledKey, Date.now());
     }
   }
 

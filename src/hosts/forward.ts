@@ -1,5 +1,5 @@
 // Any server answers for any machine: a host-bound request (a machine's REST and WebSocket, a volume's files and
-// WebSocket, a build's live log and cancel, a snapshot's delete) whose machine (volume, build, snapshot) is on
+// WebSocket, a build's live log and cancel, a snapshot's delete, a deployment replica's logs and restart) whose machine (volume, build, snapshot) is on
 // another active host is forwarded there once this server has authenticated the caller, streaming both ways (the
 // request body as it arrives, the answer as it comes; a WebSocket spliced byte for byte), signed with the cluster
 // secret. Placement forwards a create the same way, to the host it chose.
@@ -46,9 +46,10 @@ export interface ForwardTarget {
 
 /**
  * What a host-bound request is bound to: a machine, a volume (its data), a build (its live log), a snapshot (its
- * files), or a host named outright (`hosts`: the id is the host's; E2B's template uploads, src/compat/e2b/templates.ts).
+ * files), a deployment's replica (its output and process, in its machine), or a host named outright (`hosts`: the id
+ * is the host's; E2B's template uploads, src/compat/e2b/templates.ts).
  */
-export type BoundKind = "machines" | "volumes" | "builds" | "snapshots" | "hosts";
+export type BoundKind = "machines" | "volumes" | "builds" | "snapshots" | "services" | "hosts";
 export interface Bound {
   kind: BoundKind;
   id: string;
@@ -65,6 +66,9 @@ export function boundTo(method: string, routeUrl: string | undefined, params: Re
   if (routeUrl.startsWith("/v1/volumes/:id/") || (routeUrl === "/v1/volumes/:id" && method === "DELETE")) return bound("volumes", params.id);
   if (routeUrl === "/v1/templates/:id/builds/:build_id/logs" || routeUrl === "/v1/templates/:id/builds/:build_id/cancel") return bound("builds", params.build_id);
   if (routeUrl === "/v1/snapshots/:id" && method === "DELETE") return bound("snapshots", params.id);
+  if (routeUrl === "/v1/agent-deployments/:deployment_id/services/:service_id/logs" || routeUrl === "/v1/agent-deployments/:deployment_id/services/:service_id/restart") {
+    return bound("services", params.service_id);
+  }
   return undefined;
 }
 
@@ -84,7 +88,11 @@ export function createForwarder(deps: { db: Db; hostId: string; auth: ClusterAut
     const cacheKey = `${kind}:${id}`;
     let owner = kind === "hosts" ? id : owners.get(cacheKey);
     if (owner === undefined && kind !== "hosts") {
-      const row = await db.selectFrom(kind).select("host_id").where("id", "=", id).executeTakeFirst();
+      // A replica is on its machine's host.
+      const row =
+        kind === "services"
+          ? await db.selectFrom("services").innerJoin("machines", "machines.id", "services.machine_id").select("machines.host_id as host_id").where("services.id", "=", id).executeTakeFirst()
+          : await db.selectFrom(kind).select("host_id").where("id", "=", id).executeTakeFirst();
       if (!row?.host_id) return undefined;
       owner = row.host_id;
       if (kind !== "volumes") {

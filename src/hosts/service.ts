@@ -65,7 +65,7 @@ export interface HostServiceDeps {
   /** Called with this host's status when it is first read and whenever it changes (draining releases the warm pool). */
   onStatus?: (status: HostStatus) => void;
   /** What else a lost host leaves to end (its builds); called by whoever sweeps, idempotent. */
-  onLost?: (host: { id: string; name: string }, reason: string) => Promise<void>;
+  onLost?: (host: { id: string; name: string; lost_at: string | null }, reason: string) => Promise<void>;
 }
 
 export function lostReason(host: { id: string; name: string }, lostAfterS: number): string {
@@ -171,7 +171,7 @@ export function createHostService(deps: HostServiceDeps) {
       if (Number(claimed.numUpdatedRows) === 1) log.warn({ host_id: host.id, host_name: host.name, heartbeat_at: host.heartbeat_at }, "host lost: its heartbeat stopped; failing its machines");
     }
     let failed = 0;
-    const lost = await db.selectFrom("hosts").select(["id", "name"]).where("status", "=", "lost").execute();
+    const lost = await db.selectFrom("hosts").select(["id", "name", "lost_at"]).where("status", "=", "lost").execute();
     for (const host of lost) {
       failed += await failMachinesOf(host);
       await deps.onLost?.(host, lostReason(host, lostAfterS));

@@ -426,6 +426,14 @@ function migrations(dialect: Dialect): Record<string, Migration> {
         await db.schema.createIndex("e2b_build_requests_expires").on("e2b_build_requests").columns(["expires_at"]).execute();
       },
     },
+    // The host whose server runs a deployment's rollout while it is rolling: that server resumes it after a restart
+    // (wherever the replicas run), a survivor takes it over when that host is lost, and a rollout that another
+    // server took over (a PATCH there, a lost host's replacements) stops at its next step. Null: made before this.
+    "0030_deployment_rollout_host": {
+      async up(db: Kysely<any>) {
+        await db.schema.alterTable("deployments").addColumn("rollout_host_id", "text").execute();
+      },
+    },
   };
 }
 

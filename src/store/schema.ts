@@ -262,6 +262,8 @@ export interface DeploymentsTable {
   /** idle | rolling | failed — the rollout onto current_version_id. */
   rollout_status: string;
   rollout_error: string | null;
+  /** The host whose server runs the rollout (src/deployments/rollout.ts); null: made before hosts ran rollouts. */
+  rollout_host_id: string | null;
   created_at: string;
   updated_at: string;
   deleted_at: string | null;

@@ -476,7 +476,7 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   // host; the envs reach the replicas on other hosts too (sealed under a's key, opened by a, sent signed).
   // Envs cross between hosts in the signed call that asks for a replica: never in a log line or the store.
   const ENV_MARKER = `spread-env-${Date.now().toString(36)}`;
-  const depBody = { template: "local/base", name: "spread", command: appCommand(8080), port: 8080, replicas: 3, envs: { GREETING: ENV_MARKER }, readiness: { path: "/health", interval_s: 0.5, timeout_s: 2 } };
+  const depBody = { template: "local/base", name: "spread", command: `echo replica-says-hi && ${appCommand(8080)}`, port: 8080, replicas: 3, envs: { GREETING: ENV_MARKER }, readiness: { path: "/health", interval_s: 0.5, timeout_s: 2 } };
   const dep = await a.call("POST", "/v1/agent-deployments", depBody);
   assert.equal(dep.status, 201, JSON.stringify(dep.body));
   const depId = dep.body.id as string;
@@ -492,6 +492,25 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   const onC = first.ready.find((s) => replicaHost.get(s.id) === "h-c")!;
   const env = await b.call("POST", `/v1/machines/${onC.machine_id}/exec`, { cmd: `tr '\\0' '\\n' < /proc/${onC.process_id}/environ | grep GREETING` });
   assert.equal(env.body.stdout, `GREETING=${ENV_MARKER}\n`, JSON.stringify(env.body));
+  // A replica's output and its restart through a server that does not run it: forwarded to its host (they answered
+  // 409 there before: its machine is not that server's). The restart's envs reach the new process, in no record.
+  const svcPath = `/v1/agent-deployments/${depId}/services/${onC.id}`;
+  const replicaLogs = await b.call("GET", `${svcPath}/logs`);
+  assert.equal(replicaLogs.status, 200, JSON.stringify(replicaLogs.body));
+  assert.equal(replicaLogs.body.service_id, onC.id);
+  assert.match(replicaLogs.body.output, /replica-says-hi/);
+  const RESTART_MARKER = `restart-env-${Date.now().toString(36)}`;
+  const restarted = await raw(`${b.url}${svcPath}/restart`, "POST", { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json", "idempotency-key": "across-1" }, JSON.stringify({ reason: "through b", envs: { RESTART_MARKER } }));
+  assert.equal(restarted.status, 200, JSON.stringify(restarted.body));
+  assert.notEqual(restarted.body.process_id, onC.process_id, "a new process");
+  assert.equal(restarted.body.readiness_status.restarts.last_reason, "through b");
+  const repeat = await raw(`${a.url}${svcPath}/restart`, "POST", { authorization: `Bearer ${TEST_KEY}`, "content-type": "application/json", "idempotency-key": "across-1" }, JSON.stringify({ reason: "through b" }));
+  assert.equal(repeat.body.process_id, restarted.body.process_id, "the repeat, through a third server, answers the first restart");
+  const restartEnv = await b.call("POST", `/v1/machines/${onC.machine_id}/exec`, { cmd: `tr '\\0' '\\n' < /proc/${restarted.body.process_id}/environ | grep RESTART_MARKER` });
+  assert.equal(restartEnv.body.stdout, `RESTART_MARKER=${RESTART_MARKER}\n`, JSON.stringify(restartEnv.body));
+  assert.equal((await raw(`${c.url}${svcPath}/logs`, "GET", {})).status, 401, "the first server checks the caller");
+  await readyReplicas(a, 3);
+  onC.process_id = restarted.body.process_id;
 
   const mc = on("h-c");
   // Its sandbox's traffic token, to reach one of its ports through a survivor once it is lost (below).
@@ -580,8 +599,39 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   const settled = (await c2.call("GET", `/v1/agent-deployments/${depId}/services`)).body.services as any[];
   assert.equal(settled.filter((s) => s.status === "ready").length, 3, JSON.stringify(settled.map((s) => [s.id, s.status])));
   assert.equal(existsSync(join(cDir, "machines", onC.machine_id)), false, "the lost replica's machine is gone from c");
+
+  // A rollout whose server is killed (SIGKILL) mid-way resumes when that server starts again, though none of the
+  // deployment's replicas runs there: c (drained, so its rollout places the new replicas on a and b) takes a PATCH
+  // with new envs (sealed under c's key) and is killed once the rollout's first new replica exists.
+  assert.equal((await a.call("POST", "/v1/hosts/h-c/drain")).status, 200);
+  const ENV_MARKER2 = `resume-env-${Date.now().toString(36)}`;
+  const patched = await c2.call("PATCH", `/v1/agent-deployments/${depId}`, { envs: { GREETING: ENV_MARKER2 } });
+  assert.equal(patched.status, 200, JSON.stringify(patched.body));
+  const v2 = patched.body.current_version_id as string;
+  await until("the rollout's first new replica", async () => (await query(db.url, "select id from services where deployment_id = $1 and version_id = $2", [depId, v2])).length > 0, 60_000);
+  c2.child.kill("SIGKILL");
+  await c2.exited;
+  servers.delete("h-c");
+  assert.equal((await query<{ rollout_status: string }>(db.url, "select rollout_status from deployments where id = $1", [depId]))[0].rollout_status, "rolling");
+  const { s: c3 } = await start("h-c", cDir);
+  const rolledOn = await until("the resumed rollout to finish", async () => {
+    const d = (await a.call("GET", `/v1/agent-deployments/${depId}`)).body;
+    if (d.rollout_status !== "idle") return undefined;
+    const all = (await a.call("GET", `/v1/agent-deployments/${depId}/services`)).body.services as any[];
+    // The replica made before the kill may still be starting when the rollout ends: wait for it too.
+    return all.some((x) => ["starting", "unhealthy"].includes(x.status)) ? undefined : { d, all };
+  }, 180_000);
+  const live = rolledOn.all.filter((x) => ["starting", "ready", "unhealthy"].includes(x.status));
+  assert.equal(live.length, 3, JSON.stringify(rolledOn.all.map((x) => [x.id, x.status, x.version_id])));
+  assert.ok(live.every((x) => x.version_id === v2 && x.status === "ready"), JSON.stringify(live.map((x) => [x.id, x.status, x.version_id])));
+  // (Where the new ones run is placement's business: c may be active again by now, if it was marked lost meanwhile.)
+  for (const x of live) {
+    const e = await b.call("POST", `/v1/machines/${x.machine_id}/exec`, { cmd: `tr '\\0' '\\n' < /proc/${x.process_id}/environ | grep GREETING` });
+    assert.equal(e.body.stdout, `GREETING=${ENV_MARKER2}\n`, JSON.stringify(e.body));
+  }
+  assert.equal((await a.call("POST", "/v1/hosts/h-c/activate")).status, 200);
   // Deleted through c: the replicas on a and b are stopped by their own hosts, their machines destroyed.
-  assert.equal((await c2.call("DELETE", `/v1/agent-deployments/${depId}`)).body.status, "deleted");
+  assert.equal((await c3.call("DELETE", `/v1/agent-deployments/${depId}`)).body.status, "deleted");
   const after = (await a.call("GET", `/v1/agent-deployments/${depId}/services`)).body.services as any[];
   for (const s of after.filter((x) => x.id !== onC.id)) {
     assert.equal(s.status, "stopped", s.id);
@@ -595,6 +645,8 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   for (const [id, s] of [...servers, ["h-c (killed)", c] as const]) {
     assert.equal(s.output().includes(marker), false, `the secret is not in ${id}'s log`);
     assert.equal(s.output().includes(ENV_MARKER), false, `the deployment's env is not in ${id}'s log`);
+    assert.equal(s.output().includes(RESTART_MARKER), false, `a restart's env is not in ${id}'s log`);
+    assert.equal(s.output().includes(ENV_MARKER2), false, `the resumed rollout's env is not in ${id}'s log`);
   }
   const stored = await query<{ n: string }>(db.url, "select count(*) as n from deployment_versions where envs_sealed like $1", [`%${ENV_MARKER}%`]);
   assert.equal(Number(stored[0].n), 0, "the version's envs are sealed in the store");
