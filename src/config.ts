@@ -32,6 +32,7 @@ export interface Config {
   debianMirror: string | undefined;
   /** Machines of the base template kept booted ahead of time (0 turns the pool off). */
   warmPool: number;
+  warmPoolMax: number;
   hotPools: { maxPerTemplate: number; maxTotal: number; hotAfter: number; idleMs: number };
   /** Registry hosts (host or host:port) image imports and Dockerfile builds reach over plain HTTP. */
   insecureRegistries: string[];
@@ -125,6 +126,7 @@ export const CONFIG_VARS = [
   ["KILN_BODY_LIMIT_BYTES", "104857600", "largest request body accepted (file uploads and build-context blobs included)"],
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
   ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
+  ["KILN_WARM_POOL_MAX", "0", "the base template's pool grows with its creates of the last minute up to this many (0: fixed at KILN_WARM_POOL)"],
   ["KILN_HOT_POOL_MAX", "2", "most machines kept booted for one often-created template other than the base (0: no hot pools)"],
   ["KILN_HOT_POOL_TOTAL", "4", "most machines all hot-template pools keep together"],
   ["KILN_HOT_POOL_AFTER", "2", "creates of a template within KILN_HOT_POOL_IDLE_S that give it a pool"],
@@ -214,6 +216,7 @@ export function loadConfig(env: Env = process.env): Config {
     bodyLimitBytes: intVar(env, "KILN_BODY_LIMIT_BYTES", 100 * 1024 * 1024, 1024, 16 * 1024 * 1024 * 1024),
     debianMirror: env.KILN_DEBIAN_MIRROR || undefined,
     warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
+    warmPoolMax: intVar(env, "KILN_WARM_POOL_MAX", 0, 0, 256),
     hotPools: {
       maxPerTemplate: intVar(env, "KILN_HOT_POOL_MAX", 2, 0, 64),
       maxTotal: intVar(env, "KILN_HOT_POOL_TOTAL", 4, 0, 256),

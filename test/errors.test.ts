@@ -56,6 +56,7 @@ const PLAIN_ERROR_SEAMS: Record<string, string> = {
   "machines/create.ts": "caught in create: the machine fails with 'the machine failed to start'",
   "machines/hot-pools.ts": "a pooled machine whose kernel did not start: the warm pool's boot handler logs it and destroys the machine",
   "runtime/guest-runtime.ts": "the MachineDriver seam: internal",
+  "runtime/host-commands-child.ts": "the host command helper: answered to the driver as a failed command",
   "runtime/oci/cgroups.ts": "the MachineDriver seam: internal",
   "runtime/oci/disk-pool.ts": "the MachineDriver seam: internal",
   "runtime/oci/disk.ts": "the MachineDriver seam: internal",

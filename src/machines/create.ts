@@ -97,6 +97,11 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
   const { db, driver, log, hostId, records, agents, locks } = ctx;
   const { templates } = deps;
   async function create(input: CreateMachineInput, from?: SnapshotOrigin): Promise<MachineView> {
+    // Each step's end, in ms from the request's arrival here: `machine created` (debug) logs them, so a slow create
+    // (a burst above all) says where its time went: admission, the lock, the boot queue, the boot, set-up, record.
+    const t0 = performance.now();
+    const phases: Record<string, number> = {};
+    const phase = (name: string) => (phases[name] = Math.round((performance.now() - t0) * 10) / 10);
     checkEnvs(input.envs);
     checkMetadata(input.metadata);
     if (from) {
@@ -117,6 +122,7 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     const network = egressRules(input.network);
     const hasRules = Boolean(network && (network.allowOut.length || network.denyOut.length));
     await deps.admission?.admit({ vcpus, memoryMb, diskMb });
+    phase("admitted_ms");
     // A machine already booted (any size where the driver resizes live ones) answers at once; its id is the one it was booted with.
     // One with volumes boots fresh: warm machines have no mounts (room: volumes).
     // gVisor: continue the build machine saved once start_cmd was ready, where this machine can take it (same
@@ -162,10 +168,9 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     // Volumes (room: volumes): checked and recorded before the row, so a racing volume delete already sees this machine.
     const mounts = input.volumes?.length && deps.volumes ? await deps.volumes.attach(row.id, input.volumes) : [];
     await db.insertInto("machines").values(row).execute();
+    phase("inserted_ms");
     return locks.run(row.id, async () => {
-      const t0 = performance.now();
-      const phases: Record<string, number> = {};
-      const phase = (name: string) => (phases[name] = Math.round((performance.now() - t0) * 10) / 10);
+      phase("locked_ms");
       try {
         // A machine that waited in the pool may have lost a host-side part meanwhile (its network helper).
         if (warm) {
@@ -174,7 +179,13 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
           // Booted in the pool's size: given this create's (its cgroup caps) before anything runs in it for the caller.
           await driver.resize?.(warm.id, { vcpus: row.vcpus, memoryMb: row.memory_mb });
         }
-        const boot = (run: () => ReturnType<typeof driver.create>) => (deps.boots ? deps.boots.run("create", run) : run());
+        const boot = (run: () => ReturnType<typeof driver.create>) =>
+          deps.boots
+            ? deps.boots.run("create", () => {
+                phase("boot_slot_ms");
+                return run();
+              })
+            : run();
         const live =
           warm ??
           (await boot(() => driver.create({

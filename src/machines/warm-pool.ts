@@ -2,6 +2,10 @@
 // answered without waiting for a boot: in any vcpus/memory where the driver resizes a running machine (runc: its
 // cgroup caps, written at handout), else in exactly the pool's. Pooled machines have no record until one is taken;
 // on shutdown they are destroyed, and after a crash the restart removes them as orphans.
+// With `demand`, the pool follows its recent creates: it keeps as many machines as creates it could have served in
+// the last minute (hits and misses), up to `demand.max`, never fewer than its size, and boots above its size only while
+// `room()` allows; a burst's misses so make the next burst of that shape warm, and a minute without creates shrinks it
+// back.
 
 import { DEFAULT_DISK_MB } from "../runtime/driver.ts";
 import type { LiveMachine, MachineDriver, MachineSpec } from "../runtime/driver.ts";
@@ -29,9 +33,16 @@ export interface WarmPool {
   close(): Promise<void>;
 }
 
+/** Demand is counted over this last stretch (as the hot pools' rate). */
+const DEMAND_WINDOW_MS = 60_000;
+/** How often a grown pool checks whether its demand went away. */
+const SHRINK_EVERY_MS = 5_000;
+
 export function createWarmPool(deps: {
   driver: MachineDriver;
   size: number;
+  /** Grow with demand up to `max` machines (only where `max` is above `size`), booting above `size` only while `room()`. */
+  demand?: { max: number; room?: () => boolean };
   log: Logger;
   /** Refills boot in a slot no create waits for (boot-queue.ts). */
   boots?: BootQueue;
@@ -49,13 +60,41 @@ export function createWarmPool(deps: {
   let closed = false;
   let failures = 0;
   let held = false;
+  // When creates this pool could serve came (hit or miss), oldest first; at most `demand.max` are kept.
+  const asks: number[] = [];
+  const maxDemand = deps.demand && deps.demand.max > deps.size ? deps.demand.max : 0;
+
+  /** How many machines the pool keeps now: its size, or its recent demand while that is higher. */
+  function target(): number {
+    if (!maxDemand) return size;
+    const now = Date.now();
+    while (asks.length && now - asks[0]! > DEMAND_WINDOW_MS) asks.shift();
+    return Math.max(size, Math.min(maxDemand, asks.length));
+  }
+
+  /** Idle machines over the target are destroyed (tracked, so close() waits for them as for a boot). */
+  function release(extra: { live: LiveMachine }[]) {
+    for (const r of extra) {
+      const gone = driver.destroy(r.live.id).catch((err: unknown) => log.warn({ err, machine_id: r.live.id }, "releasing a warm machine failed"));
+      inflight.add(gone);
+      void gone.finally(() => inflight.delete(gone));
+    }
+  }
+
+  const shrinker = maxDemand
+    ? setInterval(() => {
+        if (!closed && ready.length > target()) release(ready.splice(target()));
+      }, SHRINK_EVERY_MS)
+    : undefined;
+  shrinker?.unref();
 
   function specFor(id: string, s: PoolShape): MachineSpec {
     return { id, layers: s.layers, hostname: id.replaceAll("_", "-"), vcpus: s.vcpus, memoryMb: s.memoryMb, diskMb: DEFAULT_DISK_MB, internet: true, mounts: [] };
   }
 
   function fill() {
-    while (!closed && !held && shape && ready.length + booting < size && failures < 3 && (deps.room?.() ?? true)) {
+    // Above its size (grown by demand), only while the host has room for another idle machine.
+    while (!closed && !held && shape && ready.length + booting < target() && failures < 3 && (deps.room?.() ?? true) && (ready.length + booting < size || (deps.demand?.room?.() ?? true))) {
       const s = shape;
       const id = newId("mch");
       booting++;
@@ -70,7 +109,7 @@ export function createWarmPool(deps: {
           booting--;
           failures = 0;
           // Shrunk meanwhile (setSize), held, closed or out of date: not kept.
-          if (closed || held || shape?.artifactId !== s.artifactId || ready.length >= size) return driver.destroy(id);
+          if (closed || held || shape?.artifactId !== s.artifactId || ready.length >= target()) return driver.destroy(id);
           ready.push({ live, artifactId: s.artifactId });
         },
         async (err: unknown) => {
@@ -103,21 +142,23 @@ export function createWarmPool(deps: {
       if (!driver.resize && (want.vcpus !== shape.vcpus || want.memoryMb !== shape.memoryMb)) return undefined;
       // Pooled machines have the default disk and the default egress policy (their slirp4netns is already running).
       if (want.diskMb !== DEFAULT_DISK_MB || !want.internet || want.network) return undefined;
+      if (maxDemand) {
+        asks.push(Date.now());
+        if (asks.length > maxDemand) asks.shift();
+      }
       const i = ready.findIndex((r) => r.artifactId === want.artifactId);
-      if (i < 0) return undefined;
+      if (i < 0) {
+        if (maxDemand) fill();
+        return undefined;
+      }
       const [entry] = ready.splice(i, 1);
       fill();
       return entry.live;
     },
-    stats: () => ({ size, ready: ready.length, booting, ids: ready.map((r) => r.live.id) }),
+    stats: () => ({ size: target(), ready: ready.length, booting, ids: ready.map((r) => r.live.id) }),
     setSize(n: number) {
       size = Math.max(0, n);
-      for (const extra of ready.splice(size)) {
-        // Tracked, so close() waits for it as for a boot.
-        const gone = driver.destroy(extra.live.id).catch((err: unknown) => log.warn({ err, machine_id: extra.live.id }, "releasing a warm machine failed"));
-        inflight.add(gone);
-        void gone.finally(() => inflight.delete(gone));
-      }
+      release(ready.splice(target()));
       fill();
     },
     hold(next: boolean) {
@@ -134,6 +175,7 @@ export function createWarmPool(deps: {
     },
     async close() {
       closed = true;
+      if (shrinker) clearInterval(shrinker);
       await Promise.allSettled([...inflight]);
       await Promise.all(ready.splice(0).map((r) => driver.destroy(r.live.id).catch(() => undefined)));
     },

@@ -103,6 +103,8 @@ export function createServices(deps: {
   driver: MachineDriver;
   log: Logger;
   warmPoolSize: number;
+  /** KILN_WARM_POOL_MAX: the base pool grows with its recent creates up to this many (0 or at most the size: fixed). */
+  warmPoolMax?: number;
   hotPools?: HotPoolSettings;
   dataDir: string;
   buildRetentionS: number;
@@ -120,13 +122,14 @@ export function createServices(deps: {
 }): Services {
   const { store, driver, log, hostId } = deps;
   const boots = createBootQueue();
-  const pool = createWarmPool({ driver, size: deps.warmPoolSize, log, boots });
   const keys = createKeyService(store.db);
   const templates = createTemplateService(store.db);
 
   const teardown = createTeardown({ driver, log });
   const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log, hostId, machinesCleaned: (ids) => teardown.cleaned(ids) });
   const admission = createAdmission({ db: store.db, limits: deps.limits, cleaning: () => teardown.pending(), hostId });
+  // Grown by demand (KILN_WARM_POOL_MAX) only above the admission floors, as the hot pools.
+  const pool = createWarmPool({ driver, size: deps.warmPoolSize, demand: { max: deps.warmPoolMax ?? 0, room: () => admission.idleRoom(512) }, log, boots });
   // A pooled idle machine needs this much above the memory floor (a code-interpreter one holds its kernel: ≈ 150 MiB).
   const hotPools = createHotPools({ driver, log, settings: deps.hotPools ?? HOT_POOL_DEFAULTS, boots, room: () => admission.idleRoom(512) });
   // On a store shared by hosts, templates travel: layers are recorded by content digest and fetched from holders.

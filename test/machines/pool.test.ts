@@ -90,3 +90,40 @@ test("a pooled machine given a larger size keeps it across a reboot from its dis
   if (!existsSync("/sys/fs/cgroup/cgroup.controllers")) assert.equal(before.memory, String(1024 * 1024 * 1024));
   assert.equal((await k.call("DELETE", `/v1/machines/${m.body.id}`)).status, 200);
 });
+
+test("KILN_WARM_POOL_MAX: the pool grows with the creates it could serve, so a second burst is handed out warm", async () => {
+  const g = await startTestKiln({ env: { KILN_WARM_POOL: "1", KILN_WARM_POOL_MAX: "3" } });
+  const pool = g.kiln.services.pool;
+  const filled = async (n: number) => {
+    const deadline = Date.now() + 180_000;
+    while (pool.stats().ready < n) {
+      if (Date.now() > deadline) throw new Error(`the warm pool did not reach ${n}: ${JSON.stringify(pool.stats())}`);
+      await new Promise((r) => setTimeout(r, 50));
+    }
+  };
+  const ids: string[] = [];
+  try {
+    await filled(1);
+    assert.equal(pool.stats().size, 1);
+    // A shape the pool cannot hold is no demand for it.
+    const off = await g.call("POST", "/v1/machines", { body: { internet: false } });
+    assert.equal(off.status, 201, off.text);
+    ids.push(off.body.id);
+    assert.equal(pool.stats().size, 1, "an internet-off create does not grow the pool");
+    const burst = async () => {
+      const made = await Promise.all([0, 1, 2].map(() => g.call("POST", "/v1/machines", { body: {} })));
+      for (const m of made) assert.equal(m.status, 201, m.text);
+      ids.push(...made.map((m) => m.body.id));
+      return made.map((m) => m.body.id as string);
+    };
+    await burst();
+    assert.equal(pool.stats().size, 3, "three creates in the last minute: a pool of three");
+    await filled(3);
+    const pooled = new Set(pool.stats().ids);
+    const second = await burst();
+    assert.deepEqual(second.filter((id) => !pooled.has(id)), [], "every create of the second burst took a pooled machine");
+  } finally {
+    await Promise.all(ids.map((id) => g.call("DELETE", `/v1/machines/${id}`)));
+    await g.close();
+  }
+});

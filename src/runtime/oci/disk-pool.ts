@@ -5,15 +5,15 @@
 // pool is a sparse XFS file in the data dir, formatted with reflink and loop-mounted at `<data>/disks`; a plain copy
 // (cost: the bytes the disk holds) is the fallback where neither works. docs/snapshots.md has the measurements.
 
-import { execFile } from "node:child_process";
+import { execHost } from "../host-commands.ts";
 import { existsSync, readFileSync } from "node:fs";
 import { chmod, mkdir, readdir, rm, statfs, truncate, writeFile } from "node:fs/promises";
 import { join } from "node:path";
-import { promisify } from "node:util";
 import type { Logger } from "../../log.ts";
 import { isMounted, mountSource } from "./mounts.ts";
 
-const exec = promisify(execFile);
+// Started by the host command helper, not by the server's own thread (host-commands.ts).
+const exec = execHost;
 const GIB = 1024 * 1024 * 1024;
 /** The XFS pool's size when the data dir's filesystem is smaller than this (it is sparse: size is only a ceiling). */
 const MIN_POOL_BYTES = 16 * GIB;

@@ -4,15 +4,15 @@
 // Formatting and mounting cost ~25 ms, so a small stock of disks of the default size is made ready ahead of time, off
 // the create path; a machine of another size makes its own. `mount -o loop` makes the loop device clear itself on unmount.
 
-import { execFile } from "node:child_process";
+import { execHost } from "../host-commands.ts";
 import { existsSync, readFileSync, statSync } from "node:fs";
 import { chmod, chown, mkdir, readdir, rename, rm, truncate, writeFile } from "node:fs/promises";
 import { basename, join } from "node:path";
-import { promisify } from "node:util";
 import type { Logger } from "../../log.ts";
 import { isMounted, mountSource } from "./mounts.ts";
 
-const exec = promisify(execFile);
+// Started by the host command helper, not by the server's own thread (host-commands.ts).
+const exec = execHost;
 const MIB = 1024 * 1024;
 
 export interface WritableLayer {

@@ -3,13 +3,13 @@
 // Long on purpose: one machine's lifecycle against runc/runsc (create, hibernate, resume, heal, destroy) in one place;
 // disks, egress, identity, network and spec already live in their own files beside it.
 
-import { execFile, spawn } from "node:child_process";
+import { execHost, runHost } from "../host-commands.ts";
 import { connect, createServer } from "node:net";
+import type { Server } from "node:net";
 import { get as httpGet } from "node:http";
-import { existsSync, openSync, closeSync, statSync, chmodSync, readFileSync, writeFileSync } from "node:fs";
+import { existsSync, statSync, chmodSync, readFileSync, writeFileSync } from "node:fs";
 import { chmod, chown, link, mkdir, open, readdir, readFile, rm, writeFile } from "node:fs/promises";
 import { dirname, join } from "node:path";
-import { promisify } from "node:util";
 import { DEFAULT_DISK_MB } from "../driver.ts";
 import type { DriverReadiness, HibernateMode, LiveMachine, MachineCheckpoint, MachineDriver, MachineHealth, MachineSpec, SavedSnapshot } from "../driver.ts";
 import type { Logger } from "../../log.ts";
@@ -36,7 +36,8 @@ import { pidAlive } from "../pid-alive.ts";
 export { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
 export { containerName } from "./runtime-cli.ts";
 
-const exec = promisify(execFile);
+// Started by the host command helper, not by the server's own thread (host-commands.ts).
+const exec = execHost;
 
 const AGENT_WAIT_MS = 15_000;
 /** runsc: how long the agent may take to let go of its socket before a checkpoint (see agent/main.ts). */
@@ -161,7 +162,7 @@ async function tail(file: string, chars = 800): Promise<string> {
  * A listening unix socket made on the host for the agent to inherit. The path the control plane connects to is a
  * hard link made before the host closes its copy (closing unlinks the name it was bound to, not the link).
  */
-async function hostListener(path: string): Promise<{ fd: number; close(): Promise<void> }> {
+async function hostListener(path: string): Promise<{ server: Server; close(): Promise<void> }> {
   const bound = `${path}.bind`;
   await rm(bound, { force: true });
   await rm(path, { force: true });
@@ -171,8 +172,7 @@ async function hostListener(path: string): Promise<{ fd: number; close(): Promis
     server.listen({ path: bound, backlog: 511 }, () => resolve());
   });
   await link(bound, path);
-  const fd = (server as unknown as { _handle: { fd: number } })._handle.fd;
-  return { fd, close: () => new Promise<void>((resolve) => server.close(() => resolve())) };
+  return { server, close: () => new Promise<void>((resolve) => server.close(() => resolve())) };
 }
 
 /** True when an agent answers GET /health on the socket within `timeoutMs`. */
@@ -372,6 +372,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       ids: identities.specIds(ids, p.dir),
     });
     const [, , , rootPending] = await Promise.all([writeFile(join(p.dir, "config.json"), JSON.stringify(config)), rm(p.socket, { force: true }), rm(p.pidFile, { force: true }), mountRoot(spec, p, viaHelper)]);
+    const tDisk = performance.now();
     // runsc: the agent (machine root) makes its socket in the bound run dir, which is locked again once it has.
     if (!passFd) await chown(p.run, ids.hostBase, ids.hostBase);
     // A restored agent has no socket and listens again once this appears (it polls; nothing can reach it yet).
@@ -391,19 +392,17 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     // With a passed-in socket, polling starts once the host has let go of it (else the host would accept).
     let agentReady = passFd ? undefined : waitForAgent(p, spec.id, () => pid);
     agentReady?.catch(() => undefined);
-    const log = openSync(p.log, "a");
     try {
       const [command, args] = await runtimeCommand();
-      await new Promise<void>((resolve, reject) => {
-        const child = spawn(command, args, { stdio: listener ? ["ignore", log, log, listener.fd] : ["ignore", log, log] });
-        child.once("error", (err) => reject(new Error(`${opts.runtime} could not be started: ${err.message}`)));
-        child.once("exit", (code, signal) => (code === 0 ? resolve() : reject(new Error(`${opts.runtime} run of ${spec.id} exited ${code ?? signal}`))));
+      // Started by the host command helper (host-commands.ts), with the listener passed to it as fd 3.
+      const exit = await runHost(command, args, { log: p.log, listener: listener?.server }).catch((err: unknown) => {
+        throw new Error(`${opts.runtime} could not be started: ${(err as Error).message}`);
       });
+      if (exit.code !== 0) throw new Error(`${opts.runtime} run of ${spec.id} exited ${exit.code ?? exit.signal}`);
       pid = Number(await readFile(p.pidFile, "utf8"));
     } catch (err) {
       throw new Error(`${(err as Error).message}: ${await tail(p.log)}`);
     } finally {
-      closeSync(log);
       await listener?.close();
     }
     agentReady ??= waitForAgent(p, spec.id, () => pid);
@@ -411,9 +410,11 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     // The agent and the network come up in parallel; a machine is handed out only once both are there. The restored
     // kernel still carries the hostname of the machine it was saved from: renamed meanwhile (nothing reaches its
     // agent before this returns).
+    let tAgent = 0;
+    let tNet = 0;
     await Promise.all([
-      agentReady,
-      spec.internet && !netnsFirst ? egressCgroup!.then((cgroupProcs) => startSlirp({ target: { pid: pid! }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs })) : undefined,
+      agentReady.then(() => (tAgent = performance.now())),
+      spec.internet && !netnsFirst ? egressCgroup!.then((cgroupProcs) => startSlirp({ target: { pid: pid! }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs })).then(() => (tNet = performance.now())) : undefined,
       restoreImage ? cli.setHostname(spec.id, spec.hostname) : undefined,
       // A slow loopback costs latency, not correctness: the machine boots either way.
       opts.runtime === "runc" ? quickAckLoopback(pid!).catch((err: unknown) => opts.log.warn({ err, machine_id: spec.id }, "the machine's loopback keeps delayed ACKs")) : undefined,
@@ -421,7 +422,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     // Machine root could otherwise swap its socket for a symlink the host would follow (to another machine's agent).
     if (!passFd) await Promise.all([chown(p.run, 0, 0), chmod(p.run, 0o755), rm(join(p.run, RELISTEN_FILE), { force: true })]);
     const ms = (a: number, b: number) => Math.round((b - a) * 10) / 10;
-    opts.log.debug({ machine_id: spec.id, run_ms: ms(t0, tRun), agent_ms: ms(tRun, performance.now()) }, "machine booted");
+    // From the boot's start: disk and bundle ready, the runtime's `run` returned, the agent answering, the network up.
+    opts.log.debug({ machine_id: spec.id, disk_ms: ms(t0, tDisk), run_ms: ms(t0, tRun), agent_ms: ms(tRun, tAgent), network_ms: tNet ? ms(tRun, tNet) : undefined, booted_ms: ms(t0, performance.now()) }, "machine booted");
     return { id: spec.id, state: "running", agentSocket: p.socket, pid };
   }
 

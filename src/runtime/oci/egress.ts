@@ -5,7 +5,7 @@
 // on port 53, and host loopback for host.kiln.internal when host access is on, excepted); per machine, `allow_out`
 // opens and `deny_out` closes ranges (allow_out wins where both match, so deny 0.0.0.0/0 + allow X is an allow list).
 
-import { spawn } from "node:child_process";
+import { execHost } from "../host-commands.ts";
 import { existsSync, readFileSync } from "node:fs";
 import { mkdir, readFile, rm, rmdir, writeFile } from "node:fs/promises";
 import { isIPv4, isIPv6 } from "node:net";
@@ -43,14 +43,12 @@ function resolvers(): { v4: string[]; v6: string[] } {
   return { v4: servers.filter((s) => isIPv4(s)), v6: servers.filter((s) => isIPv6(s)) };
 }
 
+/** Started by the host command helper (host-commands.ts), the script on its stdin. */
 async function nft(script: string): Promise<void> {
-  await new Promise<void>((resolve, reject) => {
-    const child = spawn("nft", ["-f", "-"], { stdio: ["pipe", "ignore", "pipe"] });
-    let stderr = "";
-    child.stderr.on("data", (d: Buffer) => (stderr += d.toString()));
-    child.once("error", (err) => reject(new Error(`nft could not be run (apt-get install nftables): ${err.message}`)));
-    child.once("exit", (code) => (code === 0 ? resolve() : reject(new Error(`nft failed: ${stderr.trim().split("\n").slice(0, 3).join(" ")}`))));
-    child.stdin.end(script);
+  await execHost("nft", ["-f", "-"], { input: script }).catch((err: unknown) => {
+    const e = err as { code?: unknown; stderr?: string; message: string };
+    if (e.code === "ENOENT") throw new Error(`nft could not be run (apt-get install nftables): ${e.message}`);
+    throw new Error(`nft failed: ${(e.stderr ?? "").trim().split("\n").slice(0, 3).join(" ")}`);
   });
 }
 

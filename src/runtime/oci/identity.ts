@@ -5,8 +5,7 @@
 import { existsSync, readFileSync, statSync } from "node:fs";
 import { mkdir, readFile, writeFile } from "node:fs/promises";
 import { join } from "node:path";
-import { execFile } from "node:child_process";
-import { promisify } from "node:util";
+import { execHost } from "../host-commands.ts";
 import type { Logger } from "../../log.ts";
 import { CANONICAL_BASE, ID_POOL_LAST, ID_RANGE, SHARED_IDENTITY, rangeBase } from "./idmap.ts";
 import type { MachineIdentity } from "./idmap.ts";
@@ -14,7 +13,8 @@ import { createIdRangePool } from "./id-ranges.ts";
 import { bootCommand, prepareIdmountHelper, probeIdmappedMounts } from "./idmount.ts";
 import type { BootPlan, Helper } from "./idmount.ts";
 
-const exec = promisify(execFile);
+// Started by the host command helper, not by the server's own thread (host-commands.ts).
+const exec = execHost;
 const RECORD = "identity.json";
 
 /**

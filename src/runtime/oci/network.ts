@@ -11,14 +11,16 @@
 // found at start, so that device must outlive slirp4netns — it is made persistent with the namespace — and a new
 // slirp4netns only attaches to it (gVisor took the addresses into its own stack; there is nothing to configure).
 
-import { execFile, spawn } from "node:child_process";
-import { openSync, closeSync, existsSync } from "node:fs";
+import { execHost, startDaemon } from "../host-commands.ts";
+import { existsSync } from "node:fs";
 import { readFile, rm, writeFile } from "node:fs/promises";
-import { promisify } from "node:util";
 import { isMounted } from "./mounts.ts";
 
-const exec = promisify(execFile);
+// Started by the host command helper, not by the server's own thread (host-commands.ts).
+const exec = execHost;
 
+/** How long slirp4netns has to say it is ready before it is killed and the boot fails. */
+const SLIRP_READY_MS = 5000;
 export const SLIRP_GATEWAY = "10.0.2.2";
 export const SLIRP_DNS = "10.0.2.3";
 export const HOST_ALIAS = "host.kiln.internal";
@@ -33,32 +35,17 @@ export type SlirpTarget = { pid: number } | { netnsPath: string };
  * itself there first, so every socket slirp4netns ever opens carries that cgroup (the host filters on it).
  */
 export async function startSlirp(opts: { target: SlirpTarget; hostAccess: boolean; pidFile: string; logFile: string; cgroupProcs: string; configure?: boolean }): Promise<number> {
-  const log = openSync(opts.logFile, "a");
   const target = "pid" in opts.target ? [String(opts.target.pid)] : ["--netns-type=path", opts.target.netnsPath];
   const args = [...(opts.configure === false ? [] : ["--configure"]), "--mtu=65520", "--ready-fd=3", ...(opts.hostAccess ? [] : ["--disable-host-loopback"]), ...target, TAP];
   const inCgroup = ["-c", 'echo 0 > "$0" && exec slirp4netns "$@"', opts.cgroupProcs, ...args];
-  const child = spawn("/bin/sh", inCgroup, { detached: true, stdio: ["ignore", log, log, "pipe"] });
-  closeSync(log);
-  const ready = child.stdio[3] as NodeJS.ReadableStream;
-  await new Promise<void>((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error("slirp4netns did not become ready in 5 s")), 5000);
-    ready.once("data", () => {
-      clearTimeout(timer);
-      resolve();
-    });
-    child.once("exit", (code) => {
-      clearTimeout(timer);
-      reject(new Error(`slirp4netns exited ${code} (see ${opts.logFile})`));
-    });
-    child.once("error", (err) => {
-      clearTimeout(timer);
-      reject(err);
-    });
+  // Started detached by the host command helper (host-commands.ts), which answers once slirp4netns says it is ready.
+  const pid = await startDaemon("/bin/sh", inCgroup, { log: opts.logFile, timeoutMs: SLIRP_READY_MS }).catch((err: unknown) => {
+    const e = err as { code?: unknown; signal?: unknown; message: string };
+    if (e.signal === "SIGTERM") throw new Error(`slirp4netns did not become ready in ${SLIRP_READY_MS / 1000} s`);
+    throw new Error(`slirp4netns ${e.message} (see ${opts.logFile})`);
   });
-  (ready as unknown as { destroy(): void }).destroy();
-  child.unref();
-  await writeFile(opts.pidFile, String(child.pid));
-  return child.pid!;
+  await writeFile(opts.pidFile, String(pid));
+  return pid;
 }
 
 /** Whether `pid` is (still) a slirp4netns: a recorded pid may be old (across restarts) and reused since. */

@@ -1,11 +1,11 @@
 // The OCI runtime's command line — runc, or gVisor's runsc — as the oci driver uses it: global flags, container
 // names, the command that starts a machine, and state, list, pause, resume and delete under Kiln's own --root.
 
-import { execFile } from "node:child_process";
+import { execHost } from "../host-commands.ts";
 import { existsSync } from "node:fs";
-import { promisify } from "node:util";
 
-const exec = promisify(execFile);
+// Started by the host command helper, not by the server's own thread (host-commands.ts).
+const exec = execHost;
 
 export type OciRuntime = "runc" | "runsc";
 const CONTAINER_PREFIX = "kiln-";

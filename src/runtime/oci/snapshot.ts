@@ -3,16 +3,16 @@
 // killed in the middle leaves nothing frozen: the next one thaws what the marker names (thawInterrupted). The marker
 // names the process taking the snapshot, so a look at live machines meanwhile never thaws one being copied.
 
-import { execFile } from "node:child_process";
+import { execHost } from "../host-commands.ts";
 import { existsSync } from "node:fs";
 import { randomBytes } from "node:crypto";
 import { mkdir, readdir, readFile, rm, stat, writeFile } from "node:fs/promises";
 import { join } from "node:path";
-import { promisify } from "node:util";
 import type { DiskPool } from "./disk-pool.ts";
 import { isMounted, mountSource } from "./mounts.ts";
 
-const exec = promisify(execFile);
+// Started by the host command helper, not by the server's own thread (host-commands.ts).
+const exec = execHost;
 const FREEZE_MARKER = "snapshot-freeze";
 
 export interface FreezeHooks {
