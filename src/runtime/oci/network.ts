@@ -97,11 +97,8 @@ export async function makeNetns(path: string): Promise<void> {
  */
 export async function quickAckLoopback(pid: number): Promise<void> {
   const routes = ["127.0.0.1", "127.0.0.0/8"].map((dst) => `route change local ${dst} dev lo table local proto kernel scope host src 127.0.0.1 quickack 1`);
-  await new Promise<void>((resolve, reject) => {
-    const child = execFile("nsenter", [`--net=/proc/${pid}/ns/net`, "ip", "-batch", "-"], { timeout: 5000 }, (err, _out, stderr) =>
-      err ? reject(new Error(`setting quickack on the machine's loopback failed: ${(stderr || err.message).trim().slice(0, 300)}`)) : resolve(),
-    );
-    child.stdin?.end(routes.join("\n") + "\n");
+  await exec("nsenter", [`--net=/proc/${pid}/ns/net`, "ip", "-batch", "-"], { timeout: 5000, input: routes.join("\n") + "\n" }).catch((err: { stderr?: string; message: string }) => {
+    throw new Error(`setting quickack on the machine's loopback failed: ${(err.stderr || err.message).trim().slice(0, 300)}`);
   });
 }
 
