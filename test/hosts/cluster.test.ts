@@ -13,13 +13,12 @@ import { request as httpRequest } from "node:http";
 import { mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import pg from "pg";
 import { request } from "undici";
 import { Sandbox } from "e2b";
 import { WebSocket } from "ws";
 import { connect as connectTcp, createServer as createTcpServer } from "node:net";
 import type { Socket } from "node:net";
-import { startPostgres } from "../support/postgres.ts";
+import { query, startPostgres } from "../support/postgres.ts";
 import { startTestKiln, TEST_KEY } from "../support/kiln.ts";
 import { createTunnelServer } from "../../src/hosts/tunnel.ts";
 import { DEFAULT_PROXY_LIMITS } from "../../src/deployments/proxy-limits.ts";
@@ -758,16 +757,6 @@ async function warmReady(s: ServerProcess): Promise<number> {
   const res = await request(`${s.url}/metrics`, { headers: { authorization: `Bearer ${TEST_KEY}` } });
   const m = /^kiln_warm_pool_ready\s+(\d+)/m.exec(await res.body.text());
   return m ? Number(m[1]) : -1;
-}
-
-async function query<T>(url: string, text: string, params: unknown[] = []): Promise<T[]> {
-  const client = new pg.Client({ connectionString: url });
-  await client.connect();
-  try {
-    return (await client.query(text, params)).rows as T[];
-  } finally {
-    await client.end();
-  }
 }
 
 /** The content digests of a template's default artifact's layers, lowest first. */

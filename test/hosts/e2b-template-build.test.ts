@@ -13,10 +13,9 @@ import { mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { createHash, randomBytes } from "node:crypto";
-import pg from "pg";
 import { request } from "undici";
 import { Sandbox, Template } from "e2b";
-import { startPostgres } from "../support/postgres.ts";
+import { query, startPostgres } from "../support/postgres.ts";
 import { freePort } from "../support/net.ts";
 import { startServerProcess } from "../webhooks/server-process.ts";
 import type { ServerProcess } from "../webhooks/server-process.ts";
@@ -125,13 +124,3 @@ test("an E2B template build whose calls each reach another server builds on one 
   assert.deepEqual(await readdir(kept), uploads, "nothing more kept on a");
   assert.equal(existsSync(join(dirs.get("h-b")!, "e2b-template-files")), false);
 });
-
-async function query<T>(url: string, text: string, params: unknown[] = []): Promise<T[]> {
-  const client = new pg.Client({ connectionString: url });
-  await client.connect();
-  try {
-    return (await client.query(text, params)).rows as T[];
-  } finally {
-    await client.end();
-  }
-}

@@ -111,3 +111,14 @@ export async function startPostgres(): Promise<TestPostgres> {
     throw err;
   }
 }
+
+/** One query on its own connection (tests reading what the servers of a cluster wrote). */
+export async function query<T>(url: string, text: string, params: unknown[] = []): Promise<T[]> {
+  const client = new pg.Client({ connectionString: url });
+  await client.connect();
+  try {
+    return (await client.query(text, params)).rows as T[];
+  } finally {
+    await client.end();
+  }
+}
