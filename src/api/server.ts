@@ -91,7 +91,7 @@ function localityOf(services: Services) {
 export async function buildServer(opts: ServerOptions): Promise<App> {
   // The public edge's HTTP requests are proxied before Fastify routes them: they are a data path, not API calls.
   const edge = createEdge({ services: opts.services, log: opts.log, secureCookies: opts.publicUrl?.startsWith("https:") ?? false, limits: opts.edgeLimits, edgeDomain: opts.edgeDomain });
-  const metrics = createMetrics({ db: opts.services.store.db, warmPool: () => opts.services.pool.stats() });
+  const metrics = createMetrics({ db: opts.services.store.db, warmPool: () => opts.services.pool.stats(), hotPools: () => opts.services.hotPools.stats().templates });
   const app = Fastify({
     serverFactory: (handler) => {
       // Kiln honours one upgrade, WebSocket (and, between hosts, its cluster tunnel, on its own route with cluster

@@ -135,7 +135,7 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     // A template other than the base counts toward its own pool's demand (its config says whether its pooled
     // machines have the default kernel started).
     if (poolable && deps.hotPools && resolved.template.canonical_ref !== deps.baseTemplateRef) {
-      deps.hotPools.note({ artifactId: resolved.artifact.id, layers: resolved.layers, vcpus: MACHINE_DEFAULTS.vcpus, memoryMb: MACHINE_DEFAULTS.memoryMb, config: image });
+      deps.hotPools.note({ artifactId: resolved.artifact.id, ref: resolved.template.canonical_ref, layers: resolved.layers, vcpus: MACHINE_DEFAULTS.vcpus, memoryMb: MACHINE_DEFAULTS.memoryMb, config: image });
     }
     const hot = poolable ? deps.hotPools?.take(want) : undefined;
     const warm = hot?.live ?? (poolable ? deps.pool?.take(want) : undefined);

@@ -37,6 +37,8 @@ export const HOT_POOL_DEFAULTS: HotPoolSettings = { maxPerTemplate: 2, maxTotal:
 /** What a hot template's machines are made from and prepared with. */
 export interface HotTemplate {
   artifactId: string;
+  /** The template's canonical ref (`local/code-interpreter-v1`): how operators read the pool in metrics and readiness. */
+  ref: string;
   layers: string[];
   vcpus: number;
   memoryMb: number;
@@ -67,10 +69,26 @@ export interface HotPools {
   note(t: HotTemplate): void;
   /** A prepared machine of this template for this create, or undefined. */
   take(want: Want): { live: LiveMachine; kernel?: { user: string; cwd: string } } | undefined;
-  stats(): { total: number; templates: { artifact_id: string; size: number; ready: number; booting: number; recent_creates: number; ids: string[] }[] };
+  stats(): { total: number; templates: HotPoolStats[] };
   /** Held (its host is draining): idle machines released, none booted until let go. */
   hold(held: boolean): void;
   close(): Promise<void>;
+}
+
+/** One template's pool (or only its demand, while it has none: size 0, no takes). */
+export interface HotPoolStats {
+  artifact_id: string;
+  template: string;
+  /** It has a pool now (else only its demand is counted). */
+  pooled: boolean;
+  /** How many machines it keeps booted now (its target). */
+  size: number;
+  ready: number;
+  booting: number;
+  recent_creates: number;
+  /** Creates of the template since its pool was made: handed a pooled machine (hit) or not (miss: none ready). */
+  takes: { hit: number; miss: number };
+  ids: string[];
 }
 
 /** At most this many templates' demand is remembered (the least recently created one without a pool is forgotten). */
@@ -106,7 +124,7 @@ export function createHotPools(deps: {
   room?: () => boolean;
 }): HotPools {
   const { driver, log, settings } = deps;
-  const entries = new Map<string, { t: HotTemplate; times: number[]; pool?: WarmPool }>();
+  const entries = new Map<string, { t: HotTemplate; times: number[]; pool?: WarmPool; takes: { hit: number; miss: number } }>();
   let held = false;
   let closed = false;
 
@@ -123,6 +141,7 @@ export function createHotPools(deps: {
       const target = hot ? Math.min(settings.maxPerTemplate, left, Math.max(1, recent)) : 0;
       left -= target;
       if (target > 0 && !e.pool) {
+        e.takes = { hit: 0, miss: 0 };
         e.pool = createWarmPool({ driver, size: 0, log, boots: deps.boots, prepare: (live) => startKernel(live, e.t), room: deps.room });
         e.pool.hold(held);
         e.pool.configure({ artifactId: e.t.artifactId, layers: e.t.layers, vcpus: e.t.vcpus, memoryMb: e.t.memoryMb });
@@ -154,7 +173,7 @@ export function createHotPools(deps: {
           if (!coldest) return;
           entries.delete(coldest[0]);
         }
-        e = { t, times: [] };
+        e = { t, times: [], takes: { hit: 0, miss: 0 } };
         entries.set(t.artifactId, e);
       }
       e.times.push(Date.now());
@@ -163,13 +182,15 @@ export function createHotPools(deps: {
     },
     take(want: Want) {
       const e = entries.get(want.artifactId);
-      const live = e?.pool?.take(want);
-      return live && e ? { live, kernel: kernelOf(e.t) } : undefined;
+      if (!e?.pool) return undefined;
+      const live = e.pool.take(want);
+      e.takes[live ? "hit" : "miss"]++;
+      return live ? { live, kernel: kernelOf(e.t) } : undefined;
     },
     stats() {
       const templates = [...entries.values()].map((e) => {
         const s = e.pool?.stats() ?? { size: 0, ready: 0, booting: 0, ids: [] };
-        return { artifact_id: e.t.artifactId, size: s.size, ready: s.ready, booting: s.booting, recent_creates: e.times.length, ids: s.ids };
+        return { artifact_id: e.t.artifactId, template: e.t.ref, pooled: e.pool !== undefined, size: s.size, ready: s.ready, booting: s.booting, recent_creates: e.times.length, takes: { ...e.takes }, ids: s.ids };
       });
       return { total: templates.reduce((n, t) => n + t.ready + t.booting, 0), templates };
     },

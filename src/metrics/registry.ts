@@ -7,6 +7,7 @@ import type { ServerResponse } from "node:http";
 import { sql } from "kysely";
 import type { Db } from "../store/schema.ts";
 import { onMetricEvents } from "./events.ts";
+import type { HotPoolStats } from "../machines/hot-pools.ts";
 
 /** Seconds; from a warm-pool create (~10 ms) to a cold build-machine boot or a long exec (minutes). */
 const LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300];
@@ -24,6 +25,8 @@ export interface MetricsSources {
   db: Db;
   /** The warm pool's target size and machines ready now. */
   warmPool: () => { size: number; ready: number };
+  /** Hot templates' pools (hot-pools.ts); only those with a pool are reported, so their labels stay few. */
+  hotPools?: () => HotPoolStats[];
 }
 
 export function createMetrics(sources: MetricsSources) {
@@ -64,6 +67,41 @@ export function createMetrics(sources: MetricsSources) {
     registers: [registry],
     collect() {
       this.set(sources.warmPool().ready);
+    },
+  });
+  // Hot templates' pools, read at scrape time like the warm pool's. A template is a label only while it has a pool
+  // (at most KILN_HOT_POOL_TOTAL of them at once); its takes count from the pool's making (a new pool starts again
+  // at 0, which Prometheus reads as a counter reset).
+  const hotPools = () => (sources.hotPools?.() ?? []).filter((t) => t.pooled);
+  const hotLabels = (t: HotPoolStats) => ({ template: t.template, artifact_id: t.artifact_id });
+  new Gauge({
+    name: "kiln_hot_pool_size",
+    help: "Machines a hot template's pool keeps booted now (its demand, within KILN_HOT_POOL_MAX)",
+    labelNames: ["template", "artifact_id"],
+    registers: [registry],
+    collect() {
+      this.reset();
+      for (const t of hotPools()) this.set(hotLabels(t), t.size);
+    },
+  });
+  new Gauge({
+    name: "kiln_hot_pool_ready",
+    help: "A hot template's pooled machines booted, prepared and waiting now",
+    labelNames: ["template", "artifact_id"],
+    registers: [registry],
+    collect() {
+      this.reset();
+      for (const t of hotPools()) this.set(hotLabels(t), t.ready);
+    },
+  });
+  new Counter({
+    name: "kiln_hot_pool_takes_total",
+    help: "Creates of a hot template that asked its pool, by whether they got a pooled machine (hit) or booted one (miss)",
+    labelNames: ["template", "artifact_id", "outcome"],
+    registers: [registry],
+    collect() {
+      this.reset();
+      for (const t of hotPools()) for (const outcome of ["hit", "miss"] as const) this.inc({ ...hotLabels(t), outcome }, t.takes[outcome]);
     },
   });
   new Gauge({

@@ -98,6 +98,11 @@ test("GET /v1/ready reports the store and the driver", async () => {
   assert.equal(res.body.store.ok, true);
   assert.equal(res.body.store.dialect, "sqlite");
   assert.ok(Array.isArray(res.body.driver.cgroup.enforced));
+  // The pools: the base template's warm pool as configured, and no hot template's before any template is created.
+  const warm = k.kiln.services.pool.stats();
+  assert.equal(res.body.pools.warm.size, warm.size);
+  assert.ok(res.body.pools.warm.ready + res.body.pools.warm.booting <= warm.size);
+  assert.deepEqual(res.body.pools.hot, []);
 });
 
 test("GET /v1/openapi.json documents the routes with their schemas", async () => {

@@ -15,6 +15,7 @@ import type { TestKiln } from "../support/kiln.ts";
 import { startReceiver } from "../webhooks/receiver.ts";
 import type { Receiver } from "../webhooks/receiver.ts";
 import { freePort } from "../support/net.ts";
+import { buildOk } from "../builds/support.ts";
 
 let k: TestKiln;
 let receiver: Receiver;
@@ -103,6 +104,53 @@ test("a create refused for want of memory is counted by reason", async () => {
     assert.equal(sample(text, "kiln_machine_create_duration_seconds_count", { outcome: "error" }), 1);
   } finally {
     await tight.close();
+  }
+});
+
+test("a hot template's pool is in /metrics and GET /v1/ready (size, ready, takes), and only while it has one", async () => {
+  const hot = await startTestKiln({ env: { KILN_WARM_POOL: "0", KILN_HOT_POOL_AFTER: "1", KILN_HOT_POOL_MAX: "1", KILN_HOT_POOL_TOTAL: "1" } });
+  try {
+    const { artifactId } = await buildOk(hot, { name: "hot-metrics", steps: [{ type: "run", command: "echo hot > /hot-mark" }] });
+    const ready = async () => {
+      const r = await hot.call("GET", "/v1/ready");
+      assert.equal(r.status, 200, r.text);
+      return r.body.pools;
+    };
+    const scrapeHot = async () => (await hot.call("GET", "/metrics")).text;
+    // No template is hot yet: no series, nothing in readiness (the base template's pool is reported on its own).
+    assert.deepEqual(await ready(), { warm: { size: 0, ready: 0, booting: 0 }, hot: [] });
+    assert.ok(!/^kiln_hot_pool_/m.test(await scrapeHot()), "no hot pool series before any template has a pool");
+    // The first create makes the template hot; nothing of its pool was ready for it: a miss.
+    const first = await hot.call("POST", "/v1/machines", { body: { template: "hot-metrics" } });
+    assert.equal(first.status, 201, first.text);
+    const deadline = Date.now() + 120_000;
+    let pools = await ready();
+    while (!(pools.hot[0]?.ready >= 1)) {
+      if (Date.now() > deadline) throw new Error(`the hot pool did not fill: ${JSON.stringify(pools)}`);
+      await new Promise((r) => setTimeout(r, 50));
+      pools = await ready();
+    }
+    assert.deepEqual(pools.hot, [{ template: "local/hot-metrics", artifact_id: artifactId, size: 1, ready: 1, booting: 0, takes: { hit: 0, miss: 1 } }]);
+    // The next one takes the pooled machine: a hit.
+    const second = await hot.call("POST", "/v1/machines", { body: { template: "hot-metrics" } });
+    assert.equal(second.status, 201, second.text);
+    assert.equal((await hot.call("POST", `/v1/machines/${second.body.id}/exec`, { body: { cmd: "cat /hot-mark" } })).body.stdout, "hot\n");
+    const after = (await ready()).hot;
+    assert.equal(after.length, 1);
+    assert.deepEqual(after[0].takes, { hit: 1, miss: 1 });
+    const text = await scrapeHot();
+    const labels = { template: "local/hot-metrics", artifact_id: artifactId };
+    assert.equal(sample(text, "kiln_hot_pool_size", labels), 1);
+    assert.equal(sample(text, "kiln_hot_pool_ready", labels), after[0].ready);
+    assert.equal(sample(text, "kiln_hot_pool_takes_total", { ...labels, outcome: "hit" }), 1);
+    assert.equal(sample(text, "kiln_hot_pool_takes_total", { ...labels, outcome: "miss" }), 1);
+    // Labels are bounded: the pooled template's, nothing else (not the base template, not other artifacts).
+    const series = text.split("\n").filter((l) => /^kiln_hot_pool_\w+\{/.test(l));
+    assert.equal(series.length, 4, series.join("\n"));
+    assert.ok(series.every((l) => l.includes(`template="local/hot-metrics",artifact_id="${artifactId}"`)), series.join("\n"));
+    for (const id of [first.body.id, second.body.id]) assert.equal((await hot.call("DELETE", `/v1/machines/${id}`)).status, 200);
+  } finally {
+    await hot.close();
   }
 });
 

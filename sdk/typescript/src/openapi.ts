@@ -141,6 +141,32 @@ export interface paths {
                                 /** @description False while a floor is crossed: creates answer 503 */
                                 accepting: boolean;
                             };
+                            /** @description Machines booted ahead of time: a create they fit takes one instead of booting */
+                            pools: {
+                                /** @description The base template's warm pool */
+                                warm: {
+                                    /** @description Machines of the base template it keeps booted (KILN_WARM_POOL) */
+                                    size: number;
+                                    ready: number;
+                                    booting: number;
+                                };
+                                /** @description Hot templates' own pools (docs/hot-pools.md), only while a template has one */
+                                hot: {
+                                    /** @description The template's canonical ref */
+                                    template: string;
+                                    artifact_id: string;
+                                    /** @description Machines it keeps booted now: its recent demand, within KILN_HOT_POOL_MAX */
+                                    size: number;
+                                    /** @description Booted, prepared and waiting now */
+                                    ready: number;
+                                    booting: number;
+                                    /** @description Creates of the template since its pool was made: handed a pooled machine (hit), or booted their own (miss) */
+                                    takes: {
+                                        hit: number;
+                                        miss: number;
+                                    };
+                                }[];
+                            };
                         };
                     };
                 };
@@ -217,6 +243,32 @@ export interface paths {
                                 };
                                 /** @description False while a floor is crossed: creates answer 503 */
                                 accepting: boolean;
+                            };
+                            /** @description Machines booted ahead of time: a create they fit takes one instead of booting */
+                            pools: {
+                                /** @description The base template's warm pool */
+                                warm: {
+                                    /** @description Machines of the base template it keeps booted (KILN_WARM_POOL) */
+                                    size: number;
+                                    ready: number;
+                                    booting: number;
+                                };
+                                /** @description Hot templates' own pools (docs/hot-pools.md), only while a template has one */
+                                hot: {
+                                    /** @description The template's canonical ref */
+                                    template: string;
+                                    artifact_id: string;
+                                    /** @description Machines it keeps booted now: its recent demand, within KILN_HOT_POOL_MAX */
+                                    size: number;
+                                    /** @description Booted, prepared and waiting now */
+                                    ready: number;
+                                    booting: number;
+                                    /** @description Creates of the template since its pool was made: handed a pooled machine (hit), or booted their own (miss) */
+                                    takes: {
+                                        hit: number;
+                                        miss: number;
+                                    };
+                                }[];
                             };
                         };
                     };

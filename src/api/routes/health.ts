@@ -40,10 +40,33 @@ const ReadyBody = Type.Object({
     },
     { description: "What machines use of the host, and the floors creates are held to" },
   ),
+  pools: Type.Object(
+    {
+      warm: Type.Object(
+        { size: Type.Integer({ description: "Machines of the base template it keeps booted (KILN_WARM_POOL)" }), ready: Type.Integer(), booting: Type.Integer() },
+        { description: "The base template's warm pool" },
+      ),
+      hot: Type.Array(
+        Type.Object({
+          template: Type.String({ description: "The template's canonical ref" }),
+          artifact_id: Type.String(),
+          size: Type.Integer({ description: "Machines it keeps booted now: its recent demand, within KILN_HOT_POOL_MAX" }),
+          ready: Type.Integer({ description: "Booted, prepared and waiting now" }),
+          booting: Type.Integer(),
+          takes: Type.Object(
+            { hit: Type.Integer(), miss: Type.Integer() },
+            { description: "Creates of the template since its pool was made: handed a pooled machine (hit), or booted their own (miss)" },
+          ),
+        }),
+        { description: "Hot templates' own pools (docs/hot-pools.md), only while a template has one" },
+      ),
+    },
+    { description: "Machines booted ahead of time: a create they fit takes one instead of booting" },
+  ),
 });
 
 export async function healthRoutes(app: App, opts: { services: Services }) {
-  const { store, driver, admission, templates, snapshots } = opts.services;
+  const { store, driver, admission, templates, snapshots, pool, hotPools } = opts.services;
   // Readiness probes arrive often and from many places: the store is asked at most every 250 ms.
   let lastPing: { at: number; error: string | undefined } | undefined;
   async function storeError(): Promise<string | undefined> {
@@ -58,7 +81,19 @@ export async function healthRoutes(app: App, opts: { services: Services }) {
     return error;
   }
 
-  /** The readiness report: the store, the driver, the base template and what machines use of the host. */
+  /** The warm pool and the hot templates' pools, as they are now. */
+  function pools() {
+    const warm = pool.stats();
+    return {
+      warm: { size: warm.size, ready: warm.ready, booting: warm.booting },
+      hot: hotPools
+        .stats()
+        .templates.filter((t) => t.pooled)
+        .map((t) => ({ template: t.template, artifact_id: t.artifact_id, size: t.size, ready: t.ready, booting: t.booting, takes: t.takes })),
+    };
+  }
+
+  /** The readiness report: the store, the driver, the base template, what machines use of the host, the pools. */
   async function measure() {
     const error = await storeError();
     const [readiness, admitted, held] = await Promise.all([driver.readiness(), admission.capacity(), snapshots.held()]);
@@ -71,6 +106,7 @@ export async function healthRoutes(app: App, opts: { services: Services }) {
       store: { dialect: store.dialect, ok: error === undefined, ...(error ? { error } : {}) },
       driver: readiness as unknown as Record<string, unknown>,
       capacity,
+      pools: pools(),
     };
     const why = error ? `the store is not reachable: ${error}` : baseReason ?? "the machine driver is not ready";
     return { ready, body, why };
