@@ -11,7 +11,7 @@ import type { Logger } from "../../log.ts";
 import { CANONICAL_BASE, ID_POOL_LAST, ID_RANGE, SHARED_IDENTITY, rangeBase } from "./idmap.ts";
 import type { MachineIdentity } from "./idmap.ts";
 import { createIdRangePool } from "./id-ranges.ts";
-import { bootCommand, prepareIdmountHelper, probeIdmappedMounts } from "./idmount.ts";
+import { bootCommand, prepareIdmountHelper, probeIdmappedMounts, swapCommand } from "./idmount.ts";
 import type { BootPlan, Helper } from "./idmount.ts";
 
 const exec = promisify(execFile);
@@ -142,6 +142,27 @@ export function createMachineIdentities(opts: IdentityOptions) {
         nofile: identity.owner !== undefined ? boot.nofile : undefined,
       };
       return bootCommand(helper.path, plan, runtime);
+    },
+
+    /**
+     * runc: mounts the machine's overlay root again at `root.rootfs` (its disk now being another one) and swaps it
+     * in as the root of the machine running as `pid`, whose processes keep running (see --swap-into in idmount.c).
+     */
+    async swapRoot(identity: MachineIdentity, root: { dir: string; layers: string[]; disk: string; rootfs: string }, pid: number): Promise<void> {
+      const { helper } = await setup;
+      if (!helper.path) throw new Error(`swapping the root of a running machine needs the mount helper: ${helper.problem}`);
+      if (opts.runtime !== "runc") throw new Error("only a runc machine's root can be swapped while it runs");
+      const plan = {
+        idmap: identity.idmapped ? { canonical: CANONICAL_BASE, hostBase: identity.hostBase, count: ID_RANGE } : undefined,
+        root: { scratch: scratchDir(root.dir), layers: root.layers, disk: root.disk, rootfs: root.rootfs },
+      };
+      const [command, args] = swapCommand(helper.path, plan, pid);
+      try {
+        await exec(command, args, { timeout: 10_000 });
+      } catch (err) {
+        const e = err as { stderr?: string; message: string };
+        throw new Error(`swapping the root of ${root.dir} failed: ${(e.stderr || e.message).trim().slice(0, 300)}`);
+      }
     },
 
     /** What a machine's runtime spec needs: its host ids, and the namespace to join (runc with its own). */

@@ -22,6 +22,12 @@
 //         and disk mounts are attached under SCRATCH only while overlayfs takes them (it keeps private copies).
 //     --bind SRC DST | --bind-ro SRC DST
 //         an idmapped copy of mount SRC attached at DST, for the runtime to bind into the machine (needs --idmap).
+//     --swap-into PID
+//         with --rootfs and no COMMAND: the overlay just mounted becomes the root of the running machine whose first
+//         process is PID (runc). In PID's mount namespace it is attached, every mount directly on the old root (with
+//         what is mounted below it: /proc, /dev, /sys, /opt/kiln, /etc files, ...) is cloned to the same place under
+//         it, then pivot_root(2) moves the root and cwd of every process whose root or cwd was the old root (tini and
+//         the agent) onto it, and the old root is detached lazily (it goes once nothing holds a file of it).
 //     --nofile SOFT:HARD
 //         the open-file limit COMMAND (and so the machine) starts with.
 //     -- COMMAND ARGS...
@@ -43,6 +49,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -221,12 +228,87 @@ static const struct {
   int resource;
 } RLIMITS[] = {{"msgqueue", RLIMIT_MSGQUEUE}, {"sigpending", RLIMIT_SIGPENDING}, {"memlock", RLIMIT_MEMLOCK}, {"nproc", RLIMIT_NPROC}};
 
+#define MAX_MOUNTS 256
+
+/** Mount points (machine paths) of the mounts directly on the root of PID's mount namespace, in mount order. */
+static int top_mounts(const char *pid, char **points, int max) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%s/mountinfo", pid);
+  FILE *f = fopen(path, "re");
+  if (!f) die("open", path);
+  char line[8192];
+  long root_id = -1;
+  int n = 0;
+  while (fgets(line, sizeof line, f)) {
+    long id, parent;
+    char point[4096];
+    if (sscanf(line, "%ld %ld %*s %*s %4095s", &id, &parent, point) != 3) usage("unreadable mountinfo");
+    if (root_id < 0) {
+      if (strcmp(point, "/") == 0) root_id = id;
+      continue;
+    }
+    if (parent != root_id) continue;
+    if (strchr(point, '\\')) usage("a machine mount point with an escaped character");
+    if (n == max) usage("too many mounts in the machine");
+    points[n++] = strdup(point);
+  }
+  fclose(f);
+  if (root_id < 0) usage("the machine has no root mount");
+  return n;
+}
+
+static void swap_into(const char *pid, const char *rootfs) {
+  char path[64];
+  char *points[MAX_MOUNTS];
+  int n = top_mounts(pid, points, MAX_MOUNTS);
+  int tree = open_tree(AT_FDCWD, rootfs, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+  if (tree < 0) die("open_tree", rootfs);
+  snprintf(path, sizeof path, "/proc/%s/ns/mnt", pid);
+  int ns = open(path, O_RDONLY | O_CLOEXEC);
+  if (ns < 0) die("open", path);
+  // Our root and cwd become the machine's root.
+  if (setns(ns, CLONE_NEWNS)) die("setns", path);
+  close(ns);
+  const char *stage = "/.kiln-root";
+  if (mkdir(stage, 0700) && errno != EEXIST) die("mkdir", stage);
+  if (move_mount(tree, "", AT_FDCWD, stage, MOVE_MOUNT_F_EMPTY_PATH)) die("move_mount", stage);
+  close(tree);
+  for (int i = 0; i < n; i++) {
+    char target[4200];
+    snprintf(target, sizeof target, "%s%s", stage, points[i]);
+    struct stat st;
+    if (stat(points[i], &st)) die("stat", points[i]);
+    // The new root is a copy of a machine booted the same way: its mount points are there (made here if not).
+    if (S_ISDIR(st.st_mode)) {
+      if (mkdir(target, 0755) && errno != EEXIST) die("mkdir", target);
+    } else {
+      int fd = open(target, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+      if (fd < 0 && errno != EISDIR) die("create", target);
+      if (fd >= 0) close(fd);
+    }
+    int fd = open_tree(AT_FDCWD, points[i], OPEN_TREE_CLONE | AT_RECURSIVE | OPEN_TREE_CLOEXEC);
+    if (fd < 0) die("open_tree", points[i]);
+    if (move_mount(fd, "", AT_FDCWD, target, MOVE_MOUNT_F_EMPTY_PATH)) die("move_mount", target);
+    close(fd);
+  }
+  // As runc does: pivot onto the new root with the old one stacked on it, then detach the old one.
+  int old = open("/", O_DIRECTORY | O_PATH | O_CLOEXEC);
+  if (old < 0) die("open", "/");
+  if (chdir(stage)) die("chdir", stage);
+  if (syscall(SYS_pivot_root, ".", ".")) die("pivot_root", stage);
+  if (fchdir(old)) die("fchdir", "the old root");
+  if (mount("", ".", NULL, MS_SLAVE | MS_REC, NULL)) die("make slave", "the old root");
+  if (umount2(".", MNT_DETACH)) die("umount", "the old root");
+  if (chdir("/")) die("chdir", "/");
+  close(old);
+}
+
 int main(int argc, char **argv) {
   if (argc >= 3 && strcmp(argv[1], "probe") == 0) return probe(argc - 2, argv + 2);
   if (argc < 2 || strcmp(argv[1], "boot") != 0) usage("usage: kiln-idmount probe DIR... | boot OPTIONS [-- COMMAND...]");
 
   struct userns_request machine = {0};
-  const char *scratch = NULL, *disk = NULL, *rootfs = NULL, *idmap = NULL, *nofile = NULL;
+  const char *scratch = NULL, *disk = NULL, *rootfs = NULL, *idmap = NULL, *nofile = NULL, *swap_pid = NULL;
   const char *lower[MAX_ITEMS], *bind_src[MAX_ITEMS], *bind_dst[MAX_ITEMS];
   int bind_ro[MAX_ITEMS];
   int lowers = 0, binds = 0, has_map = 0;
@@ -271,11 +353,15 @@ int main(int argc, char **argv) {
       bind_src[binds] = v;
       bind_dst[binds++] = argv[++i];
     } else if (strcmp(a, "--nofile") == 0) nofile = v;
-    else usage("unknown option");
+    else if (strcmp(a, "--swap-into") == 0) {
+      parse_num(v);
+      swap_pid = v;
+    } else usage("unknown option");
   }
   if (rootfs && (!scratch || !disk || lowers == 0)) usage("--rootfs needs --scratch, --disk and at least one --lower");
   if (machine.link && (!has_map || machine.owner == 0)) usage("--userns needs --owner and --map");
   if (binds > 0 && !idmap) usage("--bind needs --idmap");
+  if (swap_pid && (!rootfs || command || machine.link || binds > 0)) usage("--swap-into needs --rootfs and no --userns, --bind or COMMAND");
 
   char machine_map[64], ids_map[96];
   struct userns_request ids = {0};
@@ -331,6 +417,10 @@ int main(int argc, char **argv) {
 
   for (int i = 0; i < binds; i++) attach_idmapped(bind_src[i], bind_dst[i], ns, bind_ro[i]);
   if (ns >= 0) close(ns);
+  if (swap_pid) {
+    swap_into(swap_pid, rootfs);
+    return 0;
+  }
 
   if (nofile) {
     unsigned long soft, hard;

@@ -79,3 +79,17 @@ export function bootCommand(helper: string, plan: BootPlan, command: [string, st
   if (plan.nofile) args.push("--nofile", `${plan.nofile.soft}:${plan.nofile.hard}`);
   return [helper, [...args, "--", command[0], ...command[1]]];
 }
+
+/**
+ * The helper's command line that mounts a machine's overlay root anew at `root.rootfs` (its layers under `root.disk`)
+ * and makes it the root of the running machine whose first process is `pid` (runc: `--swap-into` in idmount.c).
+ */
+export function swapCommand(helper: string, plan: { idmap?: BootPlan["idmap"]; root: NonNullable<BootPlan["root"]> }, pid: number): [string, string[]] {
+  if (!Number.isSafeInteger(pid) || pid <= 1) throw new Error(`invalid first process ${pid}`);
+  const args = ["boot"];
+  if (plan.idmap) args.push("--idmap", `${plan.idmap.canonical}:${plan.idmap.hostBase}:${plan.idmap.count}`);
+  args.push("--scratch", plan.root.scratch, "--disk", plan.root.disk, "--rootfs", plan.root.rootfs);
+  for (const layer of plan.root.layers) args.push("--lower", layer);
+  args.push("--swap-into", String(pid));
+  return [helper, args];
+}
