@@ -145,16 +145,19 @@ export function createMachineIdentities(opts: IdentityOptions) {
     },
 
     /**
-     * runc: mounts the machine's overlay root again at `root.rootfs` (its disk now being another one) and swaps it
-     * in as the root of the machine running as `pid`, whose processes keep running (see --swap-into in idmount.c).
+     * runc: gives the machine running as `pid` another disk image (`root.image`.taking, or a reflink of
+     * `root.cloneFrom`), mounts its overlay root again over it and swaps that in as its root, its processes running on
+     * (see --swap-into in idmount.c).
      */
-    async swapRoot(identity: MachineIdentity, root: { dir: string; layers: string[]; disk: string; rootfs: string }, pid: number): Promise<void> {
+    async swapRoot(identity: MachineIdentity, root: { dir: string; layers: string[]; disk: string; rootfs: string; image: string; cloneFrom?: string }, pid: number): Promise<void> {
       const { helper } = await setup;
       if (!helper.path) throw new Error(`swapping the root of a running machine needs the mount helper: ${helper.problem}`);
       if (opts.runtime !== "runc") throw new Error("only a runc machine's root can be swapped while it runs");
       const plan = {
         idmap: identity.idmapped ? { canonical: CANONICAL_BASE, hostBase: identity.hostBase, count: ID_RANGE } : undefined,
         root: { scratch: scratchDir(root.dir), layers: root.layers, disk: root.disk, rootfs: root.rootfs },
+        image: root.image,
+        cloneFrom: root.cloneFrom,
       };
       const [command, args] = swapCommand(helper.path, plan, pid);
       try {

@@ -22,8 +22,12 @@
 //         and disk mounts are attached under SCRATCH only while overlayfs takes them (it keeps private copies).
 //     --bind SRC DST | --bind-ro SRC DST
 //         an idmapped copy of mount SRC attached at DST, for the runtime to bind into the machine (needs --idmap).
-//     --swap-into PID
-//         with --rootfs and no COMMAND: the overlay just mounted becomes the root of the running machine whose first
+//     --swap-into PID --image FILE [--clone-from SRC]
+//         with --rootfs and no COMMAND, ROOTFS and DISK being the running machine's: first its host mounts of ROOTFS
+//         and DISK are detached (its root still holds them), its disk image FILE is unlinked (its loop device holds it
+//         until the old root goes) and FILE.taking (made here as a reflink of SRC with --clone-from) takes its name and
+//         is loop-mounted on DISK (ext4, as the driver mounts disks); then the overlay is mounted and becomes the root
+//         of the running machine whose first
 //         process is PID (runc). In PID's mount namespace it is attached, every mount directly on the old root (with
 //         what is mounted below it: /proc, /dev, /sys, /opt/kiln, /etc files, ...) is cloned to the same place under
 //         it, then pivot_root(2) moves the root and cwd of every process whose root or cwd was the old root (tini and
@@ -45,6 +49,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/fs.h>
+#include <linux/loop.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -257,6 +264,58 @@ static int top_mounts(const char *pid, char **points, int max) {
   return n;
 }
 
+/** FILE.taking (a reflink of `clone_from`, when given) becomes the machine's disk image FILE, loop-mounted on `disk`. */
+static void take_disk(const char *image, const char *clone_from, const char *rootfs, const char *disk) {
+  char taking[4200];
+  snprintf(taking, sizeof taking, "%s.taking", image);
+  if (clone_from) {
+    int src = open(clone_from, O_RDONLY | O_CLOEXEC);
+    if (src < 0) die("open", clone_from);
+    int dst = open(taking, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (dst < 0) die("create", taking);
+    if (ioctl(dst, FICLONE, src)) die("reflink", taking);
+    close(src);
+    close(dst);
+  }
+  if (umount2(rootfs, MNT_DETACH)) die("umount", rootfs);
+  if (umount2(disk, MNT_DETACH)) die("umount", disk);
+  if (unlink(image) && errno != ENOENT) die("unlink", image);
+  if (rename(taking, image)) die("rename", taking);
+  int img = open(image, O_RDWR | O_CLOEXEC);
+  if (img < 0) die("open", image);
+  int ctl = open("/dev/loop-control", O_RDWR | O_CLOEXEC);
+  if (ctl < 0) die("open", "/dev/loop-control");
+  for (int tries = 0;; tries++) {
+    int n = ioctl(ctl, LOOP_CTL_GET_FREE);
+    if (n < 0) die("get a free loop device", NULL);
+    char dev[32];
+    snprintf(dev, sizeof dev, "/dev/loop%d", n);
+    int fd = open(dev, O_RDWR | O_CLOEXEC);
+    if (fd < 0) die("open", dev);
+    struct loop_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.fd = (unsigned)img;
+    cfg.info.lo_flags = LO_FLAGS_AUTOCLEAR;
+    strncpy((char *)cfg.info.lo_file_name, image, LO_NAME_SIZE - 1);
+    if (ioctl(fd, LOOP_CONFIGURE, &cfg) == 0) {
+      // The mount holds the device from here; closing ours lets it clear itself once unmounted.
+      if (mount(dev, disk, "ext4", MS_NOATIME, "noinit_itable,nobarrier")) {
+        int e = errno;
+        ioctl(fd, LOOP_CLR_FD, 0);
+        errno = e;
+        die("mount", disk);
+      }
+      close(fd);
+      break;
+    }
+    // Taken by another process between GET_FREE and CONFIGURE: try the next free one (bounded).
+    if (errno != EBUSY || tries == 16) die("attach", dev);
+    close(fd);
+  }
+  close(ctl);
+  close(img);
+}
+
 static void swap_into(const char *pid, const char *rootfs) {
   char path[64];
   char *points[MAX_MOUNTS];
@@ -308,7 +367,7 @@ int main(int argc, char **argv) {
   if (argc < 2 || strcmp(argv[1], "boot") != 0) usage("usage: kiln-idmount probe DIR... | boot OPTIONS [-- COMMAND...]");
 
   struct userns_request machine = {0};
-  const char *scratch = NULL, *disk = NULL, *rootfs = NULL, *idmap = NULL, *nofile = NULL, *swap_pid = NULL;
+  const char *scratch = NULL, *disk = NULL, *rootfs = NULL, *idmap = NULL, *nofile = NULL, *swap_pid = NULL, *image = NULL, *clone_from = NULL;
   const char *lower[MAX_ITEMS], *bind_src[MAX_ITEMS], *bind_dst[MAX_ITEMS];
   int bind_ro[MAX_ITEMS];
   int lowers = 0, binds = 0, has_map = 0;
@@ -356,12 +415,15 @@ int main(int argc, char **argv) {
     else if (strcmp(a, "--swap-into") == 0) {
       parse_num(v);
       swap_pid = v;
-    } else usage("unknown option");
+    } else if (strcmp(a, "--image") == 0) image = v;
+    else if (strcmp(a, "--clone-from") == 0) clone_from = v;
+    else usage("unknown option");
   }
   if (rootfs && (!scratch || !disk || lowers == 0)) usage("--rootfs needs --scratch, --disk and at least one --lower");
   if (machine.link && (!has_map || machine.owner == 0)) usage("--userns needs --owner and --map");
   if (binds > 0 && !idmap) usage("--bind needs --idmap");
-  if (swap_pid && (!rootfs || command || machine.link || binds > 0)) usage("--swap-into needs --rootfs and no --userns, --bind or COMMAND");
+  if (swap_pid && (!rootfs || !image || command || machine.link || binds > 0)) usage("--swap-into needs --rootfs and --image, and no --userns, --bind or COMMAND");
+  if ((image || clone_from) && !swap_pid) usage("--image and --clone-from go with --swap-into");
 
   char machine_map[64], ids_map[96];
   struct userns_request ids = {0};
@@ -381,6 +443,7 @@ int main(int argc, char **argv) {
   if (machine.link) finish_userns(&machine);
   int ns = idmap ? finish_userns(&ids) : -1;
 
+  if (swap_pid) take_disk(image, clone_from, rootfs, disk);
   if (rootfs) {
     // Overlayfs' option string is one page: layers go by short names relative to SCRATCH when idmapped.
     size_t cap = 64 + strlen(disk) * 2;
