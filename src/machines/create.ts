@@ -138,6 +138,8 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     }
     // Hot machines may hold files of their root open (a started kernel): a snapshot's disk goes to a plain warm one.
     const hot = poolable && !from ? deps.hotPools?.take(want) : undefined;
+    // A machine from a snapshot often comes with others (a fork's children): the pool refills once they are handed out.
+    const resumeRefills = poolable && from ? deps.pool?.pause() : undefined;
     const warm = hot?.live ?? (poolable ? deps.pool?.take(want) : undefined);
     if (poolable) metricEvents.warmPoolTake({ hit: warm !== undefined });
     const row = {
@@ -167,7 +169,14 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     };
     // Volumes (room: volumes): checked and recorded before the row, so a racing volume delete already sees this machine.
     const mounts = input.volumes?.length && deps.volumes ? await deps.volumes.attach(row.id, input.volumes) : [];
-    await db.insertInto("machines").values(row).execute();
+    await db
+      .insertInto("machines")
+      .values(row)
+      .execute()
+      .catch((err: unknown) => {
+        resumeRefills?.();
+        throw err;
+      });
     return locks.run(row.id, async () => {
       const t0 = performance.now();
       const phases: Record<string, number> = {};
@@ -249,6 +258,8 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
         if (err instanceof KilnError) throw err;
         log.error({ err, machine_id: row.id }, "machine create failed");
         throw new KilnError("internal", "The machine failed to start", { cause: err });
+      } finally {
+        resumeRefills?.();
       }
     });
   }

@@ -21,6 +21,11 @@ export interface WarmPool {
   configure(next: PoolShape): void;
   /** A booted machine for this create (resized by the caller where its size differs), or undefined (then the caller boots one). */
   take(want: { artifactId: string; vcpus: number; memoryMb: number; diskMb: number; internet: boolean; network: boolean }): LiveMachine | undefined;
+  /**
+   * Holds refills back until the returned function is called (every holder's): machines taken meanwhile are not
+   * replaced by boots competing for the cores with the handouts still running (a fork's children).
+   */
+  pause(): () => void;
   stats(): { size: number; ready: number; booting: number; ids: string[] };
   /** How many it keeps booted from now on (a hot template's pool follows its demand); idle ones over it are released. */
   setSize(n: number): void;
@@ -49,13 +54,14 @@ export function createWarmPool(deps: {
   let closed = false;
   let failures = 0;
   let held = false;
+  let paused = 0;
 
   function specFor(id: string, s: PoolShape): MachineSpec {
     return { id, layers: s.layers, hostname: id.replaceAll("_", "-"), vcpus: s.vcpus, memoryMb: s.memoryMb, diskMb: DEFAULT_DISK_MB, internet: true, mounts: [] };
   }
 
   function fill() {
-    while (!closed && !held && shape && ready.length + booting < size && failures < 3 && (deps.room?.() ?? true)) {
+    while (!closed && !held && paused === 0 && shape && ready.length + booting < size && failures < 3 && (deps.room?.() ?? true)) {
       const s = shape;
       const id = newId("mch");
       booting++;
@@ -108,6 +114,16 @@ export function createWarmPool(deps: {
       const [entry] = ready.splice(i, 1);
       fill();
       return entry.live;
+    },
+    pause() {
+      paused++;
+      let released = false;
+      return () => {
+        if (released) return;
+        released = true;
+        paused--;
+        fill();
+      };
     },
     stats: () => ({ size, ready: ready.length, booting, ids: ready.map((r) => r.live.id) }),
     setSize(n: number) {
