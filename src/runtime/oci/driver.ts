@@ -466,7 +466,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const [spec, ids, pidText] = await Promise.all([readSpec(id), identities.read(p.dir), readFile(p.pidFile, "utf8")]);
     const pid = Number(pidText);
     if (!identities.usesHelper(ids)) throw new Error(`machine ${id} does not boot through the mount helper: its root cannot be swapped`);
-    if (!pidAlive(pid)) throw new Error(`machine ${id} has no first process`);
+    if (!Number.isSafeInteger(pid) || pid <= 1 || !pidAlive(pid)) throw new Error(`machine ${id} has no first process`);
     if (!existsSync(snapshotDisk)) throw new Error(`snapshot disk ${snapshotDisk} is missing`);
     const { pool } = await storage();
     // All of it in one run of the helper (each process started costs the most on a busy host): it reflinks the

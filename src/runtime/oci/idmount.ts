@@ -86,7 +86,6 @@ export function bootCommand(helper: string, plan: BootPlan, command: [string, st
  * and makes it the machine's root (runc: `--swap-into` in idmount.c).
  */
 export function swapCommand(helper: string, plan: { idmap?: BootPlan["idmap"]; root: NonNullable<BootPlan["root"]>; image: string; cloneFrom?: string }, pid: number): [string, string[]] {
-  if (!Number.isSafeInteger(pid) || pid <= 1) throw new Error(`invalid first process ${pid}`);
   const args = ["boot"];
   if (plan.idmap) args.push("--idmap", `${plan.idmap.canonical}:${plan.idmap.hostBase}:${plan.idmap.count}`);
   args.push("--scratch", plan.root.scratch, "--disk", plan.root.disk, "--rootfs", plan.root.rootfs);
