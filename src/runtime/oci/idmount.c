@@ -51,6 +51,7 @@
 #include <string.h>
 #include <linux/fs.h>
 #include <linux/loop.h>
+#include <linux/openat2.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -264,6 +265,15 @@ static int top_mounts(const char *pid, char **points, int max) {
   return n;
 }
 
+/** `path` opened below `root` as if `root` were / (symlinks and .. stay inside it; no /proc magic links). */
+static int open_in_root(int root, const char *path, int flags) {
+  struct open_how how;
+  memset(&how, 0, sizeof how);
+  how.flags = (unsigned long long)(flags | O_CLOEXEC);
+  how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
+  return (int)syscall(SYS_openat2, root, path, &how, sizeof how);
+}
+
 /** FILE.taking (a reflink of `clone_from`, when given) becomes the machine's disk image FILE, loop-mounted on `disk`. */
 static void take_disk(const char *image, const char *clone_from, const char *rootfs, const char *disk) {
   char taking[4200];
@@ -332,24 +342,42 @@ static void swap_into(const char *pid, const char *rootfs) {
   if (mkdir(stage, 0700) && errno != EEXIST) die("mkdir", stage);
   if (move_mount(tree, "", AT_FDCWD, stage, MOVE_MOUNT_F_EMPTY_PATH)) die("move_mount", stage);
   close(tree);
+  // Mount points are looked up inside the new root (its symlinks resolved as if it were /, as runc's securejoin
+  // does): the new root is a copy of a machine's disk, whose files that machine's root controlled.
+  int newroot = open(stage, O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (newroot < 0) die("open", stage);
   for (int i = 0; i < n; i++) {
-    char target[4200];
-    snprintf(target, sizeof target, "%s%s", stage, points[i]);
+    const char *rel = points[i] + 1;
     struct stat st;
     if (stat(points[i], &st)) die("stat", points[i]);
-    // The new root is a copy of a machine booted the same way: its mount points are there (made here if not).
-    if (S_ISDIR(st.st_mode)) {
-      if (mkdir(target, 0755) && errno != EEXIST) die("mkdir", target);
-    } else {
-      int fd = open(target, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-      if (fd < 0 && errno != EISDIR) die("create", target);
-      if (fd >= 0) close(fd);
+    int dst = open_in_root(newroot, rel, O_PATH);
+    if (dst < 0 && errno == ENOENT) {
+      // The new root is a copy of a machine booted the same way: its mount points are there (made here if not).
+      char parent[4096];
+      snprintf(parent, sizeof parent, "%s", rel);
+      char *slash = strrchr(parent, '/');
+      const char *name = slash ? slash + 1 : parent;
+      if (slash) *slash = '\0';
+      int dir = slash ? open_in_root(newroot, parent, O_PATH | O_DIRECTORY) : dup(newroot);
+      if (dir < 0) die("open", points[i]);
+      if (S_ISDIR(st.st_mode)) {
+        if (mkdirat(dir, name, 0755) && errno != EEXIST) die("mkdir", points[i]);
+      } else {
+        int f = openat(dir, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+        if (f < 0 && errno != EEXIST) die("create", points[i]);
+        if (f >= 0) close(f);
+      }
+      close(dir);
+      dst = open_in_root(newroot, rel, O_PATH);
     }
+    if (dst < 0) die("open in the new root", points[i]);
     int fd = open_tree(AT_FDCWD, points[i], OPEN_TREE_CLONE | AT_RECURSIVE | OPEN_TREE_CLOEXEC);
     if (fd < 0) die("open_tree", points[i]);
-    if (move_mount(fd, "", AT_FDCWD, target, MOVE_MOUNT_F_EMPTY_PATH)) die("move_mount", target);
+    if (move_mount(fd, "", dst, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH)) die("move_mount", points[i]);
     close(fd);
+    close(dst);
   }
+  close(newroot);
   // As runc does: pivot onto the new root with the old one stacked on it, then detach the old one.
   int old = open("/", O_DIRECTORY | O_PATH | O_CLOEXEC);
   if (old < 0) die("open", "/");
