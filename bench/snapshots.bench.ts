@@ -1,6 +1,9 @@
 // Snapshots and forks of a running runc machine that has written 300 MB, beside a `cp` of the same disk image (the
 // cost without a reflink pool); under gVisor, a memory snapshot of a machine using 256 MiB and the restore to its
 // first exec beside bare `runsc checkpoint`/`restore`-through-Kiln, and how much memory a memory hibernate releases.
+// The runc forks are measured twice: without a warm pool (cold boots from the snapshot) and with 10 warm machines
+// (each child takes one: its disk swapped at handout), the first being the second's baseline.
+// KILN_BENCH_SNAPSHOT_ROUNDS (default 5) rounds; KILN_BENCH_SNAPSHOT_RUNC_ONLY=1 leaves gVisor out.
 
 import { execFileSync } from "node:child_process";
 import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
