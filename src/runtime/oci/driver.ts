@@ -227,7 +227,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   // The disk pool is opened on first use; spare disks keep their images in it, so handing one out is two renames.
   let poolOpening: Promise<{ pool: DiskPool; disks: DiskStock }> | undefined;
   const storage = () =>
-    (poolOpening ??= openDiskPool({ dataDir: opts.dataDir, mode: opts.diskPool ?? "off", log: opts.log }).then(async (pool) => {
+    (poolOpening ??= openDiskPool({ dataDir: opts.dataDir, mode: opts.diskPool ?? "off", log: opts.log, helper: () => identities.helperPath() }).then(async (pool) => {
       await Promise.all([mkdir(join(pool.dir, "machines"), { recursive: true }), mkdir(join(pool.dir, "snapshots"), { recursive: true })]);
       const disks = createDiskStock({ dir: join(opts.dataDir, "disk-stock"), imagesDir: join(pool.dir, "stock"), sizeMb: DEFAULT_DISK_MB, count: SPARE_DISKS, owner: CANONICAL_BASE, log: opts.log });
       return { pool, disks };

@@ -168,6 +168,11 @@ export function createMachineIdentities(opts: IdentityOptions) {
       }
     },
 
+    /** The mount helper's path, where it could be made. */
+    async helperPath(): Promise<string | undefined> {
+      return (await setup).helper.path;
+    },
+
     /** What a machine's runtime spec needs: its host ids, and the namespace to join (runc with its own). */
     specIds(identity: MachineIdentity, machineDir: string): { hostBase: number; usernsPath?: string } {
       return { hostBase: identity.hostBase, ...(identity.owner !== undefined ? { usernsPath: usernsFile(machineDir) } : {}) };

@@ -5,6 +5,10 @@
 //   kiln-idmount probe DIR...
 //       exits 0 when every DIR's filesystem can be seen through an idmapped mount (kernel >= 5.19 and fs support).
 //
+//   kiln-idmount freeze-clone MOUNTPOINT SRC DEST
+//       freezes the filesystem at MOUNTPOINT (flushing it into its image), reflinks SRC to a new DEST (FICLONE),
+//       thaws it: a machine disk's consistent copy in one process (DEST is removed when the copy fails).
+//
 //   kiln-idmount boot [OPTIONS] [-- COMMAND ARGS...]
 //     --userns FILE --owner UID --map HOSTBASE [--sysctl NAME=VALUE]... [--rlimit NAME=VALUE]...
 //         makes the machine's user namespace, owned by host uid OWNER — so the kernel charges every per-user counter
@@ -390,9 +394,33 @@ static void swap_into(const char *pid, const char *rootfs) {
   close(old);
 }
 
+static int freeze_clone(const char *mountpoint, const char *src, const char *dest) {
+  int dir = open(mountpoint, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) die("open", mountpoint);
+  int in = open(src, O_RDONLY | O_CLOEXEC);
+  if (in < 0) die("open", src);
+  int out = open(dest, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (out < 0) die("create", dest);
+  if (ioctl(dir, FIFREEZE, 0)) {
+    int e = errno;
+    unlink(dest);
+    errno = e;
+    die("freeze", mountpoint);
+  }
+  int failed = ioctl(out, FICLONE, in) ? errno : 0;
+  int thaw_failed = ioctl(dir, FITHAW, 0) ? errno : 0;
+  if (failed || thaw_failed) {
+    unlink(dest);
+    errno = failed ? failed : thaw_failed;
+    die(failed ? "reflink" : "thaw", failed ? dest : mountpoint);
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc >= 3 && strcmp(argv[1], "probe") == 0) return probe(argc - 2, argv + 2);
-  if (argc < 2 || strcmp(argv[1], "boot") != 0) usage("usage: kiln-idmount probe DIR... | boot OPTIONS [-- COMMAND...]");
+  if (argc == 5 && strcmp(argv[1], "freeze-clone") == 0) return freeze_clone(argv[2], argv[3], argv[4]);
+  if (argc < 2 || strcmp(argv[1], "boot") != 0) usage("usage: kiln-idmount probe DIR... | freeze-clone MOUNTPOINT SRC DEST | boot OPTIONS [-- COMMAND...]");
 
   struct userns_request machine = {0};
   const char *scratch = NULL, *disk = NULL, *rootfs = NULL, *idmap = NULL, *nofile = NULL, *swap_pid = NULL, *image = NULL, *clone_from = NULL;
