@@ -1,6 +1,9 @@
 // Snapshots and forks of a running runc machine that has written 300 MB, beside a `cp` of the same disk image (the
 // cost without a reflink pool); under gVisor, a memory snapshot of a machine using 256 MiB and the restore to its
 // first exec beside bare `runsc checkpoint`/`restore`-through-Kiln, and how much memory a memory hibernate releases.
+// The runc forks are measured twice: without a warm pool (cold boots from the snapshot) and with 10 warm machines
+// (each child takes one: its disk swapped at handout), the first being the second's baseline.
+// KILN_BENCH_SNAPSHOT_ROUNDS (default 5) rounds; KILN_BENCH_SNAPSHOT_RUNC_ONLY=1 leaves gVisor out.
 
 import { execFileSync } from "node:child_process";
 import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
@@ -21,7 +24,18 @@ function caller(k: TestKiln, key: string) {
   return (method: string, path: string, body?: unknown) => api(k.url, key, method, path, body);
 }
 
-async function runcNumbers(k: TestKiln, key: string): Promise<BenchResult[]> {
+/** Waits (untimed, bounded: 60 s) until the warm pool has `n` machines ready: forks are timed from a full pool. */
+async function warmReady(k: TestKiln, n: number): Promise<void> {
+  const pool = k.kiln.services.pool;
+  for (let i = 0; i < 1200 && pool.stats().ready < n; i++) await new Promise((r) => setTimeout(r, 50));
+  if (pool.stats().ready < n) throw new Error(`the warm pool did not reach ${n} ready machines: ${JSON.stringify(pool.stats())}`);
+}
+
+/**
+ * With `warm` > 0 the server keeps that many warm machines, and each fork is timed once the pool is full again: its
+ * children take warm machines (runc: the snapshot's disk swapped in under them) instead of booting.
+ */
+async function runcNumbers(k: TestKiln, key: string, warm = 0): Promise<BenchResult[]> {
   const call = caller(k, key);
   const parent = await call("POST", "/v1/machines", {});
   await call("POST", `/v1/machines/${parent.id}/exec`, { cmd: "head -c 300M /dev/urandom > /var/tmp/big && sync", timeout_s: 300 });
@@ -35,6 +49,7 @@ async function runcNumbers(k: TestKiln, key: string): Promise<BenchResult[]> {
     const s = await call("POST", `/v1/machines/${parent.id}/snapshots`, {});
     snap.push(ms(t0));
     await call("DELETE", `/v1/snapshots/${s.id}`);
+    if (warm) await warmReady(k, 1);
     t0 = performance.now();
     const one = await call("POST", `/v1/machines/${parent.id}/fork`, { count: 1 });
     await call("POST", `/v1/machines/${one.machines[0].id}/exec`, { cmd: "true" });
@@ -49,6 +64,7 @@ async function runcNumbers(k: TestKiln, key: string): Promise<BenchResult[]> {
     rmSync(dest, { force: true });
   }
   for (let i = 0; i < Math.max(1, Math.floor(ROUNDS / 2)); i++) {
+    if (warm) await warmReady(k, Math.min(10, warm));
     const t0 = performance.now();
     const ten = await call("POST", `/v1/machines/${parent.id}/fork`, { count: 10 });
     fork10.push(ms(t0));
@@ -56,6 +72,12 @@ async function runcNumbers(k: TestKiln, key: string): Promise<BenchResult[]> {
   }
   await call("DELETE", `/v1/machines/${parent.id}`);
   const base = { name: "cp --sparse of the same 10 GiB disk image holding 300 MB onto the data dir's ext4, and sync", median: median(copy), p99: percentile(copy, 99) };
+  if (warm) {
+    return [
+      { name: `runc: fork of that machine → the child answers its first exec, ${warm} warm machines kept`, unit: "ms", better: "lower", median: median(fork1), p99: percentile(fork1, 99), baseline: base, goal: "≤ 150 ms (CubeSandbox's clone: 220 ms)" },
+      { name: `runc: 10 forks of that machine in one call, all running, ${warm} warm machines kept`, unit: "ms", better: "lower", median: median(fork10), p99: percentile(fork10, 99), baseline: { ...base, median: base.median * 10, p99: base.p99 * 10, name: "10 × " + base.name }, goal: "≤ 1 s" },
+    ];
+  }
   return [
     { name: "runc: snapshot of a running machine that wrote 300 MB", unit: "ms", better: "lower", median: median(snap), p99: percentile(snap, 99), baseline: base, goal: "≤ 100 ms", note: `machines' disks on ${poolKind(k)} (reflink)` },
     { name: "runc: fork of that machine → the child answers its first exec", unit: "ms", better: "lower", median: median(fork1), p99: percentile(fork1, 99), baseline: base, goal: "≤ 150 ms (CubeSandbox's clone: 220 ms)" },
@@ -186,10 +208,32 @@ async function gvisorNumbers(key: string): Promise<BenchResult[]> {
   }
 }
 
+/** Forks taken from a warm pool of 10 machines (as many as the 10-fork call needs). */
+async function warmNumbers(key: string): Promise<BenchResult[]> {
+  const k = await startTestKiln({ env: { KILN_LOG_LEVEL: "warn", KILN_WARM_POOL: "10" } });
+  try {
+    return await runcNumbers(k, key, 10);
+  } catch (err) {
+    for (const line of k.logs) if (/"level":50/.test(line)) process.stderr.write(line.slice(0, 2000) + "\n");
+    throw err;
+  } finally {
+    await k.close();
+  }
+}
+
 export async function run(ctx: BenchContext): Promise<BenchResult[]> {
   const k = await startTestKiln({ env: { KILN_LOG_LEVEL: "warn", KILN_WARM_POOL: "0" } });
   try {
-    return [...(await runcNumbers(k, ctx.key)), ...(await gvisorNumbers(ctx.key))];
+    const cold = await runcNumbers(k, ctx.key);
+    await k.close();
+    const warm = await warmNumbers(ctx.key);
+    // The rows without a warm pool are the warm rows' baselines (measured in this run), in place of the copy.
+    for (const row of warm) {
+      const coldRow = cold.find((c) => c.name === row.name.replace(/, \d+ warm machines kept$/, ""));
+      if (coldRow) row.baseline = { name: `the same with no warm machine (a boot from the snapshot's disk)`, median: coldRow.median, p99: coldRow.p99 };
+    }
+    if (process.env.KILN_BENCH_SNAPSHOT_RUNC_ONLY) return [...cold, ...warm];
+    return [...cold, ...warm, ...(await gvisorNumbers(ctx.key))];
   } catch (err) {
     // What the server said about it (its errors only: the run is otherwise quiet).
     for (const line of k.logs) if (/"level":50/.test(line)) process.stderr.write(line.slice(0, 2000) + "\n");

@@ -130,14 +130,19 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     // its readiness.
     const saved = from ? undefined : image.checkpoint;
     const restore = saved && saved.internet === (input.internet !== false) && driver.canRestore?.(saved) ? saved : undefined;
-    const poolable = !restore && !from && !input.volumes?.length;
+    // From a disk snapshot too, where the driver can give a running machine the snapshot's disk (runc): the base
+    // template's warm machine takes a copy of it at handout instead of a cold boot from it.
+    const poolable = !restore && !input.volumes?.length && (!from || (!from.memory && driver.takeSnapshotDisk !== undefined));
     const want = { artifactId: resolved.artifact.id, vcpus, memoryMb, diskMb, internet: input.internet !== false, network: hasRules };
     // A template other than the base counts toward its own pool's demand (its config says whether its pooled
     // machines have the default kernel started).
-    if (poolable && deps.hotPools && resolved.template.canonical_ref !== deps.baseTemplateRef) {
+    if (poolable && !from && deps.hotPools && resolved.template.canonical_ref !== deps.baseTemplateRef) {
       deps.hotPools.note({ artifactId: resolved.artifact.id, ref: resolved.template.canonical_ref, layers: resolved.layers, vcpus: MACHINE_DEFAULTS.vcpus, memoryMb: MACHINE_DEFAULTS.memoryMb, config: image });
     }
-    const hot = poolable ? deps.hotPools?.take(want) : undefined;
+    // Hot machines may hold files of their root open (a started kernel): a snapshot's disk goes to a plain warm one.
+    const hot = poolable && !from ? deps.hotPools?.take(want) : undefined;
+    // A machine from a snapshot often comes with others (a fork's children): the pool refills once they are handed out.
+    const resumeRefills = poolable && from ? deps.pool?.pause() : undefined;
     const warm = hot?.live ?? (poolable ? deps.pool?.take(want) : undefined);
     if (poolable) metricEvents.warmPoolTake({ hit: warm !== undefined });
     const row = {
@@ -167,7 +172,14 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
     };
     // Volumes (room: volumes): checked and recorded before the row, so a racing volume delete already sees this machine.
     const mounts = input.volumes?.length && deps.volumes ? await deps.volumes.attach(row.id, input.volumes) : [];
-    await db.insertInto("machines").values(row).execute();
+    await db
+      .insertInto("machines")
+      .values(row)
+      .execute()
+      .catch((err: unknown) => {
+        resumeRefills?.();
+        throw err;
+      });
     phase("inserted_ms");
     return locks.run(row.id, async () => {
       phase("locked_ms");
@@ -179,6 +191,19 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
           // Booted in the pool's size: given this create's (its cgroup caps) before anything runs in it for the caller.
           await driver.resize?.(warm.id, { vcpus: row.vcpus, memoryMb: row.memory_mb });
         }
+        // The snapshot's disk swapped in under the warm machine's running processes; where that fails, the warm
+        // machine goes and one boots from the snapshot as without a warm machine (same id: nobody has seen it yet).
+        let taken = warm;
+        if (warm && from) {
+          try {
+            await driver.takeSnapshotDisk!(warm.id, from.disk);
+          } catch (err) {
+            log.warn({ err, machine_id: warm.id, snapshot_id: from.id }, "a warm machine could not take the snapshot's disk: booting from it instead");
+            await agents.detach(warm.id);
+            await driver.destroy(warm.id);
+            taken = undefined;
+          }
+        }
         const boot = (run: () => ReturnType<typeof driver.create>) =>
           deps.boots
             ? deps.boots.run("create", () => {
@@ -187,7 +212,7 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
               })
             : run();
         const live =
-          warm ??
+          taken ??
           (await boot(() => driver.create({
           id: row.id,
           layers: resolved.layers,
@@ -235,7 +260,7 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
         phase("set_up_ms");
         const view = machineView(await records.transition(row.id, { status: "running" }, "create"));
         phase("recorded_ms");
-        log.debug({ machine_id: row.id, warm: warm !== undefined, ...phases }, "machine created");
+        log.debug({ machine_id: row.id, warm: taken !== undefined, ...phases }, "machine created");
         return view;
       } catch (err) {
         await agents.detach(row.id);
@@ -245,6 +270,8 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
         if (err instanceof KilnError) throw err;
         log.error({ err, machine_id: row.id }, "machine create failed");
         throw new KilnError("internal", "The machine failed to start", { cause: err });
+      } finally {
+        resumeRefills?.();
       }
     });
   }

@@ -25,6 +25,11 @@ export interface WarmPool {
   configure(next: PoolShape): void;
   /** A booted machine for this create (resized by the caller where its size differs), or undefined (then the caller boots one). */
   take(want: { artifactId: string; vcpus: number; memoryMb: number; diskMb: number; internet: boolean; network: boolean }): LiveMachine | undefined;
+  /**
+   * Holds refills back until the returned function is called (every holder's): machines taken meanwhile are not
+   * replaced by boots competing for the cores with the handouts still running (a fork's children).
+   */
+  pause(): () => void;
   stats(): { size: number; ready: number; booting: number; ids: string[] };
   /** How many it keeps booted from now on (a hot template's pool follows its demand); idle ones over it are released. */
   setSize(n: number): void;
@@ -87,14 +92,16 @@ export function createWarmPool(deps: {
       }, SHRINK_EVERY_MS)
     : undefined;
   shrinker?.unref();
+  let paused = 0;
 
   function specFor(id: string, s: PoolShape): MachineSpec {
     return { id, layers: s.layers, hostname: id.replaceAll("_", "-"), vcpus: s.vcpus, memoryMb: s.memoryMb, diskMb: DEFAULT_DISK_MB, internet: true, mounts: [] };
   }
 
   function fill() {
-    // Above its size (grown by demand), only while the host has room for another idle machine.
-    while (!closed && !held && shape && ready.length + booting < target() && failures < 3 && (deps.room?.() ?? true) && (ready.length + booting < size || (deps.demand?.room?.() ?? true))) {
+    // Above its size (grown by demand), only while the host has room for another idle machine; not while a holder
+    // (a fork handing out its children) has paused refills.
+    while (!closed && !held && paused === 0 && shape && ready.length + booting < target() && failures < 3 && (deps.room?.() ?? true) && (ready.length + booting < size || (deps.demand?.room?.() ?? true))) {
       const s = shape;
       const id = newId("mch");
       booting++;
@@ -154,6 +161,16 @@ export function createWarmPool(deps: {
       const [entry] = ready.splice(i, 1);
       fill();
       return entry.live;
+    },
+    pause() {
+      paused++;
+      let released = false;
+      return () => {
+        if (released) return;
+        released = true;
+        paused--;
+        fill();
+      };
     },
     stats: () => ({ size: target(), ready: ready.length, booting, ids: ready.map((r) => r.live.id) }),
     setSize(n: number) {

@@ -195,6 +195,13 @@ export interface MachineDriver {
    * so that it sees the new size (runsc sizes the sandbox's kernel at boot).
    */
   resize?(id: string, limits: { vcpus: number; memoryMb: number }): Promise<void>;
+  /**
+   * Gives a running machine booted ahead of time (nothing of a caller's in it yet) a copy of a snapshot's disk as its
+   * own disk and root, its first processes going on there: a machine from a disk snapshot without a boot. Absent
+   * where the runtime cannot (runsc: its sentry does not see host mounts made after it started). On failure the
+   * machine is left unusable: the caller destroys it.
+   */
+  takeSnapshotDisk?(id: string, snapshotDisk: string): Promise<void>;
   /** Machines this driver still has alive on the host (used to adopt them after a restart). */
   listLive(): Promise<LiveMachine[]>;
   /** Ids of every machine this driver has anything of on the host (a dir), alive or not: what a crash may leave. */

@@ -227,7 +227,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   // The disk pool is opened on first use; spare disks keep their images in it, so handing one out is two renames.
   let poolOpening: Promise<{ pool: DiskPool; disks: DiskStock }> | undefined;
   const storage = () =>
-    (poolOpening ??= openDiskPool({ dataDir: opts.dataDir, mode: opts.diskPool ?? "off", log: opts.log }).then(async (pool) => {
+    (poolOpening ??= openDiskPool({ dataDir: opts.dataDir, mode: opts.diskPool ?? "off", log: opts.log, helper: () => identities.helperPath() }).then(async (pool) => {
       await Promise.all([mkdir(join(pool.dir, "machines"), { recursive: true }), mkdir(join(pool.dir, "snapshots"), { recursive: true })]);
       const disks = createDiskStock({ dir: join(opts.dataDir, "disk-stock"), imagesDir: join(pool.dir, "stock"), sizeMb: DEFAULT_DISK_MB, count: SPARE_DISKS, owner: CANONICAL_BASE, log: opts.log });
       return { pool, disks };
@@ -457,6 +457,33 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   }
 
   /**
+   * runc: a running machine takes a copy of a snapshot's disk as its own, without a boot. Its own disk leaves the host
+   * at once — its root overlay and disk mounts detached, its image unlinked — and the copy is mounted in its place;
+   * then the mount helper mounts the overlay root again over the copy and pivots the machine onto it (tini and the
+   * agent keep running, their root and cwd moved). The old root goes once nothing in the machine holds it: the first
+   * processes' stdout and stderr (runtime.log on the old disk) keep that disk's filesystem and loop device until
+   * the machine ends (its image is already unlinked, so nothing else of it is left then).
+   */
+  async function takeSnapshotDisk(id: string, snapshotDisk: string): Promise<void> {
+    const t0 = performance.now();
+    const p = paths(id);
+    const [spec, ids, pidText] = await Promise.all([readSpec(id), identities.read(p.dir), readFile(p.pidFile, "utf8")]);
+    const pid = Number(pidText);
+    if (!identities.usesHelper(ids)) throw new Error(`machine ${id} does not boot through the mount helper: its root cannot be swapped`);
+    if (!Number.isSafeInteger(pid) || pid <= 1 || !pidAlive(pid)) throw new Error(`machine ${id} has no first process`);
+    if (!existsSync(snapshotDisk)) throw new Error(`snapshot disk ${snapshotDisk} is missing`);
+    const { pool } = await storage();
+    // All of it in one run of the helper (each process started costs the most on a busy host): it reflinks the
+    // snapshot's image itself where the pool can; a pool of plain copies makes the copy first.
+    const reflink = pool.copies === "reflink";
+    if (!reflink) await pool.clone(snapshotDisk, `${p.layer.image}.taking`);
+    await identities.swapRoot(ids, { dir: p.dir, layers: spec.layers, disk: p.layer.mountPoint, rootfs: p.rootfs, image: p.layer.image, cloneFrom: reflink ? snapshotDisk : undefined }, pid);
+    // The copy's runtime.log is its parent's; this machine's first processes still write to the old disk's.
+    await writeFile(p.log, "");
+    opts.log.debug({ machine_id: id, taken_ms: Math.round((performance.now() - t0) * 10) / 10 }, "snapshot disk taken by a running machine");
+  }
+
+  /**
    * runsc cannot save a sandbox that holds a socket bound to a host path, so the agent lets go of its socket first
    * (on SIGUSR2). The sandbox stops once saved; its upper dir is copied out as it was at that moment.
    */
@@ -566,7 +593,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     // The range goes back while the dir still names it (see id-ranges.ts), and the dir only once nothing is mounted
     // under it: rm -r through a live overlay would write whiteouts, not free space.
     await identities.release(p.dir, { ifIdle: opts.leftover });
-    await Promise.all([rm(p.dir, { recursive: true, force: true }), rm(p.layer.image, { force: true })]);
+    await Promise.all([rm(p.dir, { recursive: true, force: true }), rm(p.layer.image, { force: true }), rm(`${p.layer.image}.taking`, { force: true })]);
   }
 
   /**
@@ -783,6 +810,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
 
     hibernate,
     resume,
+    ...(opts.runtime === "runc" ? { takeSnapshotDisk } : {}),
     memorySnapshotsUnsupported: memoryUnsupported,
     snapshot,
 

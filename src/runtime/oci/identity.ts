@@ -10,7 +10,7 @@ import type { Logger } from "../../log.ts";
 import { CANONICAL_BASE, ID_POOL_LAST, ID_RANGE, SHARED_IDENTITY, rangeBase } from "./idmap.ts";
 import type { MachineIdentity } from "./idmap.ts";
 import { createIdRangePool } from "./id-ranges.ts";
-import { bootCommand, prepareIdmountHelper, probeIdmappedMounts } from "./idmount.ts";
+import { bootCommand, prepareIdmountHelper, probeIdmappedMounts, swapCommand } from "./idmount.ts";
 import type { BootPlan, Helper } from "./idmount.ts";
 
 // Started by the host command helper, not by the server's own thread (host-commands.ts).
@@ -142,6 +142,35 @@ export function createMachineIdentities(opts: IdentityOptions) {
         nofile: identity.owner !== undefined ? boot.nofile : undefined,
       };
       return bootCommand(helper.path, plan, runtime);
+    },
+
+    /**
+     * runc: gives the machine running as `pid` another disk image (`root.image`.taking, or a reflink of
+     * `root.cloneFrom`), mounts its overlay root again over it and swaps that in as its root, its processes running on
+     * (see --swap-into in idmount.c).
+     */
+    async swapRoot(identity: MachineIdentity, root: { dir: string; layers: string[]; disk: string; rootfs: string; image: string; cloneFrom?: string }, pid: number): Promise<void> {
+      const { helper } = await setup;
+      if (!helper.path) throw new Error(`swapping the root of a running machine needs the mount helper: ${helper.problem}`);
+      if (opts.runtime !== "runc") throw new Error("only a runc machine's root can be swapped while it runs");
+      const plan = {
+        idmap: identity.idmapped ? { canonical: CANONICAL_BASE, hostBase: identity.hostBase, count: ID_RANGE } : undefined,
+        root: { scratch: scratchDir(root.dir), layers: root.layers, disk: root.disk, rootfs: root.rootfs },
+        image: root.image,
+        cloneFrom: root.cloneFrom,
+      };
+      const [command, args] = swapCommand(helper.path, plan, pid);
+      try {
+        await exec(command, args, { timeout: 10_000 });
+      } catch (err) {
+        const e = err as { stderr?: string; message: string };
+        throw new Error(`swapping the root of ${root.dir} failed: ${(e.stderr || e.message).trim().slice(0, 300)}`);
+      }
+    },
+
+    /** The mount helper's path, where it could be made. */
+    async helperPath(): Promise<string | undefined> {
+      return (await setup).helper.path;
     },
 
     /** What a machine's runtime spec needs: its host ids, and the namespace to join (runc with its own). */

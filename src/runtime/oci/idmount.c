@@ -5,6 +5,10 @@
 //   kiln-idmount probe DIR...
 //       exits 0 when every DIR's filesystem can be seen through an idmapped mount (kernel >= 5.19 and fs support).
 //
+//   kiln-idmount freeze-clone MOUNTPOINT SRC DEST
+//       freezes the filesystem at MOUNTPOINT (flushing it into its image), reflinks SRC to a new DEST (FICLONE),
+//       thaws it: a machine disk's consistent copy in one process (DEST is removed when the copy fails).
+//
 //   kiln-idmount boot [OPTIONS] [-- COMMAND ARGS...]
 //     --userns FILE --owner UID --map HOSTBASE [--sysctl NAME=VALUE]... [--rlimit NAME=VALUE]...
 //         makes the machine's user namespace, owned by host uid OWNER — so the kernel charges every per-user counter
@@ -22,6 +26,16 @@
 //         and disk mounts are attached under SCRATCH only while overlayfs takes them (it keeps private copies).
 //     --bind SRC DST | --bind-ro SRC DST
 //         an idmapped copy of mount SRC attached at DST, for the runtime to bind into the machine (needs --idmap).
+//     --swap-into PID --image FILE [--clone-from SRC]
+//         with --rootfs and no COMMAND, ROOTFS and DISK being the running machine's: first its host mounts of ROOTFS
+//         and DISK are detached (its root still holds them), its disk image FILE is unlinked (its loop device holds it
+//         until the old root goes) and FILE.taking (made here as a reflink of SRC with --clone-from) takes its name and
+//         is loop-mounted on DISK (ext4, as the driver mounts disks); then the overlay is mounted and becomes the root
+//         of the running machine whose first
+//         process is PID (runc). In PID's mount namespace it is attached, every mount directly on the old root (with
+//         what is mounted below it: /proc, /dev, /sys, /opt/kiln, /etc files, ...) is cloned to the same place under
+//         it, then pivot_root(2) moves the root and cwd of every process whose root or cwd was the old root (tini and
+//         the agent) onto it, and the old root is detached lazily (it goes once nothing holds a file of it).
 //     --nofile SOFT:HARD
 //         the open-file limit COMMAND (and so the machine) starts with.
 //     -- COMMAND ARGS...
@@ -39,10 +53,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/fs.h>
+#include <linux/loop.h>
+#include <linux/openat2.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -221,12 +240,190 @@ static const struct {
   int resource;
 } RLIMITS[] = {{"msgqueue", RLIMIT_MSGQUEUE}, {"sigpending", RLIMIT_SIGPENDING}, {"memlock", RLIMIT_MEMLOCK}, {"nproc", RLIMIT_NPROC}};
 
+#define MAX_MOUNTS 256
+
+/** Mount points (machine paths) of the mounts directly on the root of PID's mount namespace, in mount order. */
+static int top_mounts(const char *pid, char **points, int max) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%s/mountinfo", pid);
+  FILE *f = fopen(path, "re");
+  if (!f) die("open", path);
+  char line[8192];
+  long root_id = -1;
+  int n = 0;
+  while (fgets(line, sizeof line, f)) {
+    long id, parent;
+    char point[4096];
+    if (sscanf(line, "%ld %ld %*s %*s %4095s", &id, &parent, point) != 3) usage("unreadable mountinfo");
+    if (root_id < 0) {
+      if (strcmp(point, "/") == 0) root_id = id;
+      continue;
+    }
+    if (parent != root_id) continue;
+    if (strchr(point, '\\')) usage("a machine mount point with an escaped character");
+    if (n == max) usage("too many mounts in the machine");
+    points[n++] = strdup(point);
+  }
+  fclose(f);
+  if (root_id < 0) usage("the machine has no root mount");
+  return n;
+}
+
+/** `path` opened below `root` as if `root` were / (symlinks and .. stay inside it; no /proc magic links). */
+static int open_in_root(int root, const char *path, int flags) {
+  struct open_how how;
+  memset(&how, 0, sizeof how);
+  how.flags = (unsigned long long)(flags | O_CLOEXEC);
+  how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
+  return (int)syscall(SYS_openat2, root, path, &how, sizeof how);
+}
+
+/** FILE.taking (a reflink of `clone_from`, when given) becomes the machine's disk image FILE, loop-mounted on `disk`. */
+static void take_disk(const char *image, const char *clone_from, const char *rootfs, const char *disk) {
+  char taking[4200];
+  snprintf(taking, sizeof taking, "%s.taking", image);
+  if (clone_from) {
+    int src = open(clone_from, O_RDONLY | O_CLOEXEC);
+    if (src < 0) die("open", clone_from);
+    int dst = open(taking, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (dst < 0) die("create", taking);
+    if (ioctl(dst, FICLONE, src)) die("reflink", taking);
+    close(src);
+    close(dst);
+  }
+  if (umount2(rootfs, MNT_DETACH)) die("umount", rootfs);
+  if (umount2(disk, MNT_DETACH)) die("umount", disk);
+  if (unlink(image) && errno != ENOENT) die("unlink", image);
+  if (rename(taking, image)) die("rename", taking);
+  int img = open(image, O_RDWR | O_CLOEXEC);
+  if (img < 0) die("open", image);
+  int ctl = open("/dev/loop-control", O_RDWR | O_CLOEXEC);
+  if (ctl < 0) die("open", "/dev/loop-control");
+  for (int tries = 0;; tries++) {
+    int n = ioctl(ctl, LOOP_CTL_GET_FREE);
+    if (n < 0) die("get a free loop device", NULL);
+    char dev[32];
+    snprintf(dev, sizeof dev, "/dev/loop%d", n);
+    int fd = open(dev, O_RDWR | O_CLOEXEC);
+    if (fd < 0) die("open", dev);
+    struct loop_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.fd = (unsigned)img;
+    cfg.info.lo_flags = LO_FLAGS_AUTOCLEAR;
+    strncpy((char *)cfg.info.lo_file_name, image, LO_NAME_SIZE - 1);
+    if (ioctl(fd, LOOP_CONFIGURE, &cfg) == 0) {
+      // The mount holds the device from here; closing ours lets it clear itself once unmounted.
+      if (mount(dev, disk, "ext4", MS_NOATIME, "noinit_itable,nobarrier")) {
+        int e = errno;
+        ioctl(fd, LOOP_CLR_FD, 0);
+        errno = e;
+        die("mount", disk);
+      }
+      close(fd);
+      break;
+    }
+    // Taken by another process between GET_FREE and CONFIGURE: try the next free one (bounded).
+    if (errno != EBUSY || tries == 16) die("attach", dev);
+    close(fd);
+  }
+  close(ctl);
+  close(img);
+}
+
+static void swap_into(const char *pid, const char *rootfs) {
+  char path[64];
+  char *points[MAX_MOUNTS];
+  int n = top_mounts(pid, points, MAX_MOUNTS);
+  int tree = open_tree(AT_FDCWD, rootfs, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+  if (tree < 0) die("open_tree", rootfs);
+  snprintf(path, sizeof path, "/proc/%s/ns/mnt", pid);
+  int ns = open(path, O_RDONLY | O_CLOEXEC);
+  if (ns < 0) die("open", path);
+  // Our root and cwd become the machine's root.
+  if (setns(ns, CLONE_NEWNS)) die("setns", path);
+  close(ns);
+  const char *stage = "/.kiln-root";
+  if (mkdir(stage, 0700) && errno != EEXIST) die("mkdir", stage);
+  if (move_mount(tree, "", AT_FDCWD, stage, MOVE_MOUNT_F_EMPTY_PATH)) die("move_mount", stage);
+  close(tree);
+  // Mount points are looked up inside the new root (its symlinks resolved as if it were /, as runc's securejoin
+  // does): the new root is a copy of a machine's disk, whose files that machine's root controlled.
+  int newroot = open(stage, O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (newroot < 0) die("open", stage);
+  for (int i = 0; i < n; i++) {
+    const char *rel = points[i] + 1;
+    struct stat st;
+    if (stat(points[i], &st)) die("stat", points[i]);
+    int dst = open_in_root(newroot, rel, O_PATH);
+    if (dst < 0 && errno == ENOENT) {
+      // The new root is a copy of a machine booted the same way: its mount points are there (made here if not).
+      char parent[4096];
+      snprintf(parent, sizeof parent, "%s", rel);
+      char *slash = strrchr(parent, '/');
+      const char *name = slash ? slash + 1 : parent;
+      if (slash) *slash = '\0';
+      int dir = slash ? open_in_root(newroot, parent, O_PATH | O_DIRECTORY) : dup(newroot);
+      if (dir < 0) die("open", points[i]);
+      if (S_ISDIR(st.st_mode)) {
+        if (mkdirat(dir, name, 0755) && errno != EEXIST) die("mkdir", points[i]);
+      } else {
+        int f = openat(dir, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+        if (f < 0 && errno != EEXIST) die("create", points[i]);
+        if (f >= 0) close(f);
+      }
+      close(dir);
+      dst = open_in_root(newroot, rel, O_PATH);
+    }
+    if (dst < 0) die("open in the new root", points[i]);
+    int fd = open_tree(AT_FDCWD, points[i], OPEN_TREE_CLONE | AT_RECURSIVE | OPEN_TREE_CLOEXEC);
+    if (fd < 0) die("open_tree", points[i]);
+    if (move_mount(fd, "", dst, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH)) die("move_mount", points[i]);
+    close(fd);
+    close(dst);
+  }
+  close(newroot);
+  // As runc does: pivot onto the new root with the old one stacked on it, then detach the old one.
+  int old = open("/", O_DIRECTORY | O_PATH | O_CLOEXEC);
+  if (old < 0) die("open", "/");
+  if (chdir(stage)) die("chdir", stage);
+  if (syscall(SYS_pivot_root, ".", ".")) die("pivot_root", stage);
+  if (fchdir(old)) die("fchdir", "the old root");
+  if (mount("", ".", NULL, MS_SLAVE | MS_REC, NULL)) die("make slave", "the old root");
+  if (umount2(".", MNT_DETACH)) die("umount", "the old root");
+  if (chdir("/")) die("chdir", "/");
+  close(old);
+}
+
+static int freeze_clone(const char *mountpoint, const char *src, const char *dest) {
+  int dir = open(mountpoint, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) die("open", mountpoint);
+  int in = open(src, O_RDONLY | O_CLOEXEC);
+  if (in < 0) die("open", src);
+  int out = open(dest, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (out < 0) die("create", dest);
+  if (ioctl(dir, FIFREEZE, 0)) {
+    int e = errno;
+    unlink(dest);
+    errno = e;
+    die("freeze", mountpoint);
+  }
+  int failed = ioctl(out, FICLONE, in) ? errno : 0;
+  int thaw_failed = ioctl(dir, FITHAW, 0) ? errno : 0;
+  if (failed || thaw_failed) {
+    unlink(dest);
+    errno = failed ? failed : thaw_failed;
+    die(failed ? "reflink" : "thaw", failed ? dest : mountpoint);
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc >= 3 && strcmp(argv[1], "probe") == 0) return probe(argc - 2, argv + 2);
-  if (argc < 2 || strcmp(argv[1], "boot") != 0) usage("usage: kiln-idmount probe DIR... | boot OPTIONS [-- COMMAND...]");
+  if (argc == 5 && strcmp(argv[1], "freeze-clone") == 0) return freeze_clone(argv[2], argv[3], argv[4]);
+  if (argc < 2 || strcmp(argv[1], "boot") != 0) usage("usage: kiln-idmount probe DIR... | freeze-clone MOUNTPOINT SRC DEST | boot OPTIONS [-- COMMAND...]");
 
   struct userns_request machine = {0};
-  const char *scratch = NULL, *disk = NULL, *rootfs = NULL, *idmap = NULL, *nofile = NULL;
+  const char *scratch = NULL, *disk = NULL, *rootfs = NULL, *idmap = NULL, *nofile = NULL, *swap_pid = NULL, *image = NULL, *clone_from = NULL;
   const char *lower[MAX_ITEMS], *bind_src[MAX_ITEMS], *bind_dst[MAX_ITEMS];
   int bind_ro[MAX_ITEMS];
   int lowers = 0, binds = 0, has_map = 0;
@@ -271,11 +468,18 @@ int main(int argc, char **argv) {
       bind_src[binds] = v;
       bind_dst[binds++] = argv[++i];
     } else if (strcmp(a, "--nofile") == 0) nofile = v;
+    else if (strcmp(a, "--swap-into") == 0) {
+      parse_num(v);
+      swap_pid = v;
+    } else if (strcmp(a, "--image") == 0) image = v;
+    else if (strcmp(a, "--clone-from") == 0) clone_from = v;
     else usage("unknown option");
   }
   if (rootfs && (!scratch || !disk || lowers == 0)) usage("--rootfs needs --scratch, --disk and at least one --lower");
   if (machine.link && (!has_map || machine.owner == 0)) usage("--userns needs --owner and --map");
   if (binds > 0 && !idmap) usage("--bind needs --idmap");
+  if (swap_pid && (!rootfs || !image || command || machine.link || binds > 0)) usage("--swap-into needs --rootfs and --image, and no --userns, --bind or COMMAND");
+  if ((image || clone_from) && !swap_pid) usage("--image and --clone-from go with --swap-into");
 
   char machine_map[64], ids_map[96];
   struct userns_request ids = {0};
@@ -295,6 +499,7 @@ int main(int argc, char **argv) {
   if (machine.link) finish_userns(&machine);
   int ns = idmap ? finish_userns(&ids) : -1;
 
+  if (swap_pid) take_disk(image, clone_from, rootfs, disk);
   if (rootfs) {
     // Overlayfs' option string is one page: layers go by short names relative to SCRATCH when idmapped.
     size_t cap = 64 + strlen(disk) * 2;
@@ -331,6 +536,10 @@ int main(int argc, char **argv) {
 
   for (int i = 0; i < binds; i++) attach_idmapped(bind_src[i], bind_dst[i], ns, bind_ro[i]);
   if (ns >= 0) close(ns);
+  if (swap_pid) {
+    swap_into(swap_pid, rootfs);
+    return 0;
+  }
 
   if (nofile) {
     unsigned long soft, hard;

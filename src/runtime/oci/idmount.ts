@@ -79,3 +79,17 @@ export function bootCommand(helper: string, plan: BootPlan, command: [string, st
   if (plan.nofile) args.push("--nofile", `${plan.nofile.soft}:${plan.nofile.hard}`);
   return [helper, [...args, "--", command[0], ...command[1]]];
 }
+
+/**
+ * The helper's command line that gives the running machine whose first process is `pid` another disk (`image`.taking,
+ * or a reflink of `cloneFrom`, becomes `image`, mounted on `root.disk`), mounts its overlay root anew at `root.rootfs`
+ * and makes it the machine's root (runc: `--swap-into` in idmount.c).
+ */
+export function swapCommand(helper: string, plan: { idmap?: BootPlan["idmap"]; root: NonNullable<BootPlan["root"]>; image: string; cloneFrom?: string }, pid: number): [string, string[]] {
+  const args = ["boot"];
+  if (plan.idmap) args.push("--idmap", `${plan.idmap.canonical}:${plan.idmap.hostBase}:${plan.idmap.count}`);
+  args.push("--scratch", plan.root.scratch, "--disk", plan.root.disk, "--rootfs", plan.root.rootfs);
+  for (const layer of plan.root.layers) args.push("--lower", layer);
+  args.push("--image", plan.image, ...(plan.cloneFrom ? ["--clone-from", plan.cloneFrom] : []), "--swap-into", String(pid));
+  return [helper, args];
+}
