@@ -171,6 +171,21 @@ test("E2B template uploads: a link re-aimed at another host, template or hash, o
   assert.equal(existsSync(join(dirs["h-b"], "e2b-template-files", hash)), false);
 });
 
+test("E2B template uploads: a link dies with its key, through either server", async () => {
+  const [a, b] = [servers["h-a"], servers["h-b"]];
+  const made = await a.call("POST", "/v1/keys", { name: "uploader", format: "e2b" });
+  assert.equal(made.status, 201);
+  const key = { "x-api-key": made.body.key as string, "content-type": "application/json" };
+  const { templateID } = JSON.parse((await raw(`${a.url}/v3/templates`, "POST", key, JSON.stringify({ name: "revoked-uploader" }))).text) as { templateID: string };
+  const link = new URL(JSON.parse((await raw(`${a.url}/templates/${templateID}/files/${"c".repeat(64)}`, "GET", key)).text).url as string);
+  assert.equal((await a.call("DELETE", `/v1/keys/${made.body.id}`)).status, 200);
+  for (const via of [a, b]) {
+    const r = await raw(new URL(link.pathname + link.search, via.url).toString(), "PUT", {}, "after revocation");
+    assert.equal(r.status, 401, `through ${via.url}: ${r.status} ${r.text}`);
+  }
+  assert.equal(existsSync(join(dirs["h-a"], "e2b-template-files", "c".repeat(64))), false);
+});
+
 test("E2B requested builds sent all at once through two servers on PostgreSQL are held to the key's share (no check-then-insert race)", async () => {
   const [a, b] = [servers["h-a"], servers["h-b"]];
   const made = await a.call("POST", "/v1/keys", { name: "burst", format: "e2b" });
