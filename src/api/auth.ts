@@ -191,6 +191,9 @@ export function createAuth(keys: KeyService) {
         }
       }
       if (kind === "none") return done();
+      // What a credential opens is that caller's data: no browser or shared cache keeps it (a route that streams may
+      // say `no-cache` instead). An edge service's answers are the service's to mark; a peer's calls are not a browser's.
+      if (kind !== "edge-token" && kind !== "cluster") reply.header("cache-control", "no-store");
       const verifier = verifierFor(kind, forwarded);
       if (!verifier) return done(unauthorized(`This route's credential (${kind}) is not accepted by this server`));
       const accept = (keyId: string | undefined) => {

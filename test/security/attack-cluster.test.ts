@@ -1,7 +1,8 @@
 // Attacks on what the multi-host layer added (docs/hosts.md), with two real servers on one real PostgreSQL and no
 // machines: a captured forwarded request replayed after its target restarts, E2B's volume content API for a volume
 // another host holds, asked through a server that does not hold it, and drain/activate with a lesser key through a
-// server that is not the drained host.
+// server that is not the drained host; E2B template upload links re-aimed (host, template, hash, expiry) or forged, and
+// a burst of requested builds through both servers against the per-key bound.
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
@@ -120,4 +121,80 @@ test("a lesser key drains and activates no host, through any server", async () =
   }
   const hosts = (await a.call("GET", "/v1/hosts")).body.hosts as { id: string; status: string }[];
   assert.deepEqual(hosts.map((h) => h.status), ["active", "active"]);
+});
+
+test("E2B template uploads: a link re-aimed at another host, template or hash, or forged by a stranger, is refused before it is forwarded", async () => {
+  const [a, b] = [servers["h-a"], servers["h-b"]];
+  const key = { "x-api-key": TEST_KEY, "content-type": "application/json" };
+  const made = await raw(`${a.url}/v3/templates`, "POST", key, JSON.stringify({ name: "aimed" }));
+  assert.equal(made.status, 202, made.text);
+  const { templateID } = JSON.parse(made.text) as { templateID: string };
+  const other = JSON.parse((await raw(`${a.url}/v3/templates`, "POST", key, JSON.stringify({ name: "aimed-other" }))).text) as { templateID: string };
+  const hash = "a".repeat(64);
+  const forwardedLines = () => (a.output() + b.output()).split("\n").filter((l) => l.includes("request forwarded")).length;
+  /** The forwarding server logs its line once the answer is through: waits for the count to reach `n`. */
+  const forwardedReach = async (n: number) => {
+    for (const deadline = Date.now() + 10_000; forwardedLines() < n && Date.now() < deadline; ) await new Promise((r) => setTimeout(r, 20));
+    return forwardedLines();
+  };
+  const beforeLink = forwardedLines();
+  // Asked through b, the link is minted by a (the template's requested builds build there) and names it.
+  const link = await raw(`${b.url}/templates/${templateID}/files/${hash}`, "GET", key);
+  assert.equal(link.status, 200, link.text);
+  const url = new URL(JSON.parse(link.text).url as string);
+  assert.equal(url.searchParams.get("host"), "h-a");
+  const put = (u: URL | string, headers: Record<string, string> = {}) => raw(String(u), "PUT", headers, "not a tar, and never unpacked");
+  const variant = (edit: (u: URL) => void) => {
+    const u = new URL(url.pathname + url.search, b.url);
+    edit(u);
+    return u;
+  };
+  const forwardedBefore = await forwardedReach(beforeLink + 1);
+  const refusals: [string, URL][] = [
+    ["host re-aimed at b", variant((u) => u.searchParams.set("host", "h-b"))],
+    ["host re-aimed at an unknown id", variant((u) => u.searchParams.set("host", "h-zzz"))],
+    ["host dropped", variant((u) => u.searchParams.delete("host"))],
+    ["another template", variant((u) => (u.pathname = `/e2b-template-files/${other.templateID}/${hash}`))],
+    ["another hash", variant((u) => (u.pathname = `/e2b-template-files/${templateID}/${"b".repeat(64)}`))],
+    ["a later expiry", variant((u) => u.searchParams.set("expires", String(Number(u.searchParams.get("expires")) + 3600)))],
+    ["no signature (a stranger naming a host)", new URL(`${b.url}/e2b-template-files/${templateID}/${hash}?key=key_x&expires=9999999999&host=h-a`)],
+  ];
+  for (const [what, u] of refusals) {
+    const r = await put(u);
+    assert.equal(r.status, 401, `${what}: ${r.status} ${r.text}`);
+  }
+  // The link as minted works through either server (b forwards it to a, which keeps the upload); its forwarding is
+  // the only one logged since the refusals (each of theirs would have been logged before it).
+  assert.equal((await put(variant(() => undefined))).status, 200);
+  assert.equal(await forwardedReach(forwardedBefore + 1), forwardedBefore + 1, "a refused upload was never sent to a peer");
+  assert.equal(existsSync(join(dirs["h-a"], "e2b-template-files", hash)), true);
+  assert.equal(existsSync(join(dirs["h-b"], "e2b-template-files", hash)), false);
+});
+
+test("E2B template uploads: a link dies with its key, through either server", async () => {
+  const [a, b] = [servers["h-a"], servers["h-b"]];
+  const made = await a.call("POST", "/v1/keys", { name: "uploader", format: "e2b" });
+  assert.equal(made.status, 201);
+  const key = { "x-api-key": made.body.key as string, "content-type": "application/json" };
+  const { templateID } = JSON.parse((await raw(`${a.url}/v3/templates`, "POST", key, JSON.stringify({ name: "revoked-uploader" }))).text) as { templateID: string };
+  const link = new URL(JSON.parse((await raw(`${a.url}/templates/${templateID}/files/${"c".repeat(64)}`, "GET", key)).text).url as string);
+  assert.equal((await a.call("DELETE", `/v1/keys/${made.body.id}`)).status, 200);
+  for (const via of [a, b]) {
+    const r = await raw(new URL(link.pathname + link.search, via.url).toString(), "PUT", {}, "after revocation");
+    assert.equal(r.status, 401, `through ${via.url}: ${r.status} ${r.text}`);
+  }
+  assert.equal(existsSync(join(dirs["h-a"], "e2b-template-files", "c".repeat(64))), false);
+});
+
+test("E2B requested builds sent all at once through two servers on PostgreSQL are held to the key's share (no check-then-insert race)", async () => {
+  const [a, b] = [servers["h-a"], servers["h-b"]];
+  const made = await a.call("POST", "/v1/keys", { name: "burst", format: "e2b" });
+  assert.equal(made.status, 201);
+  const headers = { "x-api-key": made.body.key as string, "content-type": "application/json" };
+  const answers = await Promise.all(Array.from({ length: 160 }, (_, i) => raw(`${(i % 2 ? a : b).url}/v3/templates`, "POST", headers, JSON.stringify({ name: `burst-${i}` }))));
+  assert.ok(answers.every((r) => r.status === 202 || r.status === 503), answers.map((r) => `${r.status} ${r.text}`).join("\n"));
+  const [{ n }] = await query<{ n: string }>(`SELECT count(*) AS n FROM e2b_build_requests WHERE key_id = '${made.body.id}'`);
+  assert.ok(Number(n) <= 100, `${n} requested builds are pending for one key (its share is 100)`);
+  assert.equal(answers.filter((r) => r.status === 202).length, Number(n));
+  assert.ok(Number(n) >= 1);
 });

@@ -413,6 +413,15 @@ export async function templateBuilderRoutes(
       .insertInto("e2b_build_requests")
       .values({ id: claimed.buildId, template_id: claimed.template.id, host_id: builder, name: claimed.name, tags_json: JSON.stringify(tags), vm_json: JSON.stringify({ vcpus: body.cpuCount, memory_mb: body.memoryMB }), key_id: keyId, expires_at: new Date(Date.now() + PENDING_TTL_MS).toISOString(), created_at: now })
       .execute();
+    // The counts above and this insert are not one step: requests sent at once (through several servers) all pass
+    // them. Counted again with this row in: one over either bound takes its row back (of requests racing, those
+    // that see too many refuse; one that survives saw every earlier survivor, so neither bound is ever passed).
+    const total = Number((await live.executeTakeFirstOrThrow()).n);
+    const ours = total > MAX_PENDING ? MAX_PENDING_PER_KEY + 1 : Number((await live.where("key_id", keyId === null ? "is" : "=", keyId).executeTakeFirstOrThrow()).n);
+    if (total > MAX_PENDING || ours > MAX_PENDING_PER_KEY) {
+      await db.deleteFrom("e2b_build_requests").where("id", "=", claimed.buildId).execute();
+      throw new KilnError("unavailable", total > MAX_PENDING ? `${MAX_PENDING} template builds are requested and not started; start or let them expire first` : `${MAX_PENDING_PER_KEY} template builds requested with this key are not started; start or let them expire first`);
+    }
     const short = claimed.name.replace(/^local\//, "");
     return reply.code(202).send({ templateID: claimed.template.id, buildID: claimed.buildId, names: [short], aliases: [short], tags, public: false });
   });
