@@ -14,7 +14,8 @@ import type { BenchContext } from "./run.ts";
 import { generateKeyIn } from "../src/keys/service.ts";
 import { CODE_INTERPRETER_REF } from "../src/templates/code-interpreter.ts";
 
-const CREATES = Number(process.env.KILN_BENCH_E2B_CI_CREATES ?? 6);
+// 12: a fresh kernel's first execute varies 12–40 ms on its own (both paths pay it), so fewer samples make a noisy median.
+const CREATES = Number(process.env.KILN_BENCH_E2B_CI_CREATES ?? 12);
 
 async function nativeExecute(url: string, key: string, id: string, code: string): Promise<void> {
   const res = await request(`${url}/v1/machines/${id}/code/execute`, { method: "POST", headers: { authorization: `Bearer ${key}`, "content-type": "application/json" }, body: JSON.stringify({ code }) });
@@ -32,9 +33,12 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
   await (await Sandbox.create(opts)).kill();
   await native("DELETE", `/v1/machines/${(await native("POST", "/v1/machines", { template: CODE_INTERPRETER_REF })).id}`);
   const hot = ctx.kiln.kiln.services.hotPools;
+  // Before each timed create: the pool refilled, as on a host that is not saturated, and no machine's cleanup still
+  // running behind its DELETE (the cold create's would otherwise overlap only the SDK's next create).
+  const cleaned = ctx.kiln.kiln.services.teardown;
   const refilled = async () => {
     const deadline = Date.now() + 120_000;
-    while (Date.now() < deadline && !hot.stats().templates.some((t) => t.size > 0 && t.ready >= t.size)) await new Promise((r) => setTimeout(r, 20));
+    while (Date.now() < deadline && (!hot.stats().templates.some((t) => t.size > 0 && t.ready >= t.size) || cleaned.pending().count > 0)) await new Promise((r) => setTimeout(r, 20));
   };
   // Alternating SDK and native, so both see the same host state.
   const sdk: number[] = [];

@@ -26,6 +26,7 @@ import { createDeploymentService } from "../deployments/service.ts";
 import type { DeploymentOptions } from "../deployments/service.ts";
 import { createAdmission } from "../machines/admission.ts";
 import { createTeardown } from "../machines/teardown.ts";
+import type { Teardown } from "../machines/teardown.ts";
 import { createBootQueue } from "../machines/boot-queue.ts";
 import { createMachineMetrics } from "../machines/metrics.ts";
 import type { AdmissionLimits } from "../machines/admission.ts";
@@ -72,6 +73,8 @@ export interface Services {
   /** Warm pools of the often-created templates other than the base (the code interpreter's with its kernel up). */
   hotPools: HotPools;
   admission: Admission;
+  /** The cleanup that runs behind a DELETE's answer (what is still being cleaned, and a wait for it). */
+  teardown: Teardown;
   machines: MachineService;
   snapshots: SnapshotService;
   machineMetrics: MachineMetricsService;
@@ -183,6 +186,7 @@ export function createServices(deps: {
     pool,
     hotPools,
     admission,
+    teardown,
     machines,
     snapshots,
     machineMetrics: createMachineMetrics({ machines, driver }),
