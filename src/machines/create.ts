@@ -248,6 +248,11 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
         const adopt = () => agent.codeAdopt({ user: row.user, cwd: row.cwd ?? DEFAULT_WORKDIR, envs: input.envs ?? {} });
         const adopted = hot?.kernel && !starts ? adopt() : undefined;
         adopted?.catch(() => undefined);
+        // The machine's cwd is where its commands start: made, owned by the machine's user, alongside the calls above
+        // where nothing runs first (a start command may make or own it itself). A user that does not exist fails
+        // this too; the user's own error is the one reported.
+        const cwdMade = row.cwd && !starts ? agent.mkdir(row.cwd, { user: row.user }) : undefined;
+        cwdMade?.catch(() => undefined);
         await userChecked;
         await envsSet;
         if (starts) {
@@ -255,8 +260,10 @@ export function createMachineCreator(ctx: MachineContext, deps: CreateDeps): (in
           if (createEnvs) await agent.setEnvs({ ...image.image.env, ...createEnvs });
         }
         if (hot?.kernel) await (adopted ?? adopt());
-        // The machine's cwd is where its commands start: make sure it exists, owned by the machine's user.
-        if (row.cwd) await agent.mkdir(row.cwd, { user: row.user });
+        if (row.cwd) await (cwdMade ?? agent.mkdir(row.cwd, { user: row.user }));
+        // A machine restored from another's memory is handed out only once it has its own hostname (its rename
+        // overlapped the calls above).
+        await live.renamed;
         phase("set_up_ms");
         const view = machineView(await records.transition(row.id, { status: "running" }, "create"));
         phase("recorded_ms");

@@ -77,6 +77,11 @@ export interface LiveMachine {
   agentSocket: string;
   /** Host pid of the machine's first process. */
   pid: number;
+  /**
+   * A machine restored from another machine's checkpoint answers before it has its own name: this settles (or fails)
+   * once it has. Its agent may be called meanwhile (nothing there reads the name); it is handed out only after.
+   */
+  renamed?: Promise<void>;
 }
 
 /** A machine's resource use as the host sees it; a figure the host cannot read is null. */

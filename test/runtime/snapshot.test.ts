@@ -52,7 +52,10 @@ let seq = 0;
 async function machine(over: Partial<MachineSpec> = {}): Promise<LiveMachine> {
   const id = `mch_s${process.pid}x${++seq}`;
   created.add(id);
-  return driver.create({ id, layers: [layer], hostname: id.replaceAll("_", "-"), vcpus: 1, memoryMb: 256, diskMb: 1024, internet: false, mounts: [], ...over });
+  const live = await driver.create({ id, layers: [layer], hostname: id.replaceAll("_", "-"), vcpus: 1, memoryMb: 256, diskMb: 1024, internet: false, mounts: [], ...over });
+  // Restored from another machine's memory, it is handed out (as create does) only once it has its own name.
+  await live.renamed;
+  return live;
 }
 
 async function sh(m: LiveMachine, line: string): Promise<string> {
@@ -174,6 +177,8 @@ if (runtime === "runc") {
     const before = await count(parent);
     await sh(parent, `while [ "$(cat /tmp/count)" -le ${before} ]; do sleep 0.05; done`);
     assert.equal((await sh(child, "hostname")).trim(), child.id.replaceAll("_", "-"));
+    // Restored from its own image, the parent keeps its own name (no rename is asked for).
+    assert.equal((await sh(parent, "hostname")).trim(), parent.id.replaceAll("_", "-"));
   });
 
   test("gVisor: memory hibernation saves the processes, holds no memory, and resume continues them", opt, async () => {
@@ -186,6 +191,8 @@ if (runtime === "runc") {
     const usage = await driver.usage(m.id);
     assert.ok(!usage.memoryBytes, `no memory charged to it (${usage.memoryBytes})`);
     const live = await driver.resume(m.id, "memory");
+    assert.equal(live.renamed, undefined, "its own image holds its own name: no rename");
+    assert.equal((await sh(live, "hostname")).trim(), m.id.replaceAll("_", "-"));
     const n = await count(live);
     assert.ok(n >= 5, `the counter went on from its saved state (${n})`);
     await sh(live, `while [ "$(cat /tmp/count)" -le ${n} ]; do sleep 0.05; done`);
