@@ -18,8 +18,10 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
   const opts = { apiKey: key, apiUrl: ctx.kiln.url, sandboxUrl: ctx.kiln.url };
   const native = (method: string, path: string, body?: unknown) => api(ctx.kiln.url, ctx.key, method, path, body);
   const pool = ctx.kiln.kiln.services.pool;
+  // Before each timed create: the pool refilled and no DELETE's cleanup still running behind its answer.
+  const teardown = ctx.kiln.kiln.services.teardown;
   const poolRefilled = async () => {
-    for (let w = 0; w < 400 && pool.stats().ready < pool.stats().size; w++) await new Promise((r) => setTimeout(r, 10));
+    for (let w = 0; w < 400 && (pool.stats().ready < pool.stats().size || teardown.pending().count > 0); w++) await new Promise((r) => setTimeout(r, 10));
   };
 
   // Alternating SDK and native creates, so both see the same pool and host state.
