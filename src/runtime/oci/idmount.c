@@ -336,6 +336,12 @@ static void swap_into(const char *pid, const char *rootfs) {
   int n = top_mounts(pid, points, MAX_MOUNTS);
   int tree = open_tree(AT_FDCWD, rootfs, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
   if (tree < 0) die("open_tree", rootfs);
+  // A clone of a shared mount is its peer: where the host's mount of ROOTFS is shared (under systemd's shared /),
+  // every mount placed in the machine's new root below would show up on the host too, and pivot_root(2) refuses a
+  // shared root. A slave of it instead, as runc makes a machine's root: nothing of the machine reaches the host.
+  struct mount_attr slave = {0};
+  slave.propagation = MS_SLAVE;
+  if (mount_setattr(tree, "", AT_EMPTY_PATH | AT_RECURSIVE, &slave, sizeof slave)) die("make slave", rootfs);
   snprintf(path, sizeof path, "/proc/%s/ns/mnt", pid);
   int ns = open(path, O_RDONLY | O_CLOEXEC);
   if (ns < 0) die("open", path);
