@@ -7,7 +7,7 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
-import { chmodSync, existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { chmodSync, existsSync, mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { startTestKiln } from "../support/kiln.ts";
@@ -69,8 +69,11 @@ async function fork(parentId: string): Promise<{ id: string }> {
 }
 
 const swapFailures = () => k.logs.join("").split("\n").filter((l) => l.includes("could not take the snapshot's disk"));
-/** Host mounts outside this Kiln's data dir (none may appear: nothing of a machine is placed on the host). */
-const foreignMounts = () => hostMounts().filter((m) => !m.startsWith(k.dataDir));
+/**
+ * Host mounts outside this Kiln's data dir (none may appear: nothing of a machine is placed on the host) — but other
+ * test servers' (their data dirs and network namespaces), which come and go on a shared host meanwhile.
+ */
+const foreignMounts = () => hostMounts().filter((m) => !m.startsWith(k.dataDir) && !/^\/(tmp\/kiln-test-|run\/netns\/)/.test(m));
 
 test("on a host whose mounts are shared, the child is the warm machine swapped and nothing of it reaches the host", { skip: !RUNC && "the swap is runc's" }, async () => {
   const parent = await createMachine(k, {});
@@ -173,4 +176,26 @@ test("a mount point through /proc's magic links is refused by the swap; nothing 
   assert.match(f.body.error, /failed to start/);
   assertNoLeftovers(warm!, outside, "gone");
   await destroyAll([parent.id]);
+});
+
+test("a warm machine whose recorded first process is now another machine's: the swap refuses it, that machine keeps its root", { skip: !RUNC && "the swap is runc's" }, async () => {
+  // As after the warm machine's first process ended and its pid went to a process of another machine (the parent):
+  // the helper must not pivot that machine's processes onto the copy.
+  const parent = await createMachine(k, {});
+  await root(parent.id, "echo mine > /workspace/own");
+  const [warm] = await warmReady();
+  const pidOf = (id: string) => readFileSync(join(k.dataDir, "machines", id, "runtime.pid"), "utf8");
+  const parentPid = pidOf(parent.id);
+  const rootOf = (pid: string) => statSync(`/proc/${pid}/root`);
+  const before = rootOf(parentPid);
+  writeFileSync(join(k.dataDir, "machines", warm!, "runtime.pid"), parentPid);
+  const failed = swapFailures().length;
+  const f = await k.call("POST", `/v1/machines/${parent.id}/fork`, { body: { count: 1 } });
+  assert.equal(swapFailures().length, failed + 1, "the swap was refused");
+  assert.match(swapFailures().at(-1)!, /is not the machine's/);
+  const after = rootOf(parentPid);
+  assert.deepEqual([after.dev, after.ino], [before.dev, before.ino], "the parent's processes still run on their own root");
+  assert.equal(await root(parent.id, "cat /workspace/own; echo later > /workspace/later; cat /workspace/later"), "mine\nlater\n");
+  if (f.status === 201) assert.equal(await root(f.body.machines[0].id, "cat /workspace/own; cat /workspace/later 2>/dev/null || echo none"), "mine\nnone\n");
+  await destroyAll([...(f.status === 201 ? [f.body.machines[0].id] : []), parent.id]);
 });
