@@ -199,3 +199,18 @@ test("a warm machine whose recorded first process is now another machine's: the 
   if (f.status === 201) assert.equal(await root(f.body.machines[0].id, "cat /workspace/own; cat /workspace/later 2>/dev/null || echo none"), "mine\nnone\n");
   await destroyAll([...(f.status === 201 ? [f.body.machines[0].id] : []), parent.id]);
 });
+
+test("a swapped child forks again: the grandchild has the child's files on its own uid range, and nothing is left", { skip: !RUNC && "the swap is runc's" }, async () => {
+  const parent = await createMachine(k, {});
+  await root(parent.id, "echo gen0 > /workspace/g");
+  const child = await fork(parent.id);
+  await root(child.id, "echo gen1 >> /workspace/g");
+  const grand = await fork(child.id);
+  assert.equal(await root(grand.id, "cat /workspace/g"), "gen0\ngen1\n");
+  // Each on the host ids of its own range: the warm machine's, never its parent's.
+  const ranges = await Promise.all([parent, child, grand].map((m) => root(m.id, "cat /proc/self/uid_map")));
+  assert.equal(new Set(ranges).size, 3, `three machines, three uid ranges: ${ranges.join(" | ")}`);
+  const outside = foreignMounts();
+  assertNoLeftovers(grand.id, outside, "swapped");
+  await destroyAll([grand.id, child.id, parent.id]);
+});
