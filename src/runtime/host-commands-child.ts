@@ -61,6 +61,9 @@ function run(req: HostCommandRequest, handle: Server | undefined) {
       finish({ ready: true, pid: child.pid });
     });
   }
+  // A command may end without reading all of it (nsenter into a machine already gone): the write's EPIPE is no
+  // error of ours (its exit says what happened), and unhandled it would end this helper and every command in flight.
+  child.stdin?.on("error", () => undefined);
   if (req.input !== undefined) child.stdin?.end(req.input);
   // "close", not "exit": the output is complete only once the pipes are.
   child.once("close", (code, signal) => finish({ code, signal, killed, pid: child.pid, stdout: Buffer.concat(out).toString(), stderr: Buffer.concat(err).toString() }));

@@ -330,15 +330,40 @@ static void take_disk(const char *image, const char *clone_from, const char *roo
   close(img);
 }
 
-static void swap_into(const char *pid, const char *rootfs) {
+/**
+ * The mount namespace of PID, refused unless PID's root is ROOTFS (the machine's overlay, still mounted there): a pid
+ * the driver recorded may since have gone to a process of another machine, whose processes must not be moved.
+ * Opened first, checked after: a namespace that passes is one whose process had the machine's root.
+ */
+static int open_machine_ns(const char *pid, const char *rootfs) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%s/ns/mnt", pid);
+  int ns = open(path, O_RDONLY | O_CLOEXEC);
+  if (ns < 0) die("open", path);
+  struct stat have, want;
+  snprintf(path, sizeof path, "/proc/%s/root", pid);
+  if (stat(path, &have)) die("stat", path);
+  if (stat(rootfs, &want)) die("stat", rootfs);
+  if (have.st_dev != want.st_dev || have.st_ino != want.st_ino) {
+    fprintf(stderr, "kiln-idmount: process %s is not the machine's: its root is not %s\n", pid, rootfs);
+    exit(1);
+  }
+  return ns;
+}
+
+static void swap_into(const char *pid, int ns, const char *rootfs) {
   char path[64];
   char *points[MAX_MOUNTS];
   int n = top_mounts(pid, points, MAX_MOUNTS);
   int tree = open_tree(AT_FDCWD, rootfs, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
   if (tree < 0) die("open_tree", rootfs);
+  // A clone of a shared mount is its peer: where the host's mount of ROOTFS is shared (under systemd's shared /),
+  // every mount placed in the machine's new root below would show up on the host too, and pivot_root(2) refuses a
+  // shared root. A slave of it instead, as runc makes a machine's root: nothing of the machine reaches the host.
+  struct mount_attr slave = {0};
+  slave.propagation = MS_SLAVE;
+  if (mount_setattr(tree, "", AT_EMPTY_PATH | AT_RECURSIVE, &slave, sizeof slave)) die("make slave", rootfs);
   snprintf(path, sizeof path, "/proc/%s/ns/mnt", pid);
-  int ns = open(path, O_RDONLY | O_CLOEXEC);
-  if (ns < 0) die("open", path);
   // Our root and cwd become the machine's root.
   if (setns(ns, CLONE_NEWNS)) die("setns", path);
   close(ns);
@@ -499,6 +524,8 @@ int main(int argc, char **argv) {
   if (machine.link) finish_userns(&machine);
   int ns = idmap ? finish_userns(&ids) : -1;
 
+  // Checked while the machine's root is still mounted at ROOTFS (take_disk detaches it).
+  int machine_ns = swap_pid ? open_machine_ns(swap_pid, rootfs) : -1;
   if (swap_pid) take_disk(image, clone_from, rootfs, disk);
   if (rootfs) {
     // Overlayfs' option string is one page: layers go by short names relative to SCRATCH when idmapped.
@@ -537,7 +564,7 @@ int main(int argc, char **argv) {
   for (int i = 0; i < binds; i++) attach_idmapped(bind_src[i], bind_dst[i], ns, bind_ro[i]);
   if (ns >= 0) close(ns);
   if (swap_pid) {
-    swap_into(swap_pid, rootfs);
+    swap_into(swap_pid, machine_ns, rootfs);
     return 0;
   }
 
