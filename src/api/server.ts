@@ -139,7 +139,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
     auth.provideCluster(clusterAuth.verify);
     const forwarder = createForwarder({ db: opts.services.store.db, hostId: hosts.hostId, auth: clusterAuth, log: opts.log, hosts: hosts.hosts });
     const placement = createPlacement({ db: opts.services.store.db, hostId: hosts.hostId, lostAfterS: opts.cluster.lostAfterS, hosts: hosts.hosts });
-    installClusterRouting(app, { hostId: hosts.hostId, forwarder, placement, boundOf: opts.e2b ? e2bBoundOf : undefined, locality: localityOf(opts.services) });
+    installClusterRouting(app, { hostId: hosts.hostId, forwarder, placement, boundOf: opts.e2b ? e2bBoundOf : undefined, locality: localityOf(opts.services), ownStatus: hosts.ownStatus });
     machineElsewhere = async (id) => (await forwarder.ownerOf({ kind: "machines", id })) !== undefined;
     remotePort = createTunnelClient({ forwarder, auth: clusterAuth, connectTimeoutMs: limits.connectTimeoutMs }).open;
     opts.services.deployments.setRemotePort(remotePort);

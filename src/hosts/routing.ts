@@ -21,7 +21,15 @@ export type BoundOf = (req: FastifyRequest) => Bound | undefined | Promise<Bound
 
 export function installClusterRouting(
   app: App,
-  deps: { hostId: string; forwarder: Forwarder; placement: Placement; boundOf?: BoundOf; locality?: (templateRef: string | undefined) => Promise<{ holders?: Set<string>; warm?: string }> },
+  deps: {
+    hostId: string;
+    forwarder: Forwarder;
+    placement: Placement;
+    boundOf?: BoundOf;
+    locality?: (templateRef: string | undefined) => Promise<{ holders?: Set<string>; warm?: string }>;
+    /** This host's status as the store says it now (a peer placing a create may have read an older one). */
+    ownStatus?: () => Promise<string | undefined>;
+  },
 ) {
   const { forwarder, placement, hostId } = deps;
 
@@ -48,10 +56,17 @@ export function installClusterRouting(
   // Placement sees the parsed body (before validation), so it can send the same create to another host if the first
   // refuses for now (503); the chosen host validates and admits it as any create. Kiln's create and E2B's.
   app.addHook("preValidation", async (req, reply) => {
-    if (req.forwardedBy !== undefined || req.method !== "POST") return;
+    if (req.method !== "POST") return;
     const url = req.routeOptions.url;
     const affinity = url === "/v1/machines" ? nativeAffinity : url === "/sandboxes" || url === "/v2/sandboxes" ? e2bAffinity : undefined;
     if (!affinity) return;
+    if (req.forwardedBy !== undefined) {
+      // Placed here by a peer whose view of the hosts may be a heartbeat old: a draining host takes no new machines, and
+      // its 503 sends the peer on to the next host.
+      const status = await deps.ownStatus?.();
+      if (status !== undefined && status !== "active") throw new KilnError("unavailable", `This host is ${status}: it takes no new machines`, { detail: { retryable: true } });
+      return;
+    }
     const want = (req.body ?? {}) as Record<string, unknown>;
     const fixed = await affinity(want);
     if (fixed !== undefined) {

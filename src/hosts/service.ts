@@ -275,6 +275,8 @@ export function createHostService(deps: HostServiceDeps) {
      * last: what lets a server alone on its store skip polling for other hosts' work.
      */
     hasPeers: () => others,
+    /** This host's status as the store has it now (one read: another server may have drained it since the last heartbeat). */
+    ownStatus: async () => (await db.selectFrom("hosts").select("status").where("id", "=", hostId).executeTakeFirst())?.status,
     advertiseUrl: () => advertiseUrl,
   };
 }

@@ -400,6 +400,13 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   const drained = await b.call("POST", "/v1/hosts/h-c/drain");
   assert.equal(drained.status, 200);
   assert.equal(drained.body.status, "draining");
+  // At once, through a, whose view of the hosts may still say c is active (and c has the warm machine placement
+  // prefers): c itself refuses the placed create (503) and a places it on the next host.
+  for (let i = 0; i < 2; i++) {
+    const m = await create(a);
+    assert.notEqual(await hostOf(db.url, m.id), "h-c", "a create placed on a host just drained goes elsewhere");
+    assert.equal((await a.call("DELETE", `/v1/machines/${m.id}`)).status, 200);
+  }
   // Drained through b: c sees it at its next heartbeat and releases its idle warm machine.
   await until("host c's warm pool to be released", async () => (await warmReady(c)) === 0, 30_000);
   const during: string[] = [];
