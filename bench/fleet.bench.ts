@@ -73,6 +73,40 @@ async function podmanImport(layer: string, image: string): Promise<void> {
   });
 }
 
+/** CPU time (ms) the machine's cgroup has used so far (its processes: the guest agent, what it ran), or NaN. */
+async function machineCpuMs(id: string): Promise<number> {
+  const v1 = await readFile(`/sys/fs/cgroup/cpuacct/kiln/${id}/cpuacct.usage`, "utf8").catch(() => undefined);
+  if (v1 !== undefined) return Number(v1) / 1e6;
+  const v2 = await readFile(`/sys/fs/cgroup/kiln/${id}/cpu.stat`, "utf8").catch(() => "");
+  return Number(/^usage_usec (\d+)/m.exec(v2)?.[1] ?? NaN) / 1000;
+}
+
+/** CPU time (ms) of this process's children that have been waited for (/proc/self/stat cutime + cstime). */
+async function childrenCpuMs(): Promise<number> {
+  const stat = await readFile("/proc/self/stat", "utf8");
+  const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+  // After the comm field: cutime and cstime are fields 16 and 17 of stat(5), here at 13 and 14, in clock ticks (100/s).
+  return (Number(f[13]) + Number(f[14])) * 10;
+}
+
+/**
+ * CPU time (ms) of this process's live children and what they waited for: the server's host-command helper (runc,
+ * mount, nft, … it runs for the server) and its reaped commands.
+ */
+async function liveChildrenCpuMs(): Promise<number> {
+  const { readdir } = await import("node:fs/promises");
+  let ms = 0;
+  for (const pid of await readdir("/proc")) {
+    if (!/^\d+$/.test(pid)) continue;
+    const stat = await readFile(`/proc/${pid}/stat`, "utf8").catch(() => "");
+    const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+    // ppid is field 4 of stat(5) (1 here); utime, stime, cutime, cstime fields 14–17 (11–14 here).
+    if (Number(f[1]) !== process.pid) continue;
+    ms += (Number(f[11]) + Number(f[12]) + Number(f[13]) + Number(f[14])) * 10;
+  }
+  return ms;
+}
+
 /** Times `fn` n times, one after another. */
 async function timed(n: number, fn: () => Promise<unknown>): Promise<number[]> {
   const times: number[] = [];
@@ -161,6 +195,9 @@ async function fleet(ctx: BenchContext, results: BenchResult[]) {
   const before = pool.stats();
   let grewTo = before.size;
   const watch = setInterval(() => (grewTo = Math.max(grewTo, pool.stats().size)), 50);
+  const machineCpu: number[] = [];
+  const cpu0 = process.cpuUsage();
+  const helper0 = await liveChildrenCpuMs();
   const t0 = performance.now();
   const { value: each, hits } = await countingTakes(() =>
     inParallel(FLEET, FLEET_CONCURRENCY, async () => {
@@ -168,15 +205,19 @@ async function fleet(ctx: BenchContext, results: BenchResult[]) {
       const m = await json("POST", "/v1/machines", { template: "local/base" });
       await json("POST", `/v1/machines/${m.id}/exec`, { cmd: "true", args: [] });
       const firstExec = performance.now() - t;
+      machineCpu.push(await machineCpuMs(m.id));
       await json("DELETE", `/v1/machines/${m.id}`);
       return firstExec;
     }),
   );
   const kilnS = (performance.now() - t0) / 1000;
+  const serverCpu = process.cpuUsage(cpu0);
+  const helperCpu = ((await liveChildrenCpuMs()) - helper0) / FLEET;
   clearInterval(watch);
   await machines.cleanupsSettled(120_000);
   const dir = await mkdtemp(join(tmpdir(), "kiln-bench-fleet10-"));
   let bareS: number;
+  let bareCpu: number;
   try {
     execFileSync("runc", ["spec", "--bundle", dir]);
     const spec = JSON.parse(await readFile(join(dir, "config.json"), "utf8"));
@@ -185,9 +226,11 @@ async function fleet(ctx: BenchContext, results: BenchResult[]) {
     spec.process.terminal = false;
     await writeFile(join(dir, "config.json"), JSON.stringify(spec));
     await mkdir(join(dir, "state"), { recursive: true });
+    const c0 = await childrenCpuMs();
     const b0 = performance.now();
     await inParallel(FLEET, FLEET_CONCURRENCY, (i) => command("runc", ["--root", join(dir, "state"), "run", "--bundle", dir, `kiln-bench-fleet10-${process.pid}-${i}`]));
     bareS = (performance.now() - b0) / 1000;
+    bareCpu = ((await childrenCpuMs()) - c0) / FLEET;
   } finally {
     await rm(dir, { recursive: true, force: true });
   }
@@ -198,7 +241,7 @@ async function fleet(ctx: BenchContext, results: BenchResult[]) {
     median: FLEET / kilnS,
     baseline: { name: `${FLEET} bare \`runc run /bin/true\` at concurrency ${FLEET_CONCURRENCY}, same rootfs`, median: FLEET / bareS },
     goal: "≥ 0.8 × bare runc",
-    note: `default config: the pool of ${before.size} (${before.ready} ready) grew with demand to ${grewTo} (auto bound ${before.max}); ${hits} of ${FLEET} taken from it; create → first exec p50 ${median(each).toFixed(0)} ms, p99 ${percentile(each, 99).toFixed(0)} ms`,
+    note: `default config: the pool of ${before.size} (${before.ready} ready) grew with demand to ${grewTo} (auto bound ${before.max}); ${hits} of ${FLEET} taken from it; create → first exec p50 ${median(each).toFixed(0)} ms, p99 ${percentile(each, 99).toFixed(0)} ms; CPU per create: ${median(machineCpu).toFixed(0)} ms in the machine (agent start, exec; p50), ${((serverCpu.user + serverCpu.system) / 1000 / FLEET).toFixed(0)} ms in the server's process (with this bench's client), ${helperCpu.toFixed(0)} ms by the host-command helper and the commands it reaped; bare runc ${bareCpu.toFixed(0)} ms per run`,
   });
 }
 
