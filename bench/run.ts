@@ -37,10 +37,15 @@ const NOTES = `## Reading these numbers
 
 - Each benchmark runs against one real Kiln server (SQLite store, runc, the cached base template) in the same
   process as the benchmark, except the HTTP load generator, which runs in its own process.
-- **Create, warm vs cold.** Kiln keeps \`KILN_WARM_POOL\` (default 2) machines of the base template booted; a create
-  of that shape takes one and the pool refills behind it. A burst larger than the pool pays the cold boot: the
+- **Create, warm vs cold.** Kiln keeps \`KILN_WARM_POOL\` (default 2) machines of the base template booted, more
+  after a burst (the pool follows the create rate up to \`KILN_WARM_POOL_MAX\`, by default what the memory floor
+  allows; docs/hot-pools.md), so a row's pool depends on the rows before it: the fleet rows say what it held. A create
+  of that shape takes one and the pool refills behind it, in a boot slot no create is waiting for. A burst larger than the pool pays the cold boot: the
   runtime's \`run\` (≈ the bare-runc baseline) plus the guest agent's Node start (≈ 90 ms here, most of it loading
   \`node:http\`).
+- **podman** baselines (\`bench/fleet.bench.ts\`) run the base template's rootfs imported into podman once per run
+  (\`podman run --rm IMG true\`, \`podman exec C true\`, as root with the ulimits this host accepts); where podman is
+  not installed, bare \`runc run\` stands in and the row says so.
 - **Exec** costs a process start as another user in its own process group inside the machine (≈ 4 ms on this
   host) plus two local HTTP hops.
 - **gVisor** rows come from a second Kiln with \`KILN_OCI_RUNTIME=runsc\` (ptrace platform) started beside the

@@ -82,7 +82,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     }),
     nativeTimeouts: { stepMs: config.buildStepTimeoutS * 1000, buildMs: config.buildTimeoutS * 1000 },
   };
-  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, warmPoolMax: config.warmPoolMax, hotPools: config.hotPools, dataDir: config.dataDir, cacheDir: config.cacheDir, buildRetentionS: config.buildRetentionS, buildLogMaxBytes: config.buildLogMaxBytes, hostId, webhooks, deployments, limits, buildExtensions, snapshots: { maxSnapshots: config.maxSnapshots, maxHibernationS: config.maxHibernationS }, hosts: { name: config.hostName, lostAfterS: config.hostLostAfterS, heartbeatMs: config.hostHeartbeatMs } });
+  const services = createServices({ store, driver, log, warmPoolSize: config.warmPool, warmPoolMax: config.warmPoolMax, warmPoolIdleMs: config.warmPoolIdleMs, hotPools: config.hotPools, dataDir: config.dataDir, cacheDir: config.cacheDir, buildRetentionS: config.buildRetentionS, buildLogMaxBytes: config.buildLogMaxBytes, hostId, webhooks, deployments, limits, buildExtensions, snapshots: { maxSnapshots: config.maxSnapshots, maxHibernationS: config.maxHibernationS }, hosts: { name: config.hostName, lostAfterS: config.hostLostAfterS, heartbeatMs: config.hostHeartbeatMs } });
   templateLayers = async (name) => {
     const resolved = await services.templates.resolve(name).catch(() => undefined);
     return resolved ? templateBaseSource(resolved) : undefined;

@@ -32,7 +32,10 @@ export interface Config {
   debianMirror: string | undefined;
   /** Machines of the base template kept booted ahead of time (0 turns the pool off). */
   warmPool: number;
-  warmPoolMax: number;
+  /** KILN_WARM_POOL_MAX: the most the base pool grows to with demand; "auto" derives it from the memory floors. */
+  warmPoolMax: number | "auto";
+  /** KILN_WARM_POOL_IDLE_S: a peak of creates keeps the grown pool this long. */
+  warmPoolIdleMs: number;
   hotPools: { maxPerTemplate: number; maxTotal: number; hotAfter: number; idleMs: number };
   /** Registry hosts (host or host:port) image imports and Dockerfile builds reach over plain HTTP. */
   insecureRegistries: string[];
@@ -126,7 +129,8 @@ export const CONFIG_VARS = [
   ["KILN_BODY_LIMIT_BYTES", "104857600", "largest request body accepted (file uploads and build-context blobs included)"],
   ["KILN_DEBIAN_MIRROR", "(the host's apt mirror)", "Debian mirror used to make the base template"],
   ["KILN_WARM_POOL", "2", "machines of the base template kept booted ahead of time (0: none)"],
-  ["KILN_WARM_POOL_MAX", "0", "the base template's pool grows with its creates of the last minute up to this many (0: fixed at KILN_WARM_POOL)"],
+  ["KILN_WARM_POOL_MAX", "auto", "the base template's pool grows with its create rate (the most creates within a second, held KILN_WARM_POOL_IDLE_S) up to this many, above the admission floors; auto: the memory floor (KILN_MIN_FREE_MEMORY_MB) over 32 MiB per idle machine, at most 256 and what KILN_MEMORY_OVERCOMMIT admits (0: fixed at KILN_WARM_POOL)"],
+  ["KILN_WARM_POOL_IDLE_S", "60", "a grown base pool shrinks back to KILN_WARM_POOL this long after its creates stop"],
   ["KILN_HOT_POOL_MAX", "2", "most machines kept booted for one often-created template other than the base (0: no hot pools)"],
   ["KILN_HOT_POOL_TOTAL", "4", "most machines all hot-template pools keep together"],
   ["KILN_HOT_POOL_AFTER", "2", "creates of a template within KILN_HOT_POOL_IDLE_S that give it a pool"],
@@ -216,7 +220,8 @@ export function loadConfig(env: Env = process.env): Config {
     bodyLimitBytes: intVar(env, "KILN_BODY_LIMIT_BYTES", 100 * 1024 * 1024, 1024, 16 * 1024 * 1024 * 1024),
     debianMirror: env.KILN_DEBIAN_MIRROR || undefined,
     warmPool: intVar(env, "KILN_WARM_POOL", 2, 0, 64),
-    warmPoolMax: intVar(env, "KILN_WARM_POOL_MAX", 0, 0, 256),
+    warmPoolMax: autoOrIntVar(env, "KILN_WARM_POOL_MAX", 0, 256),
+    warmPoolIdleMs: intVar(env, "KILN_WARM_POOL_IDLE_S", 60, 1, 86_400) * 1000,
     hotPools: {
       maxPerTemplate: intVar(env, "KILN_HOT_POOL_MAX", 2, 0, 64),
       maxTotal: intVar(env, "KILN_HOT_POOL_TOTAL", 4, 0, 256),
@@ -282,6 +287,15 @@ function intVar(env: Env, name: string, fallback: number, min: number, max: numb
   if (!Number.isInteger(n) || n < min || n > max) {
     throw new ConfigError(`${name} must be an integer from ${min} to ${max}, got ${JSON.stringify(raw)}`);
   }
+  return n;
+}
+
+/** "auto" (also when unset) or an integer in range. */
+function autoOrIntVar(env: Env, name: string, min: number, max: number): number | "auto" {
+  const raw = env[name];
+  if (raw === undefined || raw === "" || raw === "auto") return "auto";
+  const n = Number(raw);
+  if (!Number.isInteger(n) || n < min || n > max) throw new ConfigError(`${name} must be auto or an integer from ${min} to ${max}, got ${JSON.stringify(raw)}`);
   return n;
 }
 

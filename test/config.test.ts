@@ -17,6 +17,12 @@ test("defaults", () => {
   assert.equal(c.runscPlatform, "ptrace");
   assert.equal(c.edgeDomain, undefined, "no edge domain: the path form on KILN_PUBLIC_URL");
   assert.deepEqual(loadConfig({ KILN_EDGE_DOMAIN: "Edge.Example.com" }).edgeDomain, { host: "edge.example.com", port: undefined });
+  // The base pool follows demand unless told otherwise.
+  assert.equal(c.warmPoolMax, "auto");
+  assert.equal(c.warmPoolIdleMs, 60_000);
+  assert.equal(loadConfig({ KILN_WARM_POOL_MAX: "auto" }).warmPoolMax, "auto");
+  assert.equal(loadConfig({ KILN_WARM_POOL_MAX: "0" }).warmPoolMax, 0);
+  assert.equal(loadConfig({ KILN_WARM_POOL_MAX: "20" }).warmPoolMax, 20);
 });
 
 for (const [name, value, pattern] of [
@@ -30,6 +36,9 @@ for (const [name, value, pattern] of [
   ["KILN_INSECURE_REGISTRIES", "http://127.0.0.1:5000", /KILN_INSECURE_REGISTRIES/],
   ["KILN_EDGE_DOMAIN", "https://edge.example.com", /KILN_EDGE_DOMAIN/],
   ["KILN_EDGE_DOMAIN", "10.0.0.1", /KILN_EDGE_DOMAIN/],
+  ["KILN_WARM_POOL_MAX", "lots", /KILN_WARM_POOL_MAX must be auto or an integer/],
+  ["KILN_WARM_POOL_MAX", "257", /KILN_WARM_POOL_MAX/],
+  ["KILN_WARM_POOL_IDLE_S", "0", /KILN_WARM_POOL_IDLE_S/],
 ] as const) {
   test(`${name}=${value} is refused with a message naming it`, () => {
     assert.throws(() => loadConfig({ [name]: value }), (err: unknown) => err instanceof ConfigError && pattern.test(err.message));

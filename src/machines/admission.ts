@@ -11,6 +11,12 @@ import { metricEvents } from "../metrics/events.ts";
 
 const MIB = 1024 * 1024;
 
+/**
+ * What one idle machine booted ahead of time is counted as when the pools' bound is derived (measured ≈ 17.5 MiB
+ * under runc, docs/BENCHMARKS.md; doubled for the agent's growth and gVisor's larger footprint).
+ */
+export const IDLE_MACHINE_MB = 32;
+
 export interface AdmissionLimits {
   dataDir: string;
   maxDiskMb: number;
@@ -56,6 +62,12 @@ export interface Admission {
    * floor and the disk floor met: pools never take a host that creates would find full.
    */
   idleRoom(marginMb: number): boolean;
+  /**
+   * The most idle machines of `machineMb` each the floors allow booted ahead of time: the memory floor's worth
+   * (KILN_MIN_FREE_MEMORY_MB over IDLE_MACHINE_MB, so a full pool costs about what the floor keeps free), and no more
+   * than KILN_MEMORY_OVERCOMMIT would admit once they are handed out.
+   */
+  idleBound(machineMb: number): number;
   /** What GET /v1/ready reports: the host's size, what is in use, and the floors creates are held to. */
   capacity(): Promise<{
     host_cores: number;
@@ -160,6 +172,12 @@ export function createAdmission(deps: {
 
     idleRoom(marginMb: number): boolean {
       return memAvailableMb() >= minFreeMemoryMb + marginMb && freeDiskMb() >= limits.minFreeDiskMb;
+    },
+
+    idleBound(machineMb: number): number {
+      const byFloor = Math.floor(minFreeMemoryMb / IDLE_MACHINE_MB);
+      if (limits.memoryOvercommit === undefined) return byFloor;
+      return Math.min(byFloor, Math.floor((hostMemoryMb * limits.memoryOvercommit) / Math.max(1, machineMb)));
     },
 
     /** What GET /v1/ready reports: the host's size, what is in use, and the floors creates are held to. */

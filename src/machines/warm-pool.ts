@@ -2,10 +2,11 @@
 // answered without waiting for a boot: in any vcpus/memory where the driver resizes a running machine (runc: its
 // cgroup caps, written at handout), else in exactly the pool's. Pooled machines have no record until one is taken;
 // on shutdown they are destroyed, and after a crash the restart removes them as orphans.
-// With `demand`, the pool follows its recent creates: it keeps as many machines as creates it could have served in
-// the last minute (hits and misses), up to `demand.max`, never fewer than its size, and boots above its size only while
-// `room()` allows; a burst's misses so make the next burst of that shape warm, and a minute without creates shrinks it
-// back.
+// With `demand`, the pool follows its recent create rate: it keeps as many machines as the most creates it could have
+// served (hits and misses) within one second, the peak held over the last `demand.idleMs` (a minute by default), up to
+// `demand.max`, never fewer than its size, and boots above its size only while `room()` allows. A burst so makes the
+// next burst of that shape warm, creates one after another do not grow it (the refills keep up with them), and once
+// the creates stop for the idle window it shrinks back: idle machines are memory.
 
 import { DEFAULT_DISK_MB } from "../runtime/driver.ts";
 import type { LiveMachine, MachineDriver, MachineSpec } from "../runtime/driver.ts";
@@ -32,7 +33,8 @@ export interface WarmPool {
    * replaced by boots competing for the cores with the handouts still running (a fork's children).
    */
   pause(): () => void;
-  stats(): { size: number; ready: number; booting: number; ids: string[] };
+  /** `size`: how many it keeps now (grown by demand); `max`: the most demand can grow it to. */
+  stats(): { size: number; max: number; ready: number; booting: number; ids: string[] };
   /** How many it keeps booted from now on (a hot template's pool follows its demand); idle ones over it are released. */
   setSize(n: number): void;
   /** Held (its host is draining): the idle machines are released and none are booted until it is let go. */
@@ -40,9 +42,11 @@ export interface WarmPool {
   close(): Promise<void>;
 }
 
-/** Demand is counted over this last stretch (as the hot pools' rate). */
-const DEMAND_WINDOW_MS = 60_000;
-/** How often a grown pool checks whether its demand went away. */
+/** The create rate is counted per this stretch: creates within it are what a pool must hold to serve them all warm. */
+const RATE_WINDOW_MS = 1_000;
+/** A rate's peak is held this long after it was reached (KILN_WARM_POOL_IDLE_S). */
+export const DEFAULT_DEMAND_IDLE_MS = 60_000;
+/** How often a grown pool checks whether its demand went away (at most). */
 const SHRINK_EVERY_MS = 5_000;
 
 /**
@@ -64,8 +68,11 @@ async function warmStreamPath(live: LiveMachine): Promise<void> {
 export function createWarmPool(deps: {
   driver: MachineDriver;
   size: number;
-  /** Grow with demand up to `max` machines (only where `max` is above `size`), booting above `size` only while `room()`. */
-  demand?: { max: number; room?: () => boolean };
+  /**
+   * Grow with demand up to `max` machines (only where `max` is above `size`), booting above `size` only while `room()`;
+   * a peak of demand is held `idleMs` (default a minute).
+   */
+  demand?: { max: number; idleMs?: number; room?: () => boolean };
   log: Logger;
   /** Refills boot in a slot no create waits for (boot-queue.ts). */
   boots?: BootQueue;
@@ -79,20 +86,35 @@ export function createWarmPool(deps: {
   let shape: PoolShape | undefined;
   const ready: { live: LiveMachine; artifactId: string }[] = [];
   let booting = 0;
+  // Of those booting, the ones out of the boot queue (the rest wait for a slot and may yet be skipped).
+  let started = 0;
   const inflight = new Set<Promise<unknown>>();
   let closed = false;
   let failures = 0;
   let held = false;
-  // When creates this pool could serve came (hit or miss), oldest first; at most `demand.max` are kept.
-  const asks: number[] = [];
   const maxDemand = deps.demand && deps.demand.max > deps.size ? deps.demand.max : 0;
+  const idleMs = deps.demand?.idleMs ?? DEFAULT_DEMAND_IDLE_MS;
+  // When creates this pool could serve came (hit or miss) within the last RATE_WINDOW_MS, oldest first; at most
+  // `maxDemand` are kept (the target never goes above it).
+  const recent: number[] = [];
+  // The rates seen within the idle window, each kept only while no later one is as high: the first is the peak.
+  const peaks: { at: number; n: number }[] = [];
+
+  function noteAsk(now: number) {
+    while (recent.length && now - recent[0]! >= RATE_WINDOW_MS) recent.shift();
+    recent.push(now);
+    if (recent.length > maxDemand) recent.shift();
+    const n = recent.length;
+    while (peaks.length && peaks[peaks.length - 1]!.n <= n) peaks.pop();
+    peaks.push({ at: now, n });
+  }
 
   /** How many machines the pool keeps now: its size, or its recent demand while that is higher. */
   function target(): number {
     if (!maxDemand) return size;
     const now = Date.now();
-    while (asks.length && now - asks[0]! > DEMAND_WINDOW_MS) asks.shift();
-    return Math.max(size, Math.min(maxDemand, asks.length));
+    while (peaks.length && now - peaks[0]!.at > idleMs) peaks.shift();
+    return Math.max(size, peaks[0]?.n ?? 0);
   }
 
   /** Idle machines over the target are destroyed (tracked, so close() waits for them as for a boot). */
@@ -105,9 +127,12 @@ export function createWarmPool(deps: {
   }
 
   const shrinker = maxDemand
-    ? setInterval(() => {
-        if (!closed && ready.length > target()) release(ready.splice(target()));
-      }, SHRINK_EVERY_MS)
+    ? setInterval(
+        () => {
+          if (!closed && ready.length > target()) release(ready.splice(target()));
+        },
+        Math.min(SHRINK_EVERY_MS, idleMs),
+      )
     : undefined;
   shrinker?.unref();
   let paused = 0;
@@ -124,15 +149,23 @@ export function createWarmPool(deps: {
       const id = newId("mch");
       booting++;
       const spec = specFor(id, s);
-      const make = async () => {
-        const live = await driver.create(spec);
-        await warmStreamPath(live);
-        await deps.prepare?.(live);
-        return live;
+      const make = async (): Promise<LiveMachine | undefined> => {
+        // Queued behind creates for a while: not booted once it is no longer wanted (closed, held, shrunk, out of date).
+        if (closed || held || shape?.artifactId !== s.artifactId || ready.length + started >= target()) return undefined;
+        started++;
+        try {
+          const live = await driver.create(spec);
+          await warmStreamPath(live);
+          await deps.prepare?.(live);
+          return live;
+        } finally {
+          started--;
+        }
       };
       const boot = (deps.boots ? deps.boots.run("pool", make) : make()).then(
         async (live) => {
           booting--;
+          if (!live) return;
           failures = 0;
           // Shrunk meanwhile (setSize), held, closed or out of date: not kept.
           if (closed || held || shape?.artifactId !== s.artifactId || ready.length >= target()) return driver.destroy(id);
@@ -168,10 +201,7 @@ export function createWarmPool(deps: {
       if (!driver.resize && (want.vcpus !== shape.vcpus || want.memoryMb !== shape.memoryMb)) return undefined;
       // Pooled machines have the default disk and the default egress policy (their slirp4netns is already running).
       if (want.diskMb !== DEFAULT_DISK_MB || !want.internet || want.network) return undefined;
-      if (maxDemand) {
-        asks.push(Date.now());
-        if (asks.length > maxDemand) asks.shift();
-      }
+      if (maxDemand) noteAsk(Date.now());
       const i = ready.findIndex((r) => r.artifactId === want.artifactId);
       if (i < 0) {
         if (maxDemand) fill();
@@ -191,7 +221,7 @@ export function createWarmPool(deps: {
         fill();
       };
     },
-    stats: () => ({ size: target(), ready: ready.length, booting, ids: ready.map((r) => r.live.id) }),
+    stats: () => ({ size: target(), max: Math.max(size, maxDemand), ready: ready.length, booting, ids: ready.map((r) => r.live.id) }),
     setSize(n: number) {
       size = Math.max(0, n);
       release(ready.splice(target()));

@@ -11,6 +11,7 @@ import { BASE_TEMPLATE_REF } from "../templates/resolver.ts";
 import { createMachineService } from "../machines/service.ts";
 import { createExecService } from "../machines/exec.ts";
 import { createFileService } from "../machines/files.ts";
+import { MACHINE_DEFAULTS } from "../machines/records.ts";
 import { createWarmPool } from "../machines/warm-pool.ts";
 import { createHotPools, HOT_POOL_DEFAULTS } from "../machines/hot-pools.ts";
 import type { HotPools, HotPoolSettings } from "../machines/hot-pools.ts";
@@ -106,8 +107,13 @@ export function createServices(deps: {
   driver: MachineDriver;
   log: Logger;
   warmPoolSize: number;
-  /** KILN_WARM_POOL_MAX: the base pool grows with its recent creates up to this many (0 or at most the size: fixed). */
-  warmPoolMax?: number;
+  /**
+   * KILN_WARM_POOL_MAX: the base pool grows with its create rate up to this many (0 or at most the size: fixed);
+   * "auto" (the default): what the admission floors allow (admission.idleBound), none when the pool's size is 0.
+   */
+  warmPoolMax?: number | "auto";
+  /** KILN_WARM_POOL_IDLE_S: a peak of creates keeps the grown pool this long. */
+  warmPoolIdleMs?: number;
   hotPools?: HotPoolSettings;
   dataDir: string;
   buildRetentionS: number;
@@ -131,8 +137,9 @@ export function createServices(deps: {
   const teardown = createTeardown({ driver, log });
   const volumes = createVolumeService({ db: store.db, dataDir: deps.dataDir, log, hostId, machinesCleaned: (ids) => teardown.cleaned(ids) });
   const admission = createAdmission({ db: store.db, limits: deps.limits, cleaning: () => teardown.pending(), hostId });
-  // Grown by demand (KILN_WARM_POOL_MAX) only above the admission floors, as the hot pools.
-  const pool = createWarmPool({ driver, size: deps.warmPoolSize, demand: { max: deps.warmPoolMax ?? 0, room: () => admission.idleRoom(512) }, log, boots });
+  // Grown by demand (KILN_WARM_POOL_MAX) up to what the admission floors allow, booting only above them, as the hot pools.
+  const warmMax = (deps.warmPoolMax ?? "auto") === "auto" ? (deps.warmPoolSize > 0 ? Math.min(256, admission.idleBound(MACHINE_DEFAULTS.memoryMb)) : 0) : (deps.warmPoolMax as number);
+  const pool = createWarmPool({ driver, size: deps.warmPoolSize, demand: { max: warmMax, idleMs: deps.warmPoolIdleMs, room: () => admission.idleRoom(512) }, log, boots });
   // A pooled idle machine needs this much above the memory floor (a code-interpreter one holds its kernel: ≈ 150 MiB).
   const hotPools = createHotPools({ driver, log, settings: deps.hotPools ?? HOT_POOL_DEFAULTS, boots, room: () => admission.idleRoom(512) });
   // On a store shared by hosts, templates travel: layers are recorded by content digest and fetched from holders.

@@ -394,7 +394,8 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
 
   // Drain: only the operator's key; a draining host gets no new machines and releases its idle warm pool; activate
   // brings both back.
-  await until("host c's warm machine to be booted", async () => (await warmReady(c)) === 1, 120_000);
+  // At least its size: the pool grows with the creates a host serves (KILN_WARM_POOL_MAX=auto).
+  await until("host c's warm machine to be booted", async () => (await warmReady(c)) >= 1, 120_000);
   const plain = await a.call("POST", "/v1/keys", { name: "plain" });
   assert.equal((await raw(`${a.url}/v1/hosts/h-c/drain`, "POST", { authorization: `Bearer ${plain.body.key}` })).status, 403);
   const drained = await b.call("POST", "/v1/hosts/h-c/drain");
@@ -472,7 +473,7 @@ test("three servers on one PostgreSQL: hosts, placement, forwarding, drain, clus
   await query(db.url, "delete from layer_holders where host_id = 'h-c' and digest = $1", [lie]);
   assert.equal((await b.call("POST", "/v1/hosts/h-a/activate")).status, 200);
   assert.equal((await a.call("POST", "/v1/hosts/h-c/activate")).body.status, "active");
-  await until("host c's warm pool to be refilled", async () => (await warmReady(c)) === 1, 120_000);
+  await until("host c's warm pool to be refilled", async () => (await warmReady(c)) >= 1, 120_000);
   // Template locality: a create of built-on-a through c goes to a host that holds its layers, not to c.
   const near = await create(c, { template: "built-on-a" });
   assert.notEqual(await hostOf(db.url, near.id), "h-c", "placed where the template's layers are");

@@ -7,6 +7,10 @@ import assert from "node:assert/strict";
 import { existsSync, readFileSync } from "node:fs";
 import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
+import { createWarmPool } from "../../src/machines/warm-pool.ts";
+import type { WarmPool } from "../../src/machines/warm-pool.ts";
+import { createAdmission } from "../../src/machines/admission.ts";
+import { DEFAULT_DISK_MB } from "../../src/runtime/driver.ts";
 
 let k: TestKiln;
 before(async () => {
@@ -91,19 +95,27 @@ test("a pooled machine given a larger size keeps it across a reboot from its dis
   assert.equal((await k.call("DELETE", `/v1/machines/${m.body.id}`)).status, 200);
 });
 
-test("KILN_WARM_POOL_MAX: the pool grows with the creates it could serve, so a second burst is handed out warm", async () => {
-  const g = await startTestKiln({ env: { KILN_WARM_POOL: "1", KILN_WARM_POOL_MAX: "3" } });
+/** Waits (polling the pool, bounded) until `ok` holds of its stats; meanwhile checks `always` on every look. */
+async function poolUntil(pool: WarmPool, what: string, ok: (s: ReturnType<WarmPool["stats"]>) => boolean, always?: (s: ReturnType<WarmPool["stats"]>) => void) {
+  const deadline = Date.now() + 180_000;
+  for (;;) {
+    const s = pool.stats();
+    always?.(s);
+    if (ok(s)) return;
+    if (Date.now() > deadline) throw new Error(`the warm pool did not get to: ${what} (${JSON.stringify(s)})`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
+test("by default the pool follows demand: a burst grows it so the next burst is handed out warm, and it shrinks back once the creates stop", async () => {
+  // No KILN_WARM_POOL_MAX: the default (auto). An idle window long enough for the refills of a loaded host, short
+  // enough that the shrink comes within the test.
+  const g = await startTestKiln({ env: { KILN_WARM_POOL: "1", KILN_WARM_POOL_IDLE_S: "15" } });
   const pool = g.kiln.services.pool;
-  const filled = async (n: number) => {
-    const deadline = Date.now() + 180_000;
-    while (pool.stats().ready < n) {
-      if (Date.now() > deadline) throw new Error(`the warm pool did not reach ${n}: ${JSON.stringify(pool.stats())}`);
-      await new Promise((r) => setTimeout(r, 50));
-    }
-  };
   const ids: string[] = [];
   try {
-    await filled(1);
+    assert.ok(pool.stats().max >= 3, `auto lets the pool grow on this host: ${JSON.stringify(pool.stats())}`);
+    await poolUntil(pool, "1 ready", (s) => s.ready >= 1);
     assert.equal(pool.stats().size, 1);
     // A shape the pool cannot hold is no demand for it.
     const off = await g.call("POST", "/v1/machines", { body: { internet: false } });
@@ -117,13 +129,87 @@ test("KILN_WARM_POOL_MAX: the pool grows with the creates it could serve, so a s
       return made.map((m) => m.body.id as string);
     };
     await burst();
-    assert.equal(pool.stats().size, 3, "three creates in the last minute: a pool of three");
-    await filled(3);
+    assert.equal(pool.stats().size, 3, "three creates within a second: a pool of three");
+    await poolUntil(pool, "3 ready", (s) => s.ready >= 3);
     const pooled = new Set(pool.stats().ids);
     const second = await burst();
     assert.deepEqual(second.filter((id) => !pooled.has(id)), [], "every create of the second burst took a pooled machine");
+    const dels = await Promise.all(ids.splice(0).map((id) => g.call("DELETE", `/v1/machines/${id}`)));
+    for (const d of dels) assert.equal(d.status, 200, d.text);
+    // The second burst's refills bring it back to three; with no create for the idle window it goes back to one.
+    await poolUntil(pool, "back to its size", (s) => s.size === 1 && s.ready + s.booting <= 1);
+    await poolUntil(pool, "refilled to its size", (s) => s.ready === 1);
+    // What it released is destroyed: the runtime holds only the one pooled machine.
+    const kept = pool.stats().ids;
+    const deadline = Date.now() + 60_000;
+    let live = (await g.kiln.services.driver.listLive()).map((m) => m.id);
+    while (live.some((id) => !kept.includes(id)) && Date.now() < deadline) {
+      await new Promise((r) => setTimeout(r, 200));
+      live = (await g.kiln.services.driver.listLive()).map((m) => m.id);
+    }
+    assert.deepEqual(live, kept, "the released idle machines are destroyed");
   } finally {
     await Promise.all(ids.map((id) => g.call("DELETE", `/v1/machines/${id}`)));
     await g.close();
+  }
+});
+
+test("the default bound comes from the memory floor: a burst larger than it grows the pool only to it", async () => {
+  // 64 MiB of floor is two idle machines' worth (32 MiB each): a burst of four asks for four, the pool keeps two.
+  const g = await startTestKiln({ env: { KILN_WARM_POOL: "1", KILN_MIN_FREE_MEMORY_MB: "64" } });
+  const pool = g.kiln.services.pool;
+  const ids: string[] = [];
+  const within = (s: ReturnType<WarmPool["stats"]>) => assert.ok(s.ready + s.booting <= 2, `the pool stays within its bound: ${JSON.stringify(s)}`);
+  try {
+    assert.equal(pool.stats().max, 2);
+    await poolUntil(pool, "1 ready", (s) => s.ready >= 1, within);
+    const made = await Promise.all([0, 1, 2, 3].map(() => g.call("POST", "/v1/machines", { body: {} })));
+    for (const m of made) assert.equal(m.status, 201, m.text);
+    ids.push(...made.map((m) => m.body.id));
+    assert.equal(pool.stats().size, 2, "four creates within a second, a bound of two");
+    await poolUntil(pool, "2 ready", (s) => s.ready >= 2, within);
+    // It stays there (no boot above the bound is started later).
+    for (let i = 0; i < 20; i++) {
+      within(pool.stats());
+      await new Promise((r) => setTimeout(r, 50));
+    }
+  } finally {
+    await Promise.all(ids.map((id) => g.call("DELETE", `/v1/machines/${id}`)));
+    await g.close();
+  }
+});
+
+test("above its size the pool boots only while the host is above the admission floors", async () => {
+  // A real admission whose memory floor no host meets, and one with no floor, on the server's own driver.
+  const db = k.kiln.services.store.db;
+  const limits = { dataDir: k.dataDir, maxDiskMb: 1 << 20, minFreeDiskMb: 0 };
+  const base = await k.kiln.services.templates.resolve("local/base");
+  const shape = { artifactId: base.artifact.id, layers: base.layers, vcpus: 1, memoryMb: 1024 };
+  const want = { artifactId: base.artifact.id, vcpus: 1, memoryMb: 1024, diskMb: DEFAULT_DISK_MB, internet: true, network: false };
+  for (const [floor, grows] of [[1 << 30, false], [0, true]] as const) {
+    const admission = createAdmission({ db, limits: { ...limits, minFreeMemoryMb: floor } });
+    const p = createWarmPool({ driver: k.kiln.services.driver, size: 1, demand: { max: 3, room: () => admission.idleRoom(512) }, log: k.kiln.log });
+    const taken: string[] = [];
+    try {
+      p.configure(shape);
+      await poolUntil(p, "its size", (s) => s.ready >= 1, (s) => assert.ok(s.ready + s.booting <= 1 || grows, JSON.stringify(s)));
+      for (let i = 0; i < 3; i++) {
+        const live = p.take(want);
+        if (live) taken.push(live.id);
+      }
+      assert.equal(p.stats().size, 3, "three asks within a second");
+      if (grows) await poolUntil(p, "grown to 3", (s) => s.ready >= 3);
+      else {
+        // Under the floor: it keeps (and refills) its size only.
+        await poolUntil(p, "refilled to its size", (s) => s.ready >= 1, (s) => assert.ok(s.ready + s.booting <= 1, `no boot above the size under the floor: ${JSON.stringify(s)}`));
+        for (let i = 0; i < 20; i++) {
+          assert.ok(p.stats().ready + p.stats().booting <= 1, JSON.stringify(p.stats()));
+          await new Promise((r) => setTimeout(r, 50));
+        }
+      }
+    } finally {
+      await p.close();
+      await Promise.all(taken.map((id) => k.kiln.services.driver.destroy(id)));
+    }
   }
 });
