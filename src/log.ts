@@ -63,6 +63,7 @@ export function redactDeep(value: unknown, depth = 0): unknown {
 
 /** Removes the value of edge_token (and any *token*) and signature (E2B's signed file URLs) query parameters from a URL or path. */
 export function scrubUrl(url: string): string {
+  if (!url.includes("=")) return url; // no parameter value: nothing to scrub (the common case, on every request line)
   return url.replace(/([?&][^=&#]*(?:token|signature)[^=&#]*=)[^&#]*/gi, "$1[Redacted]");
 }
 
@@ -90,9 +91,19 @@ export function createLogger(opts: { level?: string; pretty?: boolean; destinati
  * Where a server's log lines go: buffered, written when LOG_BUFFER_BYTES gather or every LOG_FLUSH_MS, and flushed
  * synchronously when the process exits (pino registers that), instead of one write(2) per line. A request line then
  * costs its formatting, not a system call; a kill -9 can lose at most the last LOG_FLUSH_MS of lines.
+ *
+ * Lines are kept as Buffers (sonic-boom's buffer mode): its text mode measures the whole pending string on every
+ * line (Buffer.byteLength of a growing concatenation), which cost more per request line than formatting it. While
+ * the output does not drain (a stuck pipe), lines past LOG_BUFFER_MAX_BYTES are dropped instead of held.
  */
 export function bufferedDestination(dest: number | string): pino.DestinationStream {
-  return pino.destination({ dest, sync: false, minLength: LOG_BUFFER_BYTES, periodicFlush: LOG_FLUSH_MS });
+  const stream = pino.destination({ dest, sync: false, contentMode: "buffer", minLength: LOG_BUFFER_BYTES, maxWrite: LOG_WRITE_MAX_BYTES, maxLength: LOG_BUFFER_MAX_BYTES, periodicFlush: LOG_FLUSH_MS });
+  // pino writes strings; buffer mode takes Buffers. The instance keeps its own flush/flushSync/end (pino's exit flush).
+  const writeBuffer = stream.write.bind(stream) as unknown as (data: Buffer) => boolean;
+  stream.write = (line: string) => writeBuffer(Buffer.from(line));
+  return stream;
 }
-const LOG_BUFFER_BYTES = 4096;
+const LOG_BUFFER_BYTES = 32 * 1024;
+const LOG_WRITE_MAX_BYTES = 64 * 1024;
+const LOG_BUFFER_MAX_BYTES = 16 * 1024 * 1024;
 const LOG_FLUSH_MS = 100;

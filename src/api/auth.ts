@@ -10,6 +10,7 @@ import type { App } from "./app-type.ts";
 import { KilnError } from "../errors.ts";
 import type { KeyService } from "../keys/service.ts";
 import { hasClusterHeaders } from "../hosts/cluster-auth.ts";
+import { routeConfigOf } from "./route-config.ts";
 import type { Forwarded } from "../hosts/cluster-auth.ts";
 
 /** Checks a forwarded request's cluster signature (src/hosts/cluster-auth.ts): who sent it for which key, or throws. */
@@ -178,7 +179,8 @@ export function createAuth(keys: KeyService) {
     app.addHook("onRequest", (req, reply, done) => {
       reply.header("x-request-id", req.id);
       // An unmatched path needs a key like any API route, so route existence is not revealed to strangers.
-      const kind: AuthKind = req.is404 ? "key" : (req.routeOptions.config as { auth: AuthKind }).auth;
+      const route = routeConfigOf(req);
+      const kind: AuthKind = route.url === undefined ? "key" : (route.auth as AuthKind);
       let forwarded: Forwarded | undefined;
       if (hasClusterHeaders(req.headers)) {
         // A forged or replayed forward never falls back to other credentials.

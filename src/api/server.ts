@@ -10,6 +10,7 @@ import type { TypeBoxTypeProvider } from "@fastify/type-provider-typebox";
 import { KilnError, toEnvelope } from "../errors.ts";
 import { newId } from "../store/ids.ts";
 import { scrubUrl } from "../log.ts";
+import { routeConfigOf } from "./route-config.ts";
 import type { Logger } from "../log.ts";
 import type { Services } from "../services/index.ts";
 import { healthRoutes } from "./routes/health.ts";
@@ -189,7 +190,7 @@ export async function buildServer(opts: ServerOptions): Promise<App> {
   // One line per answered request; a refused WebSocket upgrade then ends its connection (it can never become a socket).
   app.addHook("onResponse", (req, reply, done) => {
     req.log.info({ method: req.method, url: scrubUrl(req.url), status: reply.statusCode, ms: Math.round(reply.elapsedTime * 100) / 100 }, "request");
-    metrics.observeRequest(req.method, req.is404 ? "unmatched" : (req.routeOptions.url ?? "unmatched"), reply.statusCode, reply.elapsedTime / 1000);
+    metrics.observeRequest(req.method, routeConfigOf(req).url ?? "unmatched", reply.statusCode, reply.elapsedTime / 1000);
     if (req.headers.upgrade && reply.statusCode >= 400) req.raw.socket?.destroy();
     done();
   });

@@ -5,13 +5,16 @@
 import type { App } from "../api/app-type.ts";
 import { KilnError } from "../errors.ts";
 import type { HostRow } from "../store/schema.ts";
-import type { FastifyRequest } from "fastify";
+import type { FastifyReply, FastifyRequest } from "fastify";
 import type { Bound, Forwarder } from "./forward.ts";
 import { boundTo } from "./forward.ts";
 import type { Placement } from "./placement.ts";
+import { routeConfigOf } from "../api/route-config.ts";
 
 /** A create body placement may hold to try another host; creates are small JSON documents. */
 const CREATE_BODY_MAX = 1024 * 1024;
+/** The create routes placement chooses a host for: Kiln's and E2B's. */
+const PLACED_CREATES = new Set(["/v1/machines", "/sandboxes", "/v2/sandboxes"]);
 
 /**
  * What a layer outside /v1 (E2B's) says a request is bound to; asked after Kiln's own routes' rule. A promise when
@@ -34,8 +37,9 @@ export function installClusterRouting(
   const { forwarder, placement, hostId } = deps;
 
   app.addHook("onRequest", (req, reply, done) => {
-    if (req.is404 || req.forwardedBy !== undefined) return done();
-    const bound = boundTo(req.method, req.routeOptions.url, req.params as Record<string, string | undefined>) ?? deps.boundOf?.(req);
+    const route = routeConfigOf(req);
+    if (route.url === undefined || req.forwardedBy !== undefined) return done();
+    const bound = boundTo(req.method, route.url, req.params as Record<string, string | undefined>) ?? deps.boundOf?.(req);
     if (!bound) return done();
     const owner = bound instanceof Promise ? bound.then((b) => (b ? forwarder.ownerOf(b) : undefined)) : forwarder.ownerOf(bound);
     owner.then(
@@ -54,10 +58,17 @@ export function installClusterRouting(
   });
 
   // Placement sees the parsed body (before validation), so it can send the same create to another host if the first
-  // refuses for now (503); the chosen host validates and admits it as any create. Kiln's create and E2B's.
-  app.addHook("preValidation", async (req, reply) => {
+  // refuses for now (503); the chosen host validates and admits it as any create. Kiln's create and E2B's. Only those
+  // routes carry the hook: an async hook on every route costs every request a promise.
+  app.addHook("onRoute", (route) => {
+    const methods = Array.isArray(route.method) ? route.method : [route.method];
+    if (!methods.includes("POST") || !PLACED_CREATES.has(route.url)) return;
+    const own = route.preValidation;
+    route.preValidation = [place, ...(own === undefined ? [] : Array.isArray(own) ? own : [own])]; // first, as an app-wide hook ran
+  });
+  async function place(req: FastifyRequest, reply: FastifyReply) {
     if (req.method !== "POST") return;
-    const url = req.routeOptions.url;
+    const url = routeConfigOf(req).url;
     const affinity = url === "/v1/machines" ? nativeAffinity : url === "/sandboxes" || url === "/v2/sandboxes" ? e2bAffinity : undefined;
     if (!affinity) return;
     if (req.forwardedBy !== undefined) {
@@ -101,7 +112,7 @@ export function installClusterRouting(
       req.log.info({ host_id: host.id }, "a host refused a create for now (503 or unreachable); placing it on the next");
     }
     throw new KilnError("unavailable", "Every active host refused the create for now (503); try again later", { detail: { retryable: true } });
-  });
+  }
 
   /**
    * Where a create must go whatever the capacities, if anywhere: a machine from a snapshot goes where the snapshot's

@@ -10,7 +10,7 @@
 // user and working directory, and the create's envs are set in its os.environ (POST /code/adopt): it sees what a
 // kernel started after the create would see. Per-call envs of an execute apply to that execute, as always.
 
-import { createAgentClient } from "../runtime/agent-client.ts";
+import type { AgentClient } from "../runtime/agent-client.ts";
 import type { LiveMachine, MachineDriver } from "../runtime/driver.ts";
 import { newId } from "../store/ids.ts";
 import type { Logger } from "../log.ts";
@@ -98,21 +98,19 @@ const MAX_TIMES = 256;
 /** Recent rate: creates within this last stretch size the pool (≥ 1 while the template is hot). */
 const RATE_WINDOW_MS = 60_000;
 
-/** Starts the template's default Python kernel through the pooled machine's agent: an empty execute makes it. */
-async function startKernel(live: LiveMachine, t: HotTemplate): Promise<void> {
-  const agent = createAgentClient(live.agentSocket);
-  try {
-    const env = t.config.image.env;
-    if (Object.keys(env).length > 0) await agent.setEnvs(env);
-    const kernel = kernelOf(t);
-    if (!kernel) return;
-    const frames = await agent.codeExecute({ code: "", default_context: { id: newId("ctx"), language: "python", cwd: kernel.cwd, user: kernel.user }, timeout_ms: 60_000 });
-    let text = "";
-    for await (const chunk of frames) text = (text + String(chunk)).slice(-4096);
-    if (!text.includes('"type":"end"') || !text.includes('"status":"ok"')) throw new Error(`the pooled kernel did not start: ${text.slice(-300)}`);
-  } finally {
-    await agent.close().catch(() => undefined);
-  }
+/**
+ * Starts the template's default Python kernel through the pooled machine's agent (the client the warm pool prepares
+ * the machine with, and closes): an empty execute makes it.
+ */
+async function startKernel(agent: AgentClient, t: HotTemplate): Promise<void> {
+  const env = t.config.image.env;
+  if (Object.keys(env).length > 0) await agent.setEnvs(env);
+  const kernel = kernelOf(t);
+  if (!kernel) return;
+  const frames = await agent.codeExecute({ code: "", default_context: { id: newId("ctx"), language: "python", cwd: kernel.cwd, user: kernel.user }, timeout_ms: 60_000 });
+  let text = "";
+  for await (const chunk of frames) text = (text + String(chunk)).slice(-4096);
+  if (!text.includes('"type":"end"') || !text.includes('"status":"ok"')) throw new Error(`the pooled kernel did not start: ${text.slice(-300)}`);
 }
 
 export function createHotPools(deps: {
@@ -142,7 +140,7 @@ export function createHotPools(deps: {
       left -= target;
       if (target > 0 && !e.pool) {
         e.takes = { hit: 0, miss: 0 };
-        e.pool = createWarmPool({ driver, size: 0, log, boots: deps.boots, prepare: (live) => startKernel(live, e.t), room: deps.room });
+        e.pool = createWarmPool({ driver, size: 0, log, boots: deps.boots, prepare: (_live, agent) => startKernel(agent, e.t), room: deps.room });
         e.pool.hold(held);
         e.pool.configure({ artifactId: e.t.artifactId, layers: e.t.layers, vcpus: e.t.vcpus, memoryMb: e.t.memoryMb });
         log.info({ artifact_id: e.t.artifactId, size: target }, "a hot template gets a warm pool of its own");

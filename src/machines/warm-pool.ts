@@ -15,6 +15,7 @@ import type { Logger } from "../log.ts";
 import type { BootQueue } from "./boot-queue.ts";
 import { once } from "node:events";
 import { createAgentClient } from "../runtime/agent-client.ts";
+import type { AgentClient } from "../runtime/agent-client.ts";
 
 export interface PoolShape {
   artifactId: string;
@@ -54,14 +55,26 @@ const SHRINK_EVERY_MS = 5_000;
  * frame parsing) on first use: ≈ 15 ms of CPU in the machine that the first stream of its user (an E2B command, a
  * native WebSocket) would otherwise wait for. A pooled machine pays it before anyone waits.
  */
-async function warmStreamPath(live: LiveMachine): Promise<void> {
-  const agent = createAgentClient(live.agentSocket);
+async function warmStreamPath(agent: AgentClient): Promise<void> {
   const ws = agent.openStream();
   try {
     await once(ws, "open");
   } finally {
     ws.terminate();
-    await agent.close();
+  }
+}
+
+/**
+ * A booted machine made ready for handout, through one agent client (closed after): its stream path warmed, then the
+ * pool's own step (`prepare`: a hot template's kernel), so the steps share the client's connection to the agent.
+ */
+async function prepareBooted(live: LiveMachine, prepare?: (live: LiveMachine, agent: AgentClient) => Promise<void>): Promise<void> {
+  const agent = createAgentClient(live.agentSocket);
+  try {
+    await warmStreamPath(agent);
+    await prepare?.(live, agent);
+  } finally {
+    await agent.close().catch(() => undefined);
   }
 }
 
@@ -76,8 +89,11 @@ export function createWarmPool(deps: {
   log: Logger;
   /** Refills boot in a slot no create waits for (boot-queue.ts). */
   boots?: BootQueue;
-  /** Run on each booted machine before it is ready (a hot template's: its default kernel started); a failure destroys it. */
-  prepare?: (live: LiveMachine) => Promise<void>;
+  /**
+   * Run on each booted machine before it is ready (a hot template's: its default kernel started), with the agent client
+   * the pool's own preparation uses (the pool closes it); a failure destroys the machine.
+   */
+  prepare?: (live: LiveMachine, agent: AgentClient) => Promise<void>;
   /** Checked before each boot: false while the host has no room for another idle machine (the admission floors). */
   room?: () => boolean;
 }): WarmPool {
@@ -155,8 +171,7 @@ export function createWarmPool(deps: {
         started++;
         try {
           const live = await driver.create(spec);
-          await warmStreamPath(live);
-          await deps.prepare?.(live);
+          await prepareBooted(live, deps.prepare);
           return live;
         } finally {
           started--;

@@ -101,7 +101,9 @@ function failure(file: string, args: string[], r: HostCommandReply): ExecError {
 
 /**
  * As promisified `execFile`: resolves with the output of a command that exited 0, rejects with an error carrying
- * `code`, `signal`, `stdout` and `stderr` otherwise. `input` is written to its stdin.
+ * `code`, `signal`, `stdout` and `stderr` otherwise. `input` is written to its stdin. Output (stdout and stderr
+ * together) is bounded by `maxBuffer` (1 MiB unless given): a command that prints more is ended (SIGTERM) and the
+ * call rejects with code ERR_CHILD_PROCESS_STDIO_MAXBUFFER, as execFile's; nothing past the cap is kept.
  */
 export async function execHost(file: string, args: string[], opts: { timeout?: number; maxBuffer?: number; input?: string } = {}): Promise<{ stdout: string; stderr: string }> {
   const r = await request({ file, args, stdio: [opts.input === undefined ? "ignore" : "pipe", "pipe", "pipe"], input: opts.input, maxBuffer: opts.maxBuffer ?? DEFAULT_MAX_BUFFER, timeoutMs: opts.timeout });

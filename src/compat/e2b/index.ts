@@ -20,6 +20,7 @@ import { templateBuilderRoutes } from "./templates.ts";
 import type { ProxyLimits } from "../../deployments/proxy.ts";
 import type { Auth } from "../../api/auth.ts";
 import { presentedKey, unauthorized } from "../../api/auth.ts";
+import { routeConfigOf } from "../../api/route-config.ts";
 import type { Bound } from "../../hosts/forward.ts";
 
 export const ENVD_PORT = 49983;
@@ -72,14 +73,14 @@ const HOST_BOUND_CONTROL = /^\/(v2\/)?sandboxes\/:id(\/|$)/;
  * volumes' records) any server answers from the store.
  */
 export function e2bBoundOf(req: FastifyRequest): Bound | undefined | Promise<Bound | undefined> {
-  const config = req.routeOptions.config as { e2b?: string; hostBound?: (req: FastifyRequest) => Promise<Bound | undefined> } | undefined;
+  const config = routeConfigOf(req) as { e2b?: string; hostBound?: (req: FastifyRequest) => Promise<Bound | undefined>; url?: string };
   // A route that finds its host in the store says so itself (the template builder's: templates.ts).
   if (config?.hostBound) return config.hostBound(req);
   if (config?.e2b === "envd" || config?.e2b === "jupyter") {
     const id = sandboxIdOf(req);
     return id ? { kind: "machines", id } : undefined;
   }
-  const url = req.routeOptions.url ?? "";
+  const url = config.url ?? "";
   const param = (req.params as { id?: unknown } | undefined)?.id;
   if (typeof param !== "string") return undefined;
   if (HOST_BOUND_CONTROL.test(url)) {
@@ -135,7 +136,7 @@ export async function e2bCompat(app: FastifyInstance, opts: E2bOptions) {
   // envd's /files also takes a signed URL instead of the token (`secure: true` downloadUrl/uploadUrl), as envd does.
   opts.auth.provide("envd-token", async (req) => {
     const presented = req.headers["x-access-token"] ?? req.headers["e2b-traffic-access-token"];
-    if (presented === undefined && req.routeOptions.url === "/files") return signedKeyOf(req);
+    if (presented === undefined && routeConfigOf(req).url === "/files") return signedKeyOf(req);
     const keyId = await envdKeyOf(sandboxIdOf(req), presented);
     if (keyId === undefined) throw unauthorized("invalid or missing X-Access-Token for this sandbox");
     return keyId;

@@ -22,6 +22,8 @@ import type { Static } from "typebox";
 import tar from "tar-stream";
 import type { Services } from "../../services/index.ts";
 import type { Bound } from "../../hosts/forward.ts";
+import type { Selectable } from "kysely";
+import type { E2bBuildRequestsTable } from "../../store/schema.ts";
 import { KilnError } from "../../errors.ts";
 import { Compile } from "typebox/compile";
 import { BuildRequest } from "../../builder/request.ts";
@@ -348,10 +350,21 @@ export async function templateBuilderRoutes(
     done();
   });
 
+  /**
+   * The stored request of a build, read once per API request: the cluster's routing hook asks for its host (hostBound)
+   * and the route's handler for the request itself (pendingOf), and both get the one read.
+   */
+  const requestRows = new WeakMap<FastifyRequest, Promise<Selectable<E2bBuildRequestsTable> | undefined>>();
+  function requestRowOf(req: FastifyRequest, buildId: string): Promise<Selectable<E2bBuildRequestsTable> | undefined> {
+    let row = requestRows.get(req);
+    if (!row) requestRows.set(req, (row = db.selectFrom("e2b_build_requests").selectAll().where("id", "=", buildId).executeTakeFirst()));
+    return row;
+  }
+
   /** A requested build not started and not expired, as the store holds it. */
-  async function pendingOf(buildId: string): Promise<PendingBuild | undefined> {
-    const row = await db.selectFrom("e2b_build_requests").selectAll().where("id", "=", buildId).where("expires_at", ">=", new Date().toISOString()).executeTakeFirst();
-    if (!row) return undefined;
+  async function pendingOf(req: FastifyRequest, buildId: string): Promise<PendingBuild | undefined> {
+    const row = await requestRowOf(req, buildId);
+    if (!row || row.expires_at < new Date().toISOString()) return undefined;
     return { templateId: row.template_id, name: row.name, tags: JSON.parse(row.tags_json) as string[], vm: JSON.parse(row.vm_json) as PendingBuild["vm"], keyId: row.key_id, hostId: row.host_id };
   }
 
@@ -460,11 +473,11 @@ export async function templateBuilderRoutes(
   // 3. The steps: one Kiln build, under the id reserved at step 1, on the host the request names (where the uploads
   // are); it runs detached, as every Kiln build.
   const BuildParams = Type.Object({ id: Type.String({ maxLength: 256 }), buildId: Type.String({ maxLength: 128 }) });
-  const requestHostOf = async (buildId: string) => (await db.selectFrom("e2b_build_requests").select("host_id").where("id", "=", buildId).executeTakeFirst())?.host_id;
-  const startRoute = { config: { ...keyRoute.config, hostBound: async (req: FastifyRequest) => onHost(await requestHostOf((req.params as { buildId: string }).buildId)) } };
+  const requestHostOf = async (req: FastifyRequest) => (await requestRowOf(req, (req.params as { buildId: string }).buildId))?.host_id;
+  const startRoute = { config: { ...keyRoute.config, hostBound: async (req: FastifyRequest) => onHost(await requestHostOf(req)) } };
   app.post("/v2/templates/:id/builds/:buildId", { ...startRoute, schema: { hide: true, params: BuildParams, body: StartBody } }, async (req, reply) => {
     const { id, buildId } = req.params as Static<typeof BuildParams>;
-    const p = await pendingOf(buildId);
+    const p = await pendingOf(req, buildId);
     if (!p || p.templateId !== id) {
       const started = await services.store.db.selectFrom("builds").select("id").where("id", "=", buildId).where("template_id", "=", id).executeTakeFirst();
       if (started) throw new KilnError("conflict", `Build ${buildId} has already started`);
@@ -489,13 +502,13 @@ export async function templateBuilderRoutes(
   // Answered by the building host (its log's newest entries are there first): the request's host, then the build's.
   const statusRoute = { config: { ...keyRoute.config, hostBound: async (req: FastifyRequest): Promise<Bound> => {
     const { buildId } = req.params as { buildId: string };
-    return onHost(await requestHostOf(buildId)) ?? { kind: "builds", id: buildId };
+    return onHost(await requestHostOf(req)) ?? { kind: "builds", id: buildId };
   } } };
   const StatusQuery = Type.Object({ logsOffset: Type.Optional(Type.Integer({ minimum: 0 })), limit: Type.Optional(Type.Integer({ minimum: 1, maximum: 100 })), level: Type.Optional(Type.String()) }, { additionalProperties: true });
   app.get("/templates/:id/builds/:buildId/status", { ...statusRoute, schema: { hide: true, params: BuildParams, querystring: StatusQuery } }, async (req) => {
     const { id, buildId } = req.params as Static<typeof BuildParams>;
     const q = req.query as Static<typeof StatusQuery>;
-    const p = await pendingOf(buildId);
+    const p = await pendingOf(req, buildId);
     if (p && p.templateId === id) return { templateID: id, buildID: buildId, status: "waiting", logEntries: [], logs: [] };
     const row = await services.store.db.selectFrom("builds").select(["status", "failure_reason"]).where("id", "=", buildId).where("template_id", "=", id).executeTakeFirst();
     if (!row) throw new KilnError("not_found", `No build ${buildId} of template ${id}`);

@@ -419,9 +419,12 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     renamed?.catch(() => undefined);
     await Promise.all([
       agentReady.then(() => (tAgent = performance.now())),
-      spec.internet && !netnsFirst ? egressCgroup!.then((cgroupProcs) => startSlirp({ target: { pid: pid! }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs })).then(() => (tNet = performance.now())) : undefined,
+      // runc with internet: slirp4netns's start sets the loopback's quickack too (one host command for both).
+      spec.internet && !netnsFirst
+        ? egressCgroup!.then((cgroupProcs) => startSlirp({ target: { pid: pid! }, hostAccess: opts.hostAccess, pidFile: p.slirpPid, logFile: p.slirpLog, cgroupProcs, quickAck: opts.runtime === "runc" })).then(() => (tNet = performance.now()))
+        : undefined,
       // A slow loopback costs latency, not correctness: the machine boots either way.
-      opts.runtime === "runc" ? quickAckLoopback(pid!).catch((err: unknown) => opts.log.warn({ err, machine_id: spec.id }, "the machine's loopback keeps delayed ACKs")) : undefined,
+      opts.runtime === "runc" && !spec.internet ? quickAckLoopback(pid!).catch((err: unknown) => opts.log.warn({ err, machine_id: spec.id }, "the machine's loopback keeps delayed ACKs")) : undefined,
     ]);
     // Machine root could otherwise swap its socket for a symlink the host would follow (to another machine's agent).
     if (!passFd) await Promise.all([chown(p.run, 0, 0), chmod(p.run, 0o755), rm(join(p.run, RELISTEN_FILE), { force: true })]);

@@ -33,11 +33,15 @@ export type SlirpTarget = { pid: number } | { netnsPath: string };
 /**
  * `cgroupProcs`: the cgroup.procs file of the machine's egress cgroup. slirp4netns is started by a shell that moves
  * itself there first, so every socket slirp4netns ever opens carries that cgroup (the host filters on it).
+ * `quickAck` (a runc machine's boot, pid target only): the same shell first sets quickack on the machine's loopback
+ * (quickAckLoopback), so a boot with internet runs one host command for its network, not two. That step failing is
+ * written to the slirp log and does not stop the boot, as quickAckLoopback's failure does not.
  */
-export async function startSlirp(opts: { target: SlirpTarget; hostAccess: boolean; pidFile: string; logFile: string; cgroupProcs: string; configure?: boolean }): Promise<number> {
+export async function startSlirp(opts: { target: SlirpTarget; hostAccess: boolean; pidFile: string; logFile: string; cgroupProcs: string; configure?: boolean; quickAck?: boolean }): Promise<number> {
   const target = "pid" in opts.target ? [String(opts.target.pid)] : ["--netns-type=path", opts.target.netnsPath];
   const args = [...(opts.configure === false ? [] : ["--configure"]), "--mtu=65520", "--ready-fd=3", ...(opts.hostAccess ? [] : ["--disable-host-loopback"]), ...target, TAP];
-  const inCgroup = ["-c", 'echo 0 > "$0" && exec slirp4netns "$@"', opts.cgroupProcs, ...args];
+  const quickAck = opts.quickAck && "pid" in opts.target ? `${quickAckScript(opts.target.pid)}\n` : "";
+  const inCgroup = ["-c", `echo 0 > "$0" || exit\n${quickAck}exec slirp4netns "$@"`, opts.cgroupProcs, ...args];
   // Started detached by the host command helper (host-commands.ts), which answers once slirp4netns says it is ready.
   const pid = await startDaemon("/bin/sh", inCgroup, { log: opts.logFile, timeoutMs: SLIRP_READY_MS }).catch((err: unknown) => {
     const e = err as { code?: unknown; signal?: unknown; message: string };
@@ -96,10 +100,19 @@ export async function makeNetns(path: string): Promise<void> {
  * connection looks interactive. Loopback has no wire to save ACKs for. runsc machines have gVisor's own stack.
  */
 export async function quickAckLoopback(pid: number): Promise<void> {
-  const routes = ["127.0.0.1", "127.0.0.0/8"].map((dst) => `route change local ${dst} dev lo table local proto kernel scope host src 127.0.0.1 quickack 1`);
-  await exec("nsenter", [`--net=/proc/${pid}/ns/net`, "ip", "-batch", "-"], { timeout: 5000, input: routes.join("\n") + "\n" }).catch((err: { stderr?: string; message: string }) => {
+  await exec("nsenter", [`--net=/proc/${pid}/ns/net`, "ip", "-batch", "-"], { timeout: 5000, input: QUICKACK_ROUTES.join("\n") + "\n" }).catch((err: { stderr?: string; message: string }) => {
     throw new Error(`setting quickack on the machine's loopback failed: ${(err.stderr || err.message).trim().slice(0, 300)}`);
   });
+}
+
+/** The `ip` batch quickAckLoopback runs: the loopback's two local routes, changed only in their quickack metric. */
+const QUICKACK_ROUTES = ["127.0.0.1", "127.0.0.0/8"].map((dst) => `route change local ${dst} dev lo table local proto kernel scope host src 127.0.0.1 quickack 1`);
+
+/** quickAckLoopback as a line of shell (startSlirp's): the routes are constant text, the pid a number. */
+function quickAckScript(pid: number): string {
+  if (!Number.isSafeInteger(pid) || pid <= 0) throw new Error(`not a pid: ${pid}`);
+  const lines = QUICKACK_ROUTES.map((r) => `'${r}'`).join(" ");
+  return `printf '%s\\n' ${lines} | timeout 2 nsenter --net=/proc/${pid}/ns/net ip -batch - || echo "kiln: setting quickack on the machine's loopback failed" >&2`;
 }
 
 /** Releases a namespace made by makeNetns: once unmounted and unused, the kernel frees it. */
