@@ -17,6 +17,7 @@ import os
 import re
 import select
 import sys
+import time
 
 # Frames go to a private copy of fd 1; fd 1 itself becomes stderr, so nothing the kernel (or a library) prints at
 # the file-descriptor level can corrupt the protocol stream.
@@ -32,12 +33,15 @@ _ansi = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # FRAME_TEXT: the frames of a short execute (its result and done) reach the agent in one write, one wake-up.
 _out = []
 _out_bytes = 0
+_out_since = 0.0
 HOLD_MS = 5
 
 
 def emit(frame):
-    global _out_bytes
+    global _out_bytes, _out_since
     data = (json.dumps(frame, ensure_ascii=False) + "\n").encode("utf-8")
+    if not _out:
+        _out_since = time.monotonic()
     _out.append(data)
     _out_bytes += len(data)
     if _out_bytes >= FRAME_TEXT:
@@ -252,6 +256,8 @@ class Channels:
         """
         wait = None if timeout is None else int(timeout * 1000)
         ready = None
+        if _out and (time.monotonic() - _out_since) * 1000 >= HOLD_MS:
+            flush_frames()  # messages that keep coming do not hold frames back longer
         if _out:
             ready = dict(self.poller.poll(HOLD_MS if wait is None else min(wait, HOLD_MS)))
             if not ready:
@@ -295,8 +301,6 @@ class Channels:
         Until the kernel answers kernel_info on shell and this iopub subscription sees its status: a subscriber that
         joined late would miss the first execute's output.
         """
-        import time
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             msg_id = self.send("kernel_info_request", {})
@@ -332,8 +336,6 @@ def set_environ(kc, envs, keep_old=False):
 
 def run_silent(kc, code):
     msg_id = kc.execute(code, silent=True, store_history=False)
-    import time
-
     until = time.monotonic() + 30
     while time.monotonic() < until:
         got = kc.next(0.5)
