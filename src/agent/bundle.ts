@@ -57,6 +57,7 @@ export async function bundleAgent(outDir: string): Promise<void> {
     legalComments: "none",
   });
   await copyFile(join(import.meta.dirname, "kernels", "python_bridge.py"), join(outDir, "kernels", "python_bridge.py"));
+  await copyFile(join(import.meta.dirname, "kernels", "python_kernel.py"), join(outDir, "kernels", "python_kernel.py"));
   for (const pkg of ["@lydell/node-pty", "@lydell/node-pty-linux-x64"]) {
     const from = dirname(require.resolve(`${pkg}/package.json`));
     await cp(from, join(outDir, "node_modules", pkg), { recursive: true, filter: (src) => !/\.(md|d\.ts|map)$/.test(src) });

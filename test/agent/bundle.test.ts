@@ -29,7 +29,7 @@ test("the bundle is one agent.mjs, the kernels' files, node-pty's runtime files 
   assert.ok(files.includes("agent.mjs"));
   assert.ok(files.includes("node_modules/@lydell/node-pty-linux-x64/pty.node"));
   assert.ok(files.includes("node_modules/@lydell/node-pty/package.json"));
-  assert.deepEqual(files.filter((f) => !f.startsWith("node_modules/@lydell/node-pty")).sort(), ["agent.mjs", "kernels/js-kernel.mjs", "kernels/python_bridge.py", "native/xattr.node"]);
+  assert.deepEqual(files.filter((f) => !f.startsWith("node_modules/@lydell/node-pty")).sort(), ["agent.mjs", "kernels/js-kernel.mjs", "kernels/python_bridge.py", "kernels/python_kernel.py", "native/xattr.node"]);
 });
 
 test("the bundled agent keeps file metadata as user.e2b.* xattrs through its addon, and reads those set by others", async () => {

@@ -79,6 +79,30 @@ test("state persists between executes; stdout, stderr and the result come as NDJ
   assert.equal(end.execution_count, first.frames.at(-1)!.execution_count + 1);
 });
 
+test("output keeps the order it was made in around displays and the result (a thread's too); the working directory imports, the kernel's launcher does not", async () => {
+  const code = [
+    "import sys, threading",
+    "from IPython.display import display",
+    "print('a')",
+    "display('D')",
+    "print('b', file=sys.stderr)",
+    "print('c')",
+    "t = threading.Thread(target=lambda: print('t')); t.start(); t.join()",
+    "print('e', file=sys.stderr)",
+    "'R'",
+  ].join("\n");
+  for (let i = 0; i < 3; i++) {
+    const res = await run(code);
+    assert.deepEqual(
+      res.frames.map((f) => [f.type, f.text ?? f.data?.["text/plain"] ?? f.status]),
+      [["stdout", "a\n"], ["result", "'D'"], ["stdout", "c\nt\n"], ["stderr", "b\ne\n"], ["result", "'R'"], ["end", "ok"]],
+    );
+  }
+  const mod = await run("open('kiln_cwd_mod.py', 'w').write('X = 7')\nimport kiln_cwd_mod, sys, os\nprint([p for p in sys.path if p.rstrip('/').endswith('/kernels')])\nos.remove('kiln_cwd_mod.py')\nkiln_cwd_mod.X");
+  assert.equal(stdout(mod.frames), "[]\n");
+  assert.equal(resultText(mod.frames), "7");
+});
+
 test("an image/png result comes back as base64 of the exact bytes; html as text/html", async () => {
   const code = [
     "import zlib, struct, base64",

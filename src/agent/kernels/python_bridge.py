@@ -11,11 +11,13 @@
 # handing executes over through a queue cost a thread wake-up and a GIL hand-over on every execute).
 
 import collections
+import hmac
 import json
 import os
 import re
 import select
 import sys
+import time
 
 # Frames go to a private copy of fd 1; fd 1 itself becomes stderr, so nothing the kernel (or a library) prints at
 # the file-descriptor level can corrupt the protocol stream.
@@ -27,8 +29,32 @@ _commands = None
 _ansi = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
+# Frames wait here until the bridge would wait for the kernel (at most HOLD_MS), an execute is done, or they add up to
+# FRAME_TEXT: the frames of a short execute (its result and done) reach the agent in one write, one wake-up.
+_out = []
+_out_bytes = 0
+_out_since = 0.0
+HOLD_MS = 5
+
+
 def emit(frame):
+    global _out_bytes, _out_since
     data = (json.dumps(frame, ensure_ascii=False) + "\n").encode("utf-8")
+    if not _out:
+        _out_since = time.monotonic()
+    _out.append(data)
+    _out_bytes += len(data)
+    if _out_bytes >= FRAME_TEXT:
+        flush_frames()
+
+
+def flush_frames():
+    global _out_bytes
+    if not _out:
+        return
+    data = b"".join(_out)
+    _out.clear()
+    _out_bytes = 0
     while data:
         try:
             data = data[os.write(_proto, data) :]
@@ -69,6 +95,7 @@ def main():
         from jupyter_client.manager import KernelManager
 
         km = KernelManager(kernel_name="python3")
+        use_launcher(km.kernel_spec)
         # The kernel's input history stays in memory (In, Out, _i and %history of this session work; -l of past ones
         # does not): on disk it is a SQLite write per cell, in a thread that takes the kernel's GIL, ≈ 1–2 ms of every
         # execute. ipykernel 6 also sleeps 0.5 ms after every execute (`_execute_sleep`, "mitigates" lost output in its
@@ -79,12 +106,14 @@ def main():
         kc.wait_for_ready(timeout=60)
     except Exception as e:  # noqa: BLE001 - any start failure is reported to the agent, then the bridge exits
         emit({"type": "fatal", "error": "%s: %s" % (type(e).__name__, e)})
+        flush_frames()
         return 1
 
     provisioner = getattr(km, "provisioner", None)
     pid = getattr(provisioner, "pid", None) or getattr(getattr(provisioner, "process", None), "pid", None)
     kc.listen()
     emit({"type": "ready", "kernel_pid": pid})
+    flush_frames()
 
     commands = kc.commands
     while True:
@@ -113,6 +142,18 @@ def main():
     except Exception:  # noqa: BLE001 - the agent kills what is left
         pass
     return 0
+
+
+def use_launcher(spec):
+    """
+    The kernel runs from python_kernel.py beside this file (ipykernel with its IOPub messages sent without a thread
+    hand-over) where the kernel spec would run `python -m ipykernel_launcher`: the same interpreter and arguments. A
+    spec of another shape (a template's own kernel) is left as it is.
+    """
+    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python_kernel.py")
+    argv = list(spec.argv)
+    if len(argv) >= 3 and argv[1:3] == ["-m", "ipykernel_launcher"] and os.path.isfile(launcher):
+        spec.argv = [argv[0], launcher] + argv[3:]
 
 
 class Commands:
@@ -213,24 +254,53 @@ class Channels:
         The next message on either socket as (channel, msg), or None when `timeout` seconds (None: no bound) pass with
         none, or a command arrived (the caller looks at it before waiting again).
         """
-        ready = dict(self.poller.poll(None if timeout is None else int(timeout * 1000)))
+        wait = None if timeout is None else int(timeout * 1000)
+        ready = None
+        if _out and (time.monotonic() - _out_since) * 1000 >= HOLD_MS:
+            flush_frames()  # messages that keep coming do not hold frames back longer
+        if _out:
+            ready = dict(self.poller.poll(HOLD_MS if wait is None else min(wait, HOLD_MS)))
+            if not ready:
+                flush_frames()
+        if not ready:
+            ready = dict(self.poller.poll(wait))
         if self.commands.fd in ready:
             self.commands.read()
             return None
         for channel, sock in (("iopub", self.iopub), ("shell", self.shell)):
             if sock in ready:
-                _, msg = self.session.recv(sock, mode=self.zmq.NOBLOCK)
+                msg = self.recv(sock)
                 if msg is not None:
                     return channel, msg
         return None
+
+    def recv(self, sock):
+        """
+        One message, its signature checked as Session.deserialize does, without what the bridge never reads:
+        Session turns every date in the header and parent header into a datetime with dateutil's parser, about a
+        tenth of a millisecond each, four to a message, five messages to an execute.
+        """
+        try:
+            frames = sock.recv_multipart(self.zmq.NOBLOCK)
+        except self.zmq.Again:
+            return None
+        session = self.session
+        _, parts = session.feed_identities(frames, copy=True)
+        if len(parts) < 5:
+            return None
+        signature = parts[0]
+        if session.auth is not None:
+            if not signature or not hmac.compare_digest(signature, session.sign(parts[1:5])) or signature in session.digest_history:
+                return None
+            session._add_digest(signature)
+        header = session.unpack(parts[1])
+        return {"header": header, "msg_type": header.get("msg_type"), "parent_header": session.unpack(parts[2]), "content": session.unpack(parts[4])}
 
     def wait_for_ready(self, timeout):
         """
         Until the kernel answers kernel_info on shell and this iopub subscription sees its status: a subscriber that
         joined late would miss the first execute's output.
         """
-        import time
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             msg_id = self.send("kernel_info_request", {})
@@ -266,8 +336,6 @@ def set_environ(kc, envs, keep_old=False):
 
 def run_silent(kc, code):
     msg_id = kc.execute(code, silent=True, store_history=False)
-    import time
-
     until = time.monotonic() + 30
     while time.monotonic() < until:
         got = kc.next(0.5)
@@ -290,6 +358,7 @@ def run(km, kc, code):
             if not km.is_alive():
                 emit({"type": "error", "name": "KernelDied", "value": "The kernel process exited during the execution", "traceback": ""})
                 emit({"type": "done", "execution_count": count, "status": "died"})
+                flush_frames()
                 return
             continue
         channel, msg = got
@@ -310,6 +379,7 @@ def run(km, kc, code):
         elif kind == "status" and content.get("execution_state") == "idle":
             break
     emit({"type": "done", "execution_count": count, "status": status})
+    flush_frames()
 
 
 if __name__ == "__main__":
