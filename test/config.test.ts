@@ -15,6 +15,7 @@ test("defaults", () => {
   assert.equal(c.machineHostAccess, false);
   assert.equal(c.wsPingIntervalMs, 15_000);
   assert.equal(c.runscPlatform, "ptrace");
+  assert.equal(c.snapshotSpares, 4);
   assert.equal(c.edgeDomain, undefined, "no edge domain: the path form on KILN_PUBLIC_URL");
   assert.deepEqual(loadConfig({ KILN_EDGE_DOMAIN: "Edge.Example.com" }).edgeDomain, { host: "edge.example.com", port: undefined });
 });
@@ -30,6 +31,7 @@ for (const [name, value, pattern] of [
   ["KILN_INSECURE_REGISTRIES", "http://127.0.0.1:5000", /KILN_INSECURE_REGISTRIES/],
   ["KILN_EDGE_DOMAIN", "https://edge.example.com", /KILN_EDGE_DOMAIN/],
   ["KILN_EDGE_DOMAIN", "10.0.0.1", /KILN_EDGE_DOMAIN/],
+  ["KILN_SNAPSHOT_SPARES", "65", /KILN_SNAPSHOT_SPARES/],
 ] as const) {
   test(`${name}=${value} is refused with a message naming it`, () => {
     assert.throws(() => loadConfig({ [name]: value }), (err: unknown) => err instanceof ConfigError && pattern.test(err.message));

@@ -49,8 +49,8 @@ const PIDS_LIMIT = 4096;
 /** Disks of the default size kept formatted and mounted, so a create waits for neither mkfs nor mount. */
 const SPARE_DISKS = 3;
 /**
- * runsc: memory snapshots whose disk is kept copied and mounted ahead, so a machine restored from one takes it with two
- * renames (snapshot-spares.ts). Each holds a loop device.
+ * runsc: memory snapshots whose disk is kept copied and mounted ahead by default, so a machine restored from one takes
+ * it with two renames (snapshot-spares.ts). Each holds a loop device.
  */
 const SNAPSHOT_SPARES = 4;
 /** Machine ids become path components and runtime ids: nothing but these characters. */
@@ -84,6 +84,8 @@ export interface OciDriverOptions {
    * cannot); `off` (default here, `auto` in the server's config): plain copies. See disk-pool.ts.
    */
   diskPool?: DiskPoolMode;
+  /** runsc: memory snapshots whose disk is kept copied and mounted ahead (default 4; snapshot-spares.ts). */
+  snapshotSpares?: number;
 }
 
 /** Where a machine's disk image is: in the disk pool, or beside its mount point for a machine made before the pool. */
@@ -243,7 +245,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     dir: join(opts.dataDir, "snapshot-spares"),
     pool: async () => (await storage()).pool,
     owner: CANONICAL_BASE,
-    max: opts.runtime === "runsc" ? SNAPSHOT_SPARES : 0,
+    max: opts.runtime === "runsc" ? (opts.snapshotSpares ?? SNAPSHOT_SPARES) : 0,
     log: opts.log,
   });
   /** The snapshot a disk image in the snapshots dir belongs to (its directory's name). */
