@@ -56,8 +56,8 @@ export function createSnapshotSpares(opts: { dir: string; pool: () => Promise<Di
   async function make(snapshotId: string, disk: string): Promise<void> {
     await (swept ??= sweepNow());
     const pool = await opts.pool();
-    // The least recently used copy makes room; a copy of this snapshot would only be replaced by the same bytes.
-    while (ready.size >= opts.max) {
+    // The least recently used copies make room: those ready and those being made (this one too) stay within the bound.
+    while (ready.size > 0 && ready.size + making.size > opts.max) {
       const [oldest, name] = ready.entries().next().value!;
       ready.delete(oldest);
       await discard(name);
@@ -93,7 +93,7 @@ export function createSnapshotSpares(opts: { dir: string; pool: () => Promise<Di
 
   return {
     prepare(snapshotId, disk) {
-      if (closed || opts.max <= 0 || ready.has(snapshotId) || making.has(snapshotId) || !existsSync(disk)) return;
+      if (closed || making.size >= opts.max || ready.has(snapshotId) || making.has(snapshotId) || !existsSync(disk)) return;
       const job = make(snapshotId, disk)
         // A snapshot deleted meanwhile (a fork's, once its children are made) leaves nothing to say.
         .catch((err: unknown) => {
