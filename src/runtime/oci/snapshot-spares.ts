@@ -8,7 +8,8 @@
 // loop device and, until a machine writes to it, no blocks of its own beyond the few its mount writes (a reflink
 // shares the snapshot's); whatever it takes is the data dir's free space that disk admission reads. A copy goes when
 // its snapshot is deleted and when the server closes; what a killed server left (named by its pid) goes at the next
-// start (sweep), mounted or not. Names are `<snapshot id>.<pid>-<token>-<n>`.
+// start (sweep), mounted or not. Names are `<snapshot id>.<pid>-<token>-<n>`. None are made where the disk pool cannot
+// reflink (KILN_DISK_POOL=off): there a copy would take the snapshot's disk's size again.
 
 import { randomBytes } from "node:crypto";
 import { existsSync } from "node:fs";
@@ -56,6 +57,8 @@ export function createSnapshotSpares(opts: { dir: string; pool: () => Promise<Di
   async function make(snapshotId: string, disk: string): Promise<void> {
     await (swept ??= sweepNow());
     const pool = await opts.pool();
+    // Without reflinks a copy would hold every byte of the snapshot's disk a second time, read and written in full.
+    if (pool.copies !== "reflink") return;
     // The least recently used copies make room: those ready and those being made (this one too) stay within the bound.
     while (ready.size > 0 && ready.size + making.size > opts.max) {
       const [oldest, name] = ready.entries().next().value!;
