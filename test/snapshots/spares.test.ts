@@ -1,6 +1,7 @@
 // gVisor: a memory snapshot's disk made ready ahead (snapshot-spares.ts). Taken, the machine restored from the
 // snapshot runs on it and another is made; a `kiln serve` killed with SIGKILL leaves its copies mounted, and the next
-// server removes them at start; deleting the snapshot removes its copy; nothing stays mounted or on a loop device.
+// server removes them at start; deleting the snapshot removes its copy; KILN_SNAPSHOT_SPARES bounds them (least
+// recently used given up); nothing stays mounted or on a loop device.
 
 import { test } from "node:test";
 import assert from "node:assert/strict";
@@ -100,6 +101,35 @@ test("gVisor: a memory snapshot's disk is ready ahead; taken by the machine rest
   } finally {
     // Whatever failed, the machines go (the killed server's too) and nothing may stay mounted or attached.
     for (const m of (await k.call("GET", "/v1/machines?limit=100")).body.machines ?? []) await k.call("DELETE", `/v1/machines/${m.id}`);
+    await stopSnapshotKiln(k);
+  }
+});
+
+test("gVisor: KILN_SNAPSHOT_SPARES bounds the copies kept ready; the least recently used is given up", { skip: TEST_RUNTIME !== "runsc" && "memory snapshots need gVisor" }, async () => {
+  const k = await startTestKiln({ env: { KILN_WARM_POOL: "0", KILN_SNAPSHOT_SPARES: "1" } });
+  const sparesDir = join(k.dataDir, "snapshot-spares");
+  const spares = () => (existsSync(sparesDir) ? readdirSync(sparesDir) : []);
+  let most = 0;
+  const seen = () => {
+    most = Math.max(most, spares().length);
+    return spares();
+  };
+  try {
+    const m = await k.call("POST", "/v1/machines", { body: { internet: false } });
+    assert.equal(m.status, 201, m.text);
+    const a = await k.call("POST", `/v1/machines/${m.body.id}/snapshots`, { body: { memory: true } });
+    assert.equal(a.status, 201, a.text);
+    await until("the first snapshot's copy", () => seen().some((n) => n.startsWith(`${a.body.id}.`) && mountinfo().includes(join(sparesDir, n, "mnt"))));
+    const b = await k.call("POST", `/v1/machines/${m.body.id}/snapshots`, { body: { memory: true } });
+    assert.equal(b.status, 201, b.text);
+    await until("the second snapshot's copy in place of the first's", () => {
+      const names = seen();
+      return names.length === 1 && names[0].startsWith(`${b.body.id}.`) && mountinfo().includes(join(sparesDir, names[0], "mnt"));
+    });
+    assert.equal(most, 1, "never more than one copy on disk");
+    assert.ok(!loops().includes(`${a.body.id}.`), "the copy given up is off its loop device");
+    await k.call("DELETE", `/v1/machines/${m.body.id}`);
+  } finally {
     await stopSnapshotKiln(k);
   }
 });
