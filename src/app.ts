@@ -58,6 +58,7 @@ export async function startKiln(config: Config, opts: { log?: Logger; listen?: b
     idRangesDir: config.idRangesDir,
     hostLimits: machinesCaps,
     diskPool: config.diskPool,
+    snapshotSpares: config.snapshotSpares,
   });
   const hostId = await ensureHostId(config.dataDir, config.hostId);
   const webhooks = { retryScheduleMs: config.webhookRetryScheduleMs, allowPrivate: config.webhookAllowPrivate, rotationGraceMs: config.webhookRotationGraceMs, historyS: config.webhookHistoryS };

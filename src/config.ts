@@ -100,6 +100,8 @@ export interface Config {
   diskPool: "auto" | "off";
   /** Snapshots one host keeps (ready or being taken). */
   maxSnapshots: number;
+  /** gVisor: memory snapshots whose disk is kept copied and mounted ahead (the least recently used given up first). */
+  snapshotSpares: number;
   /** How long a machine with on_timeout "hibernate" may sleep before it is destroyed. */
   maxHibernationS: number;
 }
@@ -177,6 +179,7 @@ export const CONFIG_VARS = [
   ["KILN_MACHINES_MEMORY_MB", "(RAM less 10 %, at least 1 GiB)", "memory of all machines together (Kiln's parent cgroup)"],
   ["KILN_DISK_POOL", "auto", "auto: machines' disks and snapshots on a filesystem that reflinks (an XFS file in the data dir when its own cannot); off: plain copies"],
   ["KILN_MAX_SNAPSHOTS", "1000", "snapshots one host keeps (ready or being taken); past it a snapshot or fork answers 409"],
+  ["KILN_SNAPSHOT_SPARES", "4", "gVisor: memory snapshots whose disk is kept copied and mounted ahead (one loop device each), so a machine restored from one skips that step; 0: none"],
   ["KILN_MAX_HIBERNATION_S", "2592000", "how long a machine with on_timeout \"hibernate\" may sleep before it is destroyed (default 30 days)"],
 ] as const;
 
@@ -276,6 +279,7 @@ export function loadConfig(env: Env = process.env): Config {
     machinesMemoryMb: env.KILN_MACHINES_MEMORY_MB ? intVar(env, "KILN_MACHINES_MEMORY_MB", 0, 64, 1 << 30) : undefined,
     diskPool: oneOf(env, "KILN_DISK_POOL", ["auto", "off"] as const, "auto"),
     maxSnapshots: intVar(env, "KILN_MAX_SNAPSHOTS", 1000, 0, 1_000_000),
+    snapshotSpares: intVar(env, "KILN_SNAPSHOT_SPARES", 4, 0, 64),
     maxHibernationS: intVar(env, "KILN_MAX_HIBERNATION_S", 30 * 24 * 3600, 60, 365 * 24 * 3600),
   };
 }

@@ -15,6 +15,7 @@ test("defaults", () => {
   assert.equal(c.machineHostAccess, false);
   assert.equal(c.wsPingIntervalMs, 15_000);
   assert.equal(c.runscPlatform, "ptrace");
+  assert.equal(c.snapshotSpares, 4);
   assert.equal(c.edgeDomain, undefined, "no edge domain: the path form on KILN_PUBLIC_URL");
   assert.deepEqual(loadConfig({ KILN_EDGE_DOMAIN: "Edge.Example.com" }).edgeDomain, { host: "edge.example.com", port: undefined });
   // The base pool follows demand unless told otherwise.
@@ -39,6 +40,7 @@ for (const [name, value, pattern] of [
   ["KILN_WARM_POOL_MAX", "lots", /KILN_WARM_POOL_MAX must be auto or an integer/],
   ["KILN_WARM_POOL_MAX", "257", /KILN_WARM_POOL_MAX/],
   ["KILN_WARM_POOL_IDLE_S", "0", /KILN_WARM_POOL_IDLE_S/],
+  ["KILN_SNAPSHOT_SPARES", "65", /KILN_SNAPSHOT_SPARES/],
 ] as const) {
   test(`${name}=${value} is refused with a message naming it`, () => {
     assert.throws(() => loadConfig({ [name]: value }), (err: unknown) => err instanceof ConfigError && pattern.test(err.message));

@@ -38,7 +38,7 @@ export function writableLayer(machineDir: string, image?: string): WritableLayer
  * A disk's layout inside its directory; a stock disk has the same, so a rename of the directory makes it a machine's.
  * The image lies beside its mount point unless it is kept elsewhere (a disk pool that can reflink, see disk-pool.ts).
  */
-function layerAt(dir: string, image = join(dir, "disk.img")): WritableLayer {
+export function layerAt(dir: string, image = join(dir, "disk.img")): WritableLayer {
   const mountPoint = join(dir, "mnt");
   return { dir, image, mountPoint, upper: join(mountPoint, "upper"), work: join(mountPoint, "work") };
 }
@@ -68,7 +68,7 @@ async function format(image: string, sizeMb: number, background: boolean): Promi
  * machine's data never survived a host crash in a known state; cache flushes would only send every fsync in the
  * machine (and the freeze of a snapshot: ~20 ms of its time measured) down through the image to the host's disk.
  */
-async function mountLayer(layer: WritableLayer, sizeMb: number, owner: number, background = false): Promise<void> {
+export async function mountLayer(layer: WritableLayer, sizeMb: number, owner: number, background = false): Promise<void> {
   if (!isMounted(layer.mountPoint)) {
     await mkdir(layer.mountPoint, { recursive: true });
     if (!existsSync(layer.image)) await format(layer.image, sizeMb, background);
@@ -107,6 +107,12 @@ function attachedTo(name: string, image: string): boolean {
   }
 }
 
+/** Unmounts a ready disk that no machine took and removes it (its directory and its image). */
+export async function discardLayer(layer: WritableLayer): Promise<void> {
+  await unmountWritableLayer(layer).catch(() => undefined);
+  await Promise.all([rm(layer.dir, { recursive: true, force: true }), rm(layer.image, { force: true })]);
+}
+
 export interface DiskStock {
   /**
    * Moves a ready (formatted, mounted) disk of `sizeMb` to `dir` (its image to `image`, when the stock keeps images
@@ -134,9 +140,7 @@ export function createDiskStock(opts: { dir: string; sizeMb: number; count: numb
   let scanned = false;
 
   async function discard(path: string) {
-    const layer = spareLayer(path);
-    await unmountWritableLayer(layer).catch(() => undefined);
-    await Promise.all([rm(path, { recursive: true, force: true }), rm(layer.image, { force: true })]);
+    await discardLayer(spareLayer(path));
   }
 
   async function scan() {

@@ -9,7 +9,7 @@ import type { Server } from "node:net";
 import { get as httpGet } from "node:http";
 import { existsSync, statSync, chmodSync, readFileSync, writeFileSync } from "node:fs";
 import { chmod, chown, link, mkdir, open, readdir, readFile, rm, writeFile } from "node:fs/promises";
-import { dirname, join } from "node:path";
+import { basename, dirname, join } from "node:path";
 import { DEFAULT_DISK_MB } from "../driver.ts";
 import type { DriverReadiness, HibernateMode, LiveMachine, MachineCheckpoint, MachineDriver, MachineHealth, MachineSpec, SavedSnapshot } from "../driver.ts";
 import type { Logger } from "../../log.ts";
@@ -29,6 +29,7 @@ import { openDiskPool } from "./disk-pool.ts";
 import type { DiskPool, DiskPoolMode } from "./disk-pool.ts";
 import type { FreezeHooks } from "./snapshot.ts";
 import { allocatedBytes, copyLiveDisk, copySnapshotLayer, sweepSnapshotReads, thawInterrupted } from "./snapshot.ts";
+import { createSnapshotSpares } from "./snapshot-spares.ts";
 import { createEgress } from "./egress.ts";
 import { createRuntimeCli, RUNSC_MIN_RELEASE } from "./runtime-cli.ts";
 import { pidAlive } from "../pid-alive.ts";
@@ -47,6 +48,11 @@ const RELISTEN_FILE = "relisten";
 const PIDS_LIMIT = 4096;
 /** Disks of the default size kept formatted and mounted, so a create waits for neither mkfs nor mount. */
 const SPARE_DISKS = 3;
+/**
+ * runsc: memory snapshots whose disk is kept copied and mounted ahead by default, so a machine restored from one takes
+ * it with two renames (snapshot-spares.ts). Each holds a loop device.
+ */
+const SNAPSHOT_SPARES = 4;
 /** Machine ids become path components and runtime ids: nothing but these characters. */
 const SAFE_ID = /^[A-Za-z0-9][A-Za-z0-9_-]{0,100}$/;
 /** One per host: every Kiln server on it takes machines' uid ranges from the same pool. */
@@ -78,6 +84,8 @@ export interface OciDriverOptions {
    * cannot); `off` (default here, `auto` in the server's config): plain copies. See disk-pool.ts.
    */
   diskPool?: DiskPoolMode;
+  /** runsc: memory snapshots whose disk is kept copied and mounted ahead (default 4; snapshot-spares.ts). */
+  snapshotSpares?: number;
 }
 
 /** Where a machine's disk image is: in the disk pool, or beside its mount point for a machine made before the pool. */
@@ -232,6 +240,19 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       const disks = createDiskStock({ dir: join(opts.dataDir, "disk-stock"), imagesDir: join(pool.dir, "stock"), sizeMb: DEFAULT_DISK_MB, count: SPARE_DISKS, owner: CANONICAL_BASE, log: opts.log });
       return { pool, disks };
     }));
+  // Ready copies of memory snapshots' disks (runsc: only it restores memory).
+  const snapshotSpares = createSnapshotSpares({
+    dir: join(opts.dataDir, "snapshot-spares"),
+    pool: async () => (await storage()).pool,
+    owner: CANONICAL_BASE,
+    max: opts.runtime === "runsc" ? (opts.snapshotSpares ?? SNAPSHOT_SPARES) : 0,
+    log: opts.log,
+  });
+  /** The snapshot a disk image in the snapshots dir belongs to (its directory's name). */
+  const snapshotOf = (disk: string) => {
+    const id = basename(dirname(disk));
+    return SAFE_ID.test(id) && dirname(dirname(disk)) === join(opts.dataDir, "disks", "snapshots") ? id : undefined;
+  };
   const snapshotDir = (snapshotId: string) => {
     if (!SAFE_ID.test(snapshotId)) throw new Error(`invalid snapshot id ${JSON.stringify(snapshotId)}`);
     return join(opts.dataDir, "disks", "snapshots", snapshotId);
@@ -457,14 +478,22 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const [, , identity] = await Promise.all([writeEtc(spec, p), writeFile(p.spec, JSON.stringify(spec)), identities.assign(p.dir, spec.layers)]);
     // The group is this machine's root: no other machine's root may enter.
     await chown(p.dir, 0, identity.hostBase);
-    // From a snapshot: the machine's disk is a copy of the snapshot's, mounted as it is (no spare, no mkfs).
+    // From a snapshot: the machine's disk is a copy of the snapshot's, mounted as it is (no spare, no mkfs). A memory
+    // snapshot's is usually copied and mounted already (snapshot-spares.ts); another copy is made once this one boots.
+    const spareOf = spec.fromSnapshot?.memory ? snapshotOf(spec.fromSnapshot.disk) : undefined;
+    let spare = false;
     if (spec.fromSnapshot) {
       const { pool } = await storage();
       await mkdir(dirname(p.layer.image), { recursive: true });
-      await pool.clone(spec.fromSnapshot.disk, p.layer.image);
+      spare = spareOf !== undefined && (await snapshotSpares.take(spareOf, p.layer));
+      if (!spare) await pool.clone(spec.fromSnapshot.disk, p.layer.image);
     }
-    opts.log.debug({ machine_id: spec.id, prepare_ms: Math.round((performance.now() - t0) * 10) / 10 }, "machine prepared");
-    return boot(spec, spec.restore?.imageDir ?? spec.fromSnapshot?.memory ?? undefined, true);
+    opts.log.debug({ machine_id: spec.id, prepare_ms: Math.round((performance.now() - t0) * 10) / 10, disk_ready: spareOf ? spare : undefined }, "machine prepared");
+    try {
+      return await boot(spec, spec.restore?.imageDir ?? spec.fromSnapshot?.memory ?? undefined, true);
+    } finally {
+      if (spareOf) snapshotSpares.prepare(spareOf, spec.fromSnapshot!.disk);
+    }
   }
 
   /**
@@ -759,6 +788,9 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
           await restore({}, performance.now());
           throw err;
         }
+        // The next machine restored from this snapshot finds its disk copied and mounted (made while the saved sandbox
+        // is taken down, which the restore here waits for anyway).
+        snapshotSpares.prepare(snapshotId, disk);
         const continued = restore(phases, performance.now());
         continued.catch(() => undefined); // the caller is told through `continued`
         const sizes = await Promise.all([allocatedBytes(disk), dirBytes(memory)]);
@@ -826,12 +858,16 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     snapshot,
 
     async deleteSnapshot(snapshotId) {
-      await rm(snapshotDir(snapshotId), { recursive: true, force: true });
+      const dir = snapshotDir(snapshotId);
+      // Removed first, so a copy being made of it meanwhile is not kept (snapshot-spares.ts checks once it is made).
+      await rm(dir, { recursive: true, force: true });
+      await snapshotSpares.drop(snapshotId);
     },
 
     async listSnapshots() {
       // Asked at start: a read of a snapshot's files a killed server left mounted goes too.
       await sweepSnapshotReads(opts.dataDir);
+      await snapshotSpares.sweep();
       return readdir(join(opts.dataDir, "disks", "snapshots")).catch(() => []);
     },
 
@@ -921,7 +957,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       // A pool an earlier server mounted is released too, even when this one never needed a disk.
       if (!poolOpening && !isMounted(join(opts.dataDir, "disks"))) return;
       const { pool, disks } = await storage();
-      await disks.close();
+      await Promise.all([disks.close(), snapshotSpares.close()]);
       await pool.close();
     },
   };
