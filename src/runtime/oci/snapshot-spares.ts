@@ -13,7 +13,7 @@
 
 import { randomBytes } from "node:crypto";
 import { existsSync } from "node:fs";
-import { mkdir, readdir, rename } from "node:fs/promises";
+import { mkdir, readdir, rename, rm } from "node:fs/promises";
 import { join } from "node:path";
 import type { Logger } from "../../log.ts";
 import type { DiskPool } from "./disk-pool.ts";
@@ -92,6 +92,11 @@ export function createSnapshotSpares(opts: { dir: string; pool: () => Promise<Di
     // made before its image, so every image has one.
     const names = await readdir(opts.dir).catch(() => [] as string[]);
     await Promise.all(names.filter((n) => !ours(n) && !others(n)).map(discard));
+    // An image whose directory went first: a server killed between the two removals of discardLayer (they run side by
+    // side) left it, named by no directory, holding the data dir's space until removed here.
+    const images = await imagesDir();
+    const strays = (await readdir(images).catch(() => [] as string[])).filter((f) => f.endsWith(".img") && !ours(f.slice(0, -4)) && !others(f.slice(0, -4)));
+    await Promise.all(strays.map((f) => rm(join(images, f), { force: true })));
   }
 
   return {
