@@ -5,8 +5,7 @@
 import { createHash } from "node:crypto";
 import { createReadStream } from "node:fs";
 import { chmod, lchown, mkdir } from "node:fs/promises";
-import { Transform } from "node:stream";
-import type { Readable } from "node:stream";
+import { Readable, Transform } from "node:stream";
 import { pipeline } from "node:stream/promises";
 import { createGunzip, createZstdDecompress } from "node:zlib";
 import { extract } from "tar-stream";
@@ -50,14 +49,14 @@ export interface UnpackOptions {
  * layer, anything over its limit, and a diff id other than `expectDiffId`. Every failure, a stream's included, is
  * a build_error; `dest` is then the caller's to remove.
  */
-export async function unpackLayer(source: string | Readable, compression: LayerCompression, dest: string, opts: UnpackOptions = {}): Promise<UnpackResult> {
+export async function unpackLayer(source: string | Readable | AsyncIterable<Buffer>, compression: LayerCompression, dest: string, opts: UnpackOptions = {}): Promise<UnpackResult> {
   const limits = opts.limits ?? DEFAULT_IMPORT_LIMITS;
   const budget = opts.budget ?? new ByteBudget(limits);
   await mkdir(dest, { recursive: true });
   await lchown(dest, HOST_ID_BASE, HOST_ID_BASE);
   await chmod(dest, 0o755);
   const root = await ConfinedRoot.open(dest, { uid: HOST_ID_BASE, gid: HOST_ID_BASE, mode: 0o755 });
-  const input = typeof source === "string" ? createReadStream(source, { highWaterMark: 1 << 20 }) : source;
+  const input = typeof source === "string" ? createReadStream(source, { highWaterMark: 1 << 20 }) : source instanceof Readable ? source : Readable.from(source, { objectMode: false });
   const hash = createHash("sha256");
   const tap = new Transform({
     transform(chunk: Buffer, _enc, cb) {
