@@ -10,7 +10,7 @@
 // Long on purpose: every confined operation (open, mkdir, link, rename, remove) shares the one walk, side by side.
 
 import { execFile, spawn } from "node:child_process";
-import { closeSync, constants, fchmodSync, fchownSync, fstatSync, futimesSync, lchownSync, lutimesSync, openSync, symlinkSync, writeSync } from "node:fs";
+import { closeSync, constants, fchmodSync, fchownSync, fstatSync, futimesSync, lchownSync, lstatSync, lutimesSync, mkdirSync, openSync, symlinkSync, writeSync } from "node:fs";
 import type { Stats } from "node:fs";
 import { lstat, mkdir, open, readdir, rmdir, unlink, link } from "node:fs/promises";
 import type { FileHandle } from "node:fs/promises";
@@ -101,14 +101,17 @@ export class ConfinedRoot {
 
   /** Makes `rel` a directory (creating missing parents) with the given attributes; an existing directory stays. */
   async mkdir(rel: string, attrs: Omit<Attrs, "mtime">): Promise<void> {
+    // Direct system calls, as for small files (see writeSmallFile); only the walk's open stays a promise.
     await this.create(rel, async (path) => {
-      await mkdir(path, 0o700).catch(async (err: NodeJS.ErrnoException) => {
-        if (err.code !== "EEXIST" || !(await lstat(path)).isDirectory()) throw err;
-      });
+      try {
+        mkdirSync(path, 0o700);
+      } catch (err) {
+        if ((err as NodeJS.ErrnoException).code !== "EEXIST" || !lstatSync(path).isDirectory()) throw err;
+      }
     });
-    const dir = await this.dir(rel, false);
-    await dir!.chown(attrs.uid, attrs.gid);
-    await dir!.chmod(attrs.mode);
+    const dir = (await this.dir(rel, false))!;
+    fchownSync(dir.fd, attrs.uid, attrs.gid);
+    fchmodSync(dir.fd, attrs.mode);
   }
 
   /** Creates the regular file `rel` from `body`, replacing whatever was there; its inode number when `ino` is asked. */
@@ -194,7 +197,7 @@ export class ConfinedRoot {
   /** Sets a directory's times (after everything inside it is written, which moves them). */
   async setDirTime(rel: string, mtime: Date): Promise<void> {
     const dir = await this.dir(rel, false).catch(() => undefined);
-    await dir?.utimes(mtime, mtime);
+    if (dir) futimesSync(dir.fd, mtime, mtime);
   }
 
   /**
