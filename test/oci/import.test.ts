@@ -288,9 +288,11 @@ test("what a killed import left (a half-unpacked layer) is swept; its partial do
   mkdirSync(join(stale, "half"), { recursive: true });
   const partial = join(cache, "blobs", "sha256", `${hex}.partial`);
   mkdirSync(join(partial, ".."), { recursive: true });
-  // A partial download is continued from where it stopped: bytes on disk that are wrong make the whole blob fail
-  // its digest (and are deleted), which shows they were used rather than fetched again.
-  writeFileSync(partial, Buffer.alloc(tar.length >> 1, 1));
+  // A partial download is continued from where it stopped: bytes on disk that are wrong (here the start of another
+  // tar of the same shape, which unpacks as well) make the whole blob fail its digest (and are deleted), which shows
+  // they were used rather than fetched again.
+  const other = await tarOf([{ name: "big", content: randomBytes(256 << 10) }]);
+  writeFileSync(partial, other.subarray(0, tar.length >> 1));
   assert.match(await rejection(importImage(`${reg.host}/killed/app:v1`, { cacheDir: cache, insecureRegistries: [reg.host], arch: "amd64" })), /does not match its digest/);
   assert.ok(!existsSync(partial), "a partial that failed its digest is not kept");
   // The first half of the blob, as a download cut by the kill left it.

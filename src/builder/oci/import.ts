@@ -1,7 +1,8 @@
 // An image — from a registry or from an OCI layout dir a Dockerfile builder wrote — turned into SourceLayers:
 // manifest and platform chosen, each layer downloaded once and unpacked once into a dir keyed by its diff id.
 
-import { existsSync } from "node:fs";
+import { createReadStream, existsSync } from "node:fs";
+import { availableParallelism } from "node:os";
 import { readFile, readdir, rename, rm, stat, utimes } from "node:fs/promises";
 import { createHash } from "node:crypto";
 import { join } from "node:path";
@@ -49,11 +50,20 @@ interface LayerDescriptor {
   diffId: string;
 }
 
-/** Where a layer is fetched from: a registry download or a file already on disk. */
-type BlobSource = (layer: LayerDescriptor, onBytes: (n: number) => void, signal: AbortSignal) => Promise<{ path: string; transient: boolean }>;
+/**
+ * A layer's compressed bytes, streamed from where they are: a registry download (checked against the layer's
+ * digest as the iteration ends, see blobBytes) or a file already on disk.
+ */
+type BlobSource = (layer: LayerDescriptor, onBytes: (n: number) => void, signal: AbortSignal) => AsyncIterable<Buffer>;
 
-const PARALLEL_LAYERS = 3;
+/**
+ * Layers streamed and unpacked at once. Each is a pipeline of network, sha256, inflate (zlib's thread pool), tar
+ * parsing and file writes (the thread pool again) in which no stage is busy all the time: two per core keep the
+ * cores busy, and four at most leave libuv's four pool threads to the rest of the server between chunks.
+ */
+const PARALLEL_LAYERS = Math.max(2, Math.min(4, 2 * availableParallelism()));
 const inFlight = new Map<string, Promise<string>>();
+const queued = new Map<string, Promise<void>>();
 /** Cache paths (layer dirs, blobs) an import in this process is using: retention leaves them alone. */
 const pins = new Map<string, number>();
 
@@ -81,11 +91,12 @@ export async function importImage(reference: string, opts: ImportOptions): Promi
     if (!existsSync(configPath)) await once(configPath, () => client.downloadBlob(ref.repository, configDesc.digest, configDesc.size, configPath).then(() => configPath));
     const configBody = await readBounded(configPath, limits.configBytes, `the config of manifest ${manifest.digest}`, limits);
     await utimes(configPath, new Date(), new Date()).catch(() => {}); // last used: what retention goes by
-    const source: BlobSource = async (layer, onBytes) => {
+    // Downloaded, verified and unpacked in one pass: the compressed blob is never read back. Its `.partial` beside
+    // the blob path is kept only while it is incomplete (a later import resumes from it).
+    const source: BlobSource = (layer, onBytes, signal) => {
       const path = blobPath(opts.cacheDir, layer.digest);
       pin(path, pinned);
-      if (!existsSync(path)) await once(path, () => client.downloadBlob(ref.repository, layer.digest, layer.size, path, onBytes).then(() => path));
-      return { path, transient: true };
+      return client.blobBytes(ref.repository, layer.digest, layer.size, `${path}.partial`, { onBytes, signal });
     };
     const result = await materialise(manifest.json, configBody, manifest.digest, source, opts, pinned);
     return { ...result, digest: manifest.digest, reference: formatReference(ref) };
@@ -116,7 +127,7 @@ export async function importOciLayout(layoutDir: string, opts: ImportOptions): P
   const configDesc = configDescriptor(manifest, desc.digest, limits);
   const configBody = await readBounded(join(layoutDir, "blobs", ...configDesc.digest.split(":")), limits.configBytes, `the config of manifest ${desc.digest}`, limits);
   if (`sha256:${createHash("sha256").update(configBody).digest("hex")}` !== configDesc.digest) throw importError("the config in the builder's OCI layout does not match its digest");
-  const source: BlobSource = async (layer) => ({ path: join(layoutDir, "blobs", ...layer.digest.split(":")), transient: false });
+  const source: BlobSource = (layer) => createReadStream(join(layoutDir, "blobs", ...layer.digest.split(":")), { highWaterMark: 1 << 20 });
   const pinned: string[] = [];
   try {
     const result = await materialise(manifest, configBody, desc.digest, source, opts, pinned);
@@ -206,19 +217,30 @@ async function materialise(
         continue;
       }
       opts.onLayer?.({ digest: layer.diffId, outcome: "miss", bytes: layer.size });
-      dirs[i] = await once(dir, async () => {
-        const blob = await source(layer, onBytes, signal);
-        const tmp = `${dir}.tmp-${process.pid}-${Date.now()}`;
-        try {
-          await unpackLayer(blob.path, layerCompression(layer.mediaType)!, tmp, { expectDiffId: layer.diffId, limits, budget, signal });
-          await rename(tmp, dir).catch((err) => (existsSync(dir) ? undefined : Promise.reject(err)));
-        } finally {
-          await rm(tmp, { recursive: true, force: true });
-          // The unpacked dir is the cache; the compressed blob would only double the disk it takes.
-          if (blob.transient) await rm(blob.path, { force: true });
-        }
-        return dir;
-      });
+      // One stream of this blob at a time in this process (two layers of one digest would share its partial file).
+      dirs[i] = await once(dir, () =>
+        exclusive(layer.digest, async () => {
+          if (existsSync(dir)) return dir; // another image's import unpacked it while this one waited
+          // Unpacked under a temporary name while the blob streams in; renamed into place only once the blob's
+          // digest and the tar's diff id are both checked. Any failure before removes it: an unverified layer is
+          // never where a machine or another import could use it.
+          const tmp = `${dir}.tmp-${process.pid}-${Date.now()}`;
+          let verified = false;
+          const bytes = source(layer, onBytes, signal);
+          async function* checked(): AsyncGenerator<Buffer> {
+            yield* bytes;
+            verified = true;
+          }
+          try {
+            await unpackLayer(checked(), layerCompression(layer.mediaType)!, tmp, { expectDiffId: layer.diffId, limits, budget, signal });
+            if (!verified) throw importError(`layer ${layer.digest} was unpacked before all of it was read`);
+            await rename(tmp, dir).catch((err) => (existsSync(dir) ? undefined : Promise.reject(err)));
+          } finally {
+            await rm(tmp, { recursive: true, force: true });
+          }
+          return dir;
+        }),
+      );
       done++;
       opts.onLayer?.({ digest: layer.diffId, outcome: "stored", bytes: layer.size });
       opts.onMessage?.(`layer ${done}/${layers.length} ${short(layer.diffId)} ${mb(layer.size)} unpacked`);
@@ -313,6 +335,21 @@ export function layerDir(cacheDir: string, diffId: string): string {
 /** `<cache>/blobs/sha256/<hex>`, for a digest checkDigest has passed. */
 function blobPath(cacheDir: string, digest: string): string {
   return join(cacheDir, "blobs", ...checkDigest(digest, "a blob").split(":"));
+}
+
+/** Runs `work` after every earlier `exclusive` of the same key in this process has settled. */
+function exclusive<T>(key: string, work: () => Promise<T>): Promise<T> {
+  const before = queued.get(key) ?? Promise.resolve();
+  const p = before.then(work, work);
+  const settled = p.then(
+    () => {},
+    () => {},
+  );
+  queued.set(key, settled);
+  void settled.then(() => {
+    if (queued.get(key) === settled) queued.delete(key);
+  });
+  return p;
 }
 
 /** One download or unpack per path at a time in this process; a second caller waits for the first. */

@@ -2,7 +2,7 @@
 // with their sha256 checked on the way and resumed with Range after a cut, and registry auth answered per repo.
 
 import { createHash } from "node:crypto";
-import { createReadStream } from "node:fs";
+import { constants } from "node:fs";
 import { mkdir, open, rename, rm, stat, truncate } from "node:fs/promises";
 import { dirname } from "node:path";
 import { Agent, request } from "undici";
@@ -34,6 +34,8 @@ export interface Manifest {
 }
 
 const BLOB_ATTEMPTS = 5;
+/** What the partial file is written in: one positional write per this many bytes received. */
+const TEE_BATCH = 1 << 20;
 /** A token service's answer: a JSON object with a token in it. */
 const MAX_TOKEN_BYTES = 1 << 20;
 
@@ -108,17 +110,17 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
    * A GET on the registry with auth handled: one retry after a 401 (with the challenge answered), redirects
    * followed by hand so that Authorization never goes to another origin (blob storage behind a redirect).
    */
-  async function get(repository: string, path: string, headers: Record<string, string> = {}): Promise<Dispatcher.ResponseData> {
+  async function get(repository: string, path: string, headers: Record<string, string> = {}, signal = opts.signal): Promise<Dispatcher.ResponseData> {
     for (let attempt = 0; ; attempt++) {
       const auth = authorization(repository);
       let url = new URL(`${origin}/v2/${repository}/${path}`);
-      let res = await send(url, { ...headers, ...(auth ? { authorization: auth } : {}) });
+      let res = await send(url, { ...headers, ...(auth ? { authorization: auth } : {}) }, signal);
       for (let hops = 0; res.statusCode >= 300 && res.statusCode < 400 && res.headers.location; hops++) {
         if (hops >= 5) throw importError(`registry ${registry} redirected ${path} too many times`);
         await res.body.dump();
         url = new URL(String(res.headers.location), url);
         const sameOrigin = url.origin === origin;
-        res = await send(url, { ...headers, ...(auth && sameOrigin ? { authorization: auth } : {}) });
+        res = await send(url, { ...headers, ...(auth && sameOrigin ? { authorization: auth } : {}) }, signal);
       }
       if (res.statusCode === 401 && attempt === 0) {
         await res.body.dump();
@@ -133,15 +135,15 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
     }
   }
 
-  async function send(url: URL, headers: Record<string, string>): Promise<Dispatcher.ResponseData> {
+  async function send(url: URL, headers: Record<string, string>, signal = opts.signal): Promise<Dispatcher.ResponseData> {
     try {
-      const res = await request(url, { headers, dispatcher, signal: opts.signal });
+      const res = await request(url, { headers, dispatcher, signal });
       // A body that errors (a reset connection, a cancel) while nobody reads it must not be an unhandled 'error'
       // event, which would end the process; whoever reads it still sees the error.
       res.body.on("error", () => {});
       return res;
     } catch (err) {
-      if (opts.signal?.aborted || (err as { detail?: unknown }).detail) throw err; // a cancel, or an address refused
+      if (signal?.aborted || (err as { detail?: unknown }).detail) throw err; // a cancel, or an address refused
       throw importError(`registry ${registry} could not be reached: ${(err as Error).message}`);
     }
   }
@@ -171,80 +173,135 @@ export function createRegistryClient(registry: string, opts: RegistryClientOptio
   }
 
   /**
-   * Streams a blob into `dest`, checking its sha256 as it arrives and never past `size`, the size its descriptor
-   * declares (a registry that sends more is refused at that byte). A cut connection is resumed with Range from
-   * the bytes already on disk (a `.partial` file kept beside `dest`); a mismatch deletes the partial and fails.
+   * A blob's bytes as they arrive, for a caller that unpacks while it downloads. Its sha256 is computed on the way
+   * and checked after the last byte: a mismatch (or a byte past `size`, the size its descriptor declares) is thrown
+   * by the iterator after everything before it was yielded, so what the caller made of those bytes is unverified
+   * until the iteration ends normally. A cut connection is resumed with Range from the bytes already yielded (a
+   * server that ignores Range has them skipped, not yielded twice: the digest covers exactly what was yielded).
+   * Every byte is also written to `partial`, and a `partial` left by an earlier import is replayed first, so an
+   * import killed half-way resumes where it stopped. The partial is kept only when the connection could not be
+   * resumed or the import was cancelled; any other end (the consumer's failure, a mismatch, an oversize) deletes
+   * it, so a partial that is wrong fails one import at most. A verified blob's partial is deleted too, unless
+   * `keep` names where the whole blob is kept.
    */
-  async function downloadBlob(repository: string, digest: string, size: number, dest: string, onBytes?: (n: number) => void): Promise<number> {
+  async function* blobBytes(repository: string, digest: string, size: number, partial: string, how: { onBytes?: (n: number) => void; keep?: string; signal?: AbortSignal } = {}): AsyncGenerator<Buffer, void, undefined> {
     checkDigest(digest, `a blob of ${repository}`);
-    const partial = `${dest}.partial`;
-    await mkdir(dirname(dest), { recursive: true });
-    let hash = createHash("sha256");
+    // The caller's signal stops this blob's requests at once (a sibling layer failed), not at its next byte.
+    const signal = how.signal && opts.signal ? AbortSignal.any([opts.signal, how.signal]) : (how.signal ?? opts.signal);
+    await mkdir(dirname(partial), { recursive: true });
+    const hash = createHash("sha256");
     let offset = 0;
+    let resumable = false;
     const have = await stat(partial).catch(() => undefined);
     if (have && have.size > size) await truncate(partial, 0);
-    else if (have) {
-      for await (const chunk of createReadStream(partial)) hash.update(chunk as Buffer);
-      offset = have.size;
-    }
-    let lastError: unknown;
-    for (let attempt = 0; attempt < BLOB_ATTEMPTS; attempt++) {
-      // A file handle, not a write stream: a full disk is a rejection here, never an unhandled 'error' event. It is
-      // open before the request, so the body is read the moment it arrives: a connection cut early still leaves
-      // what came on disk, for the next attempt to resume from.
-      const out = await open(partial, "a", 0o600);
-      try {
-        const res = await get(repository, `blobs/${digest}`, offset > 0 ? { range: `bytes=${offset}-` } : {});
-        if (res.statusCode === 416 && offset > 0) {
-          await res.body.dump(); // everything is here already
-        } else if (res.statusCode === 200 || res.statusCode === 206) {
-          const restart = res.statusCode === 200 && offset > 0; // the server ignored Range: start over
-          if (restart) {
-            hash = createHash("sha256");
-            offset = 0;
-          }
-          let first = restart;
-          for await (const chunk of res.body) {
-            if (first) {
-              await out.truncate(0);
-              first = false;
-            }
-            if (offset + chunk.length > size) {
-              res.body.destroy();
-              await out.truncate(0);
-              throw importError(`blob ${digest} of ${registry}/${repository} is larger than the ${size} bytes its descriptor declares`);
-            }
-            hash.update(chunk);
-            offset += chunk.length;
-            onBytes?.(chunk.length);
-            await out.write(chunk);
-          }
-        } else {
-          await res.body.dump();
-          if (res.statusCode === 404) throw importError(`blob ${digest} of ${registry}/${repository} was not found`);
-          throw importError(`registry ${registry} answered ${res.statusCode} for blob ${digest}`);
-        }
-      } catch (err) {
-        await out.close();
-        if ((err as { detail?: unknown }).detail || opts.signal?.aborted) throw err; // a verdict or a cancel, not a cut connection
-        lastError = err;
-        continue;
+    // A file handle, not a write stream: a full disk is a rejection here, never an unhandled 'error' event. It is
+    // open before the request, so the body is written the moment it arrives: a connection cut early still leaves
+    // what came on disk, for a later import to resume from. Writes are positional, one batch in flight.
+    const out = await open(partial, constants.O_RDWR | constants.O_CREAT, 0o600);
+    let batch: Buffer[] = [];
+    let batchBytes = 0;
+    let written = 0;
+    let writing: Promise<unknown> = Promise.resolve();
+    const flush = async () => {
+      await writing;
+      if (!batchBytes) return;
+      const bufs = batch;
+      const at = written;
+      written += batchBytes;
+      batch = [];
+      batchBytes = 0;
+      writing = out.writev(bufs, at).catch((err: NodeJS.ErrnoException) => {
+        throw importError(`blob ${digest} could not be written to the importer's cache (${err.code ?? err.message})`);
+      });
+      writing.catch(() => {}); // awaited by the next flush; never an unhandled rejection meanwhile
+    };
+    /** Yields a chunk downstream; an error thrown into the generator there is the consumer's, never retried. */
+    let downstream = false;
+    const deliver = async function* (chunk: Buffer, tee: boolean) {
+      hash.update(chunk);
+      offset += chunk.length;
+      if (tee) {
+        batch.push(chunk);
+        batchBytes += chunk.length;
+        if (batchBytes >= TEE_BATCH) await flush();
       }
-      await out.close();
       try {
-        const got = `sha256:${hash.copy().digest("hex")}`;
-        if (got !== digest) throw importError(`blob ${digest} of ${registry}/${repository} does not match its digest (got ${got})`);
-        await rename(partial, dest);
-        return offset;
+        yield chunk;
       } catch (err) {
-        await rm(partial, { force: true });
+        downstream = true;
         throw err;
       }
+    };
+    try {
+      if (have && have.size > 0 && have.size <= size) {
+        for await (const chunk of out.createReadStream({ start: 0, end: have.size - 1, highWaterMark: TEE_BATCH, autoClose: false })) yield* deliver(chunk as Buffer, false);
+        written = offset;
+      }
+      let lastError: unknown;
+      let attempt = 0;
+      for (; attempt < BLOB_ATTEMPTS; attempt++) {
+        try {
+          const res = await get(repository, `blobs/${digest}`, offset > 0 ? { range: `bytes=${offset}-` } : {}, signal);
+          if (res.statusCode === 416 && offset > 0) {
+            await res.body.dump(); // everything is here already
+          } else if (res.statusCode === 200 || res.statusCode === 206) {
+            // A server that ignored Range sends the blob from its start: what was already yielded is skipped.
+            let skip = res.statusCode === 200 ? offset : 0;
+            for await (const body of res.body as AsyncIterable<Buffer>) {
+              let chunk = body;
+              if (skip > 0) {
+                const n = Math.min(skip, chunk.length);
+                skip -= n;
+                chunk = chunk.subarray(n);
+                if (!chunk.length) continue;
+              }
+              if (offset + chunk.length > size) {
+                res.body.destroy();
+                throw importError(`blob ${digest} of ${registry}/${repository} is larger than the ${size} bytes its descriptor declares`);
+              }
+              how.onBytes?.(chunk.length);
+              yield* deliver(chunk, true);
+            }
+          } else {
+            await res.body.dump();
+            if (res.statusCode === 404) throw importError(`blob ${digest} of ${registry}/${repository} was not found`);
+            throw importError(`registry ${registry} answered ${res.statusCode} for blob ${digest}`);
+          }
+        } catch (err) {
+          // A verdict, the consumer's own failure or a cancel ends it; a cut connection is resumed.
+          if (downstream || (err as { detail?: unknown }).detail || signal?.aborted) throw err;
+          lastError = err;
+          continue;
+        }
+        break;
+      }
+      if (attempt === BLOB_ATTEMPTS) {
+        resumable = true;
+        throw importError(`blob ${digest} of ${registry}/${repository} could not be downloaded after ${BLOB_ATTEMPTS} attempts: ${(lastError as Error)?.message}`);
+      }
+      await flush();
+      await writing;
+      const got = `sha256:${hash.digest("hex")}`;
+      if (got !== digest) throw importError(`blob ${digest} of ${registry}/${repository} does not match its digest (got ${got})`);
+      await out.close();
+      if (how.keep) await rename(partial, how.keep);
+      else await rm(partial, { force: true });
+    } finally {
+      await flush().catch(() => {});
+      await writing.catch(() => {});
+      await out.close().catch(() => {});
+      if (!resumable && !signal?.aborted) await rm(partial, { force: true });
     }
-    throw importError(`blob ${digest} of ${registry}/${repository} could not be downloaded after ${BLOB_ATTEMPTS} attempts: ${(lastError as Error)?.message}`);
   }
 
-  return { registry, getManifest, downloadBlob, close: () => dispatcher.close() };
+  /** Downloads a whole blob into `dest` (see blobBytes: checked, bounded, resumed); its size. */
+  async function downloadBlob(repository: string, digest: string, size: number, dest: string, onBytes?: (n: number) => void): Promise<number> {
+    let n = 0;
+    for await (const chunk of blobBytes(repository, digest, size, `${dest}.partial`, { onBytes, keep: dest })) n += chunk.length;
+    return n;
+  }
+
+  return { registry, getManifest, downloadBlob, blobBytes, close: () => dispatcher.close() };
 }
 
 export type RegistryClient = ReturnType<typeof createRegistryClient>;

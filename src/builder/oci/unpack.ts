@@ -5,8 +5,7 @@
 import { createHash } from "node:crypto";
 import { createReadStream } from "node:fs";
 import { chmod, lchown, mkdir } from "node:fs/promises";
-import { Transform } from "node:stream";
-import type { Readable } from "node:stream";
+import { Readable, Transform } from "node:stream";
 import { pipeline } from "node:stream/promises";
 import { createGunzip, createZstdDecompress } from "node:zlib";
 import { extract } from "tar-stream";
@@ -26,6 +25,8 @@ const NOBODY = 65_534;
 /** Linux's PATH_MAX and NAME_MAX: a longer entry could never be used in a machine. */
 const PATH_MAX = 4096;
 const NAME_MAX = 255;
+/** Files up to this size are read whole from the tar and written in direct system calls (see writeSmallFile). */
+const SMALL_FILE = 64 << 10;
 /** zlib's default 16 KiB output chunks cost a thread-pool round trip each; 256 KiB inflates ~1.5× faster here. */
 const INFLATE_CHUNK = 256 << 10;
 
@@ -50,14 +51,14 @@ export interface UnpackOptions {
  * layer, anything over its limit, and a diff id other than `expectDiffId`. Every failure, a stream's included, is
  * a build_error; `dest` is then the caller's to remove.
  */
-export async function unpackLayer(source: string | Readable, compression: LayerCompression, dest: string, opts: UnpackOptions = {}): Promise<UnpackResult> {
+export async function unpackLayer(source: string | Readable | AsyncIterable<Buffer>, compression: LayerCompression, dest: string, opts: UnpackOptions = {}): Promise<UnpackResult> {
   const limits = opts.limits ?? DEFAULT_IMPORT_LIMITS;
   const budget = opts.budget ?? new ByteBudget(limits);
   await mkdir(dest, { recursive: true });
   await lchown(dest, HOST_ID_BASE, HOST_ID_BASE);
   await chmod(dest, 0o755);
   const root = await ConfinedRoot.open(dest, { uid: HOST_ID_BASE, gid: HOST_ID_BASE, mode: 0o755 });
-  const input = typeof source === "string" ? createReadStream(source, { highWaterMark: 1 << 20 }) : source;
+  const input = typeof source === "string" ? createReadStream(source, { highWaterMark: 1 << 20 }) : source instanceof Readable ? source : Readable.from(source, { objectMode: false });
   const hash = createHash("sha256");
   const tap = new Transform({
     transform(chunk: Buffer, _enc, cb) {
@@ -156,8 +157,10 @@ class LayerWriter {
         case "file":
         case "contiguous-file": {
           if ((h.size ?? 0) > this.limits.entryBytes) throw overLimit(`layer entry /${rel}`, this.limits, "entryBytes");
-          const ino = await this.root.writeFile(rel, body as AsyncIterable<Buffer>, attrs, xattrsToKeep(h.pax as Record<string, string> | undefined).length > 0);
-          this.keepXattrs(rel, h, ino);
+          const ino = xattrsToKeep(h.pax as Record<string, string> | undefined).length > 0;
+          const size = h.size ?? 0;
+          const inode = size <= SMALL_FILE ? await this.root.writeSmallFile(rel, await readSmall(body as AsyncIterable<Buffer>, size), attrs, ino) : await this.root.writeFile(rel, body as AsyncIterable<Buffer>, attrs, ino);
+          this.keepXattrs(rel, h, inode);
           this.files++;
           return;
         }
@@ -268,6 +271,18 @@ export function entryPath(name: string): string {
     } else parts.push(p);
   }
   return parts.join("/");
+}
+
+/** A small entry's body, all `size` bytes of it (the tar header says how many; never more are kept). */
+async function readSmall(body: AsyncIterable<Buffer>, size: number): Promise<Buffer> {
+  const chunks: Buffer[] = [];
+  let n = 0;
+  for await (const chunk of body) {
+    n += chunk.length;
+    if (n > size) throw importError(`a layer entry is longer than the ${size} bytes its header declares`);
+    chunks.push(chunk);
+  }
+  return chunks.length === 1 ? chunks[0] : Buffer.concat(chunks, n);
 }
 
 function shift(id: number | undefined): number {
