@@ -86,6 +86,8 @@ async function build(steps: StepT[], opts: { d?: MachineDriver; cache?: LayerCac
     log: (e) => entries.push(e),
     count: () => undefined,
   });
+  // A finished build's machine goes behind its answer: waited for here, so what it leaves can be looked at.
+  await backend.settle?.();
   return { out, entries };
 }
 

@@ -63,4 +63,6 @@ export interface BuildOutput {
 export interface BuildBackend {
   readonly name: "native" | "buildkit";
   run(ctx: BuildContext): Promise<BuildOutput>;
+  /** Resolves once nothing a finished build left is still being taken down (its build machine). */
+  settle?(): Promise<void>;
 }

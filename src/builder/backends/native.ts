@@ -146,6 +146,12 @@ export function createNativeBackend(deps: { driver: MachineDriver; layerCache: L
     steps: number;
   }
 
+  /**
+   * A finished build's machines, being destroyed behind its answer: its layers are taken, nothing of the machine is
+   * needed any more. A crash meanwhile leaves a machine no record keeps, which the next start removes (machines/adoption.ts).
+   */
+  const teardowns = new Set<Promise<void>>();
+
   /** Takes a build machine down (its agent's connections closed first); a failure is logged, never thrown. */
   async function dismiss(m: BuildMachine | undefined): Promise<void> {
     if (!m) return;
@@ -329,11 +335,22 @@ export function createNativeBackend(deps: { driver: MachineDriver; layerCache: L
         ctx.log({ kind: "cache", phase: "cache", cache_layer: "layer", cache_outcome: "stored", cache_target: target, message: `cached: ${target}`, ...common, level: "debug" });
         parentKey = key;
       }
+      if (machine) {
+        const going: Promise<void> = dismiss(machine).finally(() => teardowns.delete(going));
+        teardowns.add(going);
+        machine = undefined;
+      }
     } finally {
+      // A failed or cancelled build answers only once its machine is gone.
       await dismiss(machine);
     }
     return { layers, config };
   }
 
-  return { name: "native", run };
+  /** Resolves once no build machine of a finished build is still being destroyed. */
+  async function settle(): Promise<void> {
+    while (teardowns.size > 0) await Promise.all([...teardowns]);
+  }
+
+  return { name: "native", run, settle };
 }
