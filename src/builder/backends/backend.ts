@@ -65,4 +65,6 @@ export interface BuildBackend {
   run(ctx: BuildContext): Promise<BuildOutput>;
   /** Resolves once nothing a finished build left is still being taken down (its build machine). */
   settle?(): Promise<void>;
+  /** Takes down what the backend keeps between builds (a build machine booted ahead of time). */
+  close?(): Promise<void>;
 }
