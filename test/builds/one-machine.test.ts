@@ -25,6 +25,7 @@ import type { LogInput } from "../../src/builder/log.ts";
 import { planSteps } from "../../src/builder/steps/index.ts";
 import type { StepT } from "../../src/builder/steps/index.ts";
 import { BuildFailure } from "../../src/builder/failure.ts";
+import { createAgentClient } from "../../src/runtime/agent-client.ts";
 import { TEST_CACHE_DIR } from "../support/paths.ts";
 
 const exec = promisify(execFile);
@@ -45,13 +46,14 @@ const log = createLogger({ level: "warn", pretty: false });
 let dataDir: string;
 let base: { layerDir: string; digest: string };
 let driver: MachineDriver;
+let guestRuntimeDir: string;
 /** Machines booted, by every backend of this file: one per build on runc, one per step on runsc. */
 let boots = 0;
 
 before(async () => {
   if (skip) return;
   base = await ensureBaseTemplate({ cacheDir: TEST_CACHE_DIR, log });
-  const guestRuntimeDir = await prepareGuestRuntime({ dir: join(TEST_CACHE_DIR, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
+  guestRuntimeDir = await prepareGuestRuntime({ dir: join(TEST_CACHE_DIR, "guest-runtime"), agentBundle: bundleAgent, agentSources: AGENT_SOURCES });
   dataDir = await mkdtemp(join(tmpdir(), "kiln-steps-"));
   const real = createOciDriver({ dataDir, runtime, hostAccess: false, log, guestRuntimeDir });
   driver = { ...real, create: (spec) => (boots++, real.create(spec)) };
@@ -274,4 +276,26 @@ test("after a build, the next one's machine is booted ahead of time: its first s
     await backend.close?.();
   }
   assert.deepEqual(leftovers(), []);
+});
+
+test("a build machine a crash left mid-build (its root renewed, a step's process running) is removed by the next start's sweep", { skip: skip ?? (runtime !== "runc" && "runsc boots a machine per step") }, async () => {
+  const id = `mch_t${process.pid}crash`;
+  const live = await driver.create({ id, layers: [base.layerDir], hostname: "kiln-build", vcpus: 1, memoryMb: 256, internet: true, mounts: [] });
+  const agent = createAgentClient(live.agentSocket);
+  try {
+    assert.equal((await agent.exec({ cmd: "echo a > /a", timeout_ms: 20_000 })).exit_code, 0);
+    const first = join(dataDir, "crash-layer");
+    await driver.copyLayer!(id, first);
+    await driver.renewLayer!(id, [base.layerDir, first]);
+    const r = await agent.exec({ cmd: "cat /a && setsid sh -c 'while :; do echo b >> /b; sleep 0.01; done' </dev/null >/dev/null 2>&1 &", timeout_ms: 20_000 });
+    assert.equal(Buffer.from(r.stdout_base64, "base64").toString(), "a\n");
+  } finally {
+    await agent.close();
+  }
+  // The next start's driver knows nothing of it but its dir: the sweep (machines/adoption.ts) destroys it as a leftover.
+  const next = createOciDriver({ dataDir, runtime, hostAccess: false, log, guestRuntimeDir });
+  assert.ok((await next.listKnown!()).includes(id));
+  await next.destroy(id, { leftover: true });
+  assert.deepEqual(leftovers(), []);
+  for (const c of ["freezer", "memory", "pids", "cpu"]) assert.ok(!existsSync(`/sys/fs/cgroup/${c}/kiln/${id}`), `no ${c} cgroup left`);
 });

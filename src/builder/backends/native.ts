@@ -241,16 +241,18 @@ export function createNativeBackend(deps: {
       const ahead = m ? undefined : takeSpare(ctx.vm);
       if (ahead) {
         const t0 = performance.now();
+        // One that did not start was taken down already (and said so): a machine is booted below instead.
         const got = await ahead;
-        try {
-          if (!got) throw new Error("it did not start");
-          await driver.renewLayer!(got.id, lowers);
-          got.steps = 1;
-          m = got;
-          ctx.log({ kind: "message", phase: "vm_create", message: `step ${step.index}/${ctx.steps.length} runs in a build machine booted ahead of time, on the layers so far (${Math.round(performance.now() - t0)} ms)`, ...common, level: "debug" });
-        } catch (err) {
-          deps.log.warn({ err, machine_id: got?.id }, "a build machine booted ahead of time could not be used; booting another");
-          await dismiss(got);
+        if (got) {
+          try {
+            await driver.renewLayer!(got.id, lowers);
+            got.steps = 1;
+            m = got;
+            ctx.log({ kind: "message", phase: "vm_create", message: `step ${step.index}/${ctx.steps.length} runs in a build machine booted ahead of time, on the layers so far (${Math.round(performance.now() - t0)} ms)`, ...common, level: "debug" });
+          } catch (err) {
+            deps.log.warn({ err, machine_id: got.id }, "a build machine booted ahead of time could not be used; booting another");
+            await dismiss(got);
+          }
         }
       }
       if (!m) {
