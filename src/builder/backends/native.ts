@@ -415,7 +415,8 @@ export function createNativeBackend(deps: {
     } finally {
       // A failed or cancelled build answers only once its machine is gone.
       await dismiss(machine);
-      bootSpare(ctx);
+      // Not after a cancel (or the build's deadline): its answer says nothing of the build runs any more.
+      if (!ctx.signal.aborted) bootSpare(ctx);
     }
     return { layers, config };
   }
