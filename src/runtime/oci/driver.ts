@@ -915,7 +915,9 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
 
     hibernate,
     resume,
-    ...(opts.runtime === "runc" ? { takeSnapshotDisk, copyLayer, renewLayer } : {}),
+    ...(opts.runtime === "runc" ? { takeSnapshotDisk } : {}),
+    // A step's processes are ended through the cgroup freezer: without one, each step boots its own build machine.
+    ...(opts.runtime === "runc" && cgroups.enforced.includes("freezer") ? { copyLayer, renewLayer } : {}),
     memorySnapshotsUnsupported: memoryUnsupported,
     snapshot,
 
