@@ -88,7 +88,7 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
     p99: percentile(cold, 99),
     baseline: { name: "the same 5 commands through exec in a new machine", median: median(coldDirect), p99: percentile(coldDirect, 99) },
     goal: "≤ 1.5× the exec baseline",
-    note: "skip_cache; each step boots a build machine on the layers so far and keeps its upper dir as a layer",
+    note: "skip_cache; the steps run in one build machine (booted ahead of time after the last build when it is ready), each on a new upper dir swapped in under its agent (runc)",
   });
   results.push({
     name: "5-step declarative build, first 4 steps cached",

@@ -57,6 +57,7 @@ const PLAIN_ERROR_SEAMS: Record<string, string> = {
   "machines/hot-pools.ts": "a pooled machine whose kernel did not start: the warm pool's boot handler logs it and destroys the machine",
   "runtime/guest-runtime.ts": "the MachineDriver seam: internal",
   "runtime/host-commands-child.ts": "the host command helper: answered to the driver as a failed command",
+  "runtime/oci/build-steps.ts": "the MachineDriver seam: internal",
   "runtime/oci/cgroups.ts": "the MachineDriver seam: internal",
   "runtime/oci/disk-pool.ts": "the MachineDriver seam: internal",
   "runtime/oci/disk.ts": "the MachineDriver seam: internal",

@@ -220,6 +220,7 @@ export function createBuildService(deps: {
     // Running builds end with the process; the next start marks them error (their machines are removed by adoption).
     for (const r of running.values()) r.abort.abort();
     await Promise.all([...running.values()].map((r) => r.done.catch(() => undefined)));
+    await native.close?.();
   }
 
   return {

@@ -159,6 +159,18 @@ export interface MachineDriver {
    */
   captureLayer(id: string, destDir: string): Promise<void>;
   /**
+   * A build machine's step is done: every process the step started is killed (the machine frozen first, so none forks
+   * away; only its first processes, the init and the agent, stay), and its writable layer is copied to `destDir` as
+   * captureLayer copies it. The machine keeps running on the same root. Absent, with renewLayer, where the runtime
+   * cannot swap a running machine's root (runsc): there each step boots its own build machine.
+   */
+  copyLayer?(id: string, destDir: string): Promise<void>;
+  /**
+   * Gives a running build machine whose step processes are gone (copyLayer) a new, empty writable layer over `layers`,
+   * swapped in under its running init and agent: the next step runs without a reboot. On failure the caller destroys it.
+   */
+  renewLayer?(id: string, layers: string[]): Promise<void>;
+  /**
    * Saves the running machine (every process, its memory, its writable layer) under `destDir` and stops it, for
    * `create({ restore })` to continue. Absent where the runtime cannot (runc: CRIU fails on this host's kernel).
    */

@@ -63,4 +63,8 @@ export interface BuildOutput {
 export interface BuildBackend {
   readonly name: "native" | "buildkit";
   run(ctx: BuildContext): Promise<BuildOutput>;
+  /** Resolves once nothing a finished build left is still being taken down (its build machine). */
+  settle?(): Promise<void>;
+  /** Takes down what the backend keeps between builds (a build machine booted ahead of time). */
+  close?(): Promise<void>;
 }

@@ -33,6 +33,7 @@ import { createSnapshotSpares } from "./snapshot-spares.ts";
 import { createEgress } from "./egress.ts";
 import { createRuntimeCli, RUNSC_MIN_RELEASE } from "./runtime-cli.ts";
 import { pidAlive } from "../pid-alive.ts";
+import { endStepProcesses } from "./build-steps.ts";
 
 export { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
 export { containerName } from "./runtime-cli.ts";
@@ -62,6 +63,9 @@ const DEFAULT_ID_RANGES_DIR = "/var/lib/kiln/id-ranges";
  * with the dir; a start finds it on what a crash cut short and finishes the destroy (the dir has no live record).
  */
 const GOING_MARKER = "destroying";
+/** In a build machine's dir: the name of the upper dir on its disk its root writes to now, once renewLayer gave it one. */
+const UPPER_FILE = "upper";
+const UPPER_NAME = /^upper-(\d{1,4})$/;
 
 export interface OciDriverOptions {
   dataDir: string;
@@ -310,6 +314,99 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
       if (isMounted(p.rootfs)) throw new Error(`${p.rootfs} is still mounted`);
     }
     await unmountWritableLayer(p.layer);
+  }
+
+  /** A build machine's last upper and work dirs, being removed once its root was renewed (awaited before its disk goes). */
+  const removals = new Map<string, Promise<void>>();
+
+  /** The upper and work dirs the machine's root writes to now: `upper`/`work` at boot, a new pair per renewLayer. */
+  async function currentUpper(p: Paths): Promise<{ n: number; upper: string; work: string }> {
+    const name = (await readFile(join(p.dir, UPPER_FILE), "utf8").catch(() => "")).trim();
+    if (!name) return { n: 0, upper: p.layer.upper, work: p.layer.work };
+    const n = UPPER_NAME.exec(name)?.[1];
+    if (!n) throw new Error(`${join(p.dir, UPPER_FILE)} names no upper dir`);
+    return { n: Number(n), upper: join(p.layer.mountPoint, name), work: join(p.layer.mountPoint, `work-${n}`) };
+  }
+
+  /** Copies a writable layer's upper dir out as a template layer (ownership already in the machines' range, whiteouts and opaque xattrs kept). */
+  async function copyUpper(id: string, upper: string, destDir: string): Promise<void> {
+    await mkdir(destDir, { recursive: true });
+    try {
+      await exec("cp", ["-a", "--preserve=all", `${upper}/.`, destDir], { maxBuffer: 1024 * 1024 });
+    } catch (err) {
+      await rm(destDir, { recursive: true, force: true });
+      throw new Error(`taking the layer of ${id} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
+    }
+  }
+
+  /** The first process of a running machine, from its pid file. */
+  async function firstPid(id: string, p: Paths): Promise<number> {
+    const pid = Number(await readFile(p.pidFile, "utf8").catch(() => ""));
+    if (!Number.isSafeInteger(pid) || pid <= 1 || !pidAlive(pid) || isZombie(pid)) throw new Error(`machine ${id} has no first process`);
+    return pid;
+  }
+
+  /**
+   * runc: the step's processes killed (every one but tini and the agent, frozen first), then its upper dir copied
+   * while the overlay stays mounted: nothing writes to it any more, and what the killed processes wrote is in the
+   * page cache the copy reads.
+   */
+  async function copyLayer(id: string, destDir: string): Promise<void> {
+    const p = paths(id);
+    const init = await firstPid(id, p);
+    const freezer = cgroupFreezer(cgroups, `${KILN_CGROUP}/${id}`);
+    if (!freezer) throw new Error(`the processes of ${id} cannot be frozen on this host`);
+    const t0 = performance.now();
+    const dir = cgroups.version === "v2" ? join("/sys/fs/cgroup", KILN_CGROUP, id) : join("/sys/fs/cgroup/freezer", KILN_CGROUP, id);
+    const { killed } = await endStepProcesses({ freezer, dir, init });
+    const tKilled = performance.now();
+    await copyUpper(id, (await currentUpper(p)).upper, destDir);
+    const ms = (a: number, b: number) => Math.round((b - a) * 10) / 10;
+    opts.log.debug({ machine_id: id, killed, kill_ms: ms(t0, tKilled), copy_ms: ms(tKilled, performance.now()) }, "build step's layer copied");
+  }
+
+  /**
+   * runc: a new upper and work dir on the machine's own disk, and the mount helper mounts the overlay root again over
+   * `layers` with them and pivots the machine onto it (as takeSnapshotDisk, without another disk). The last upper dir
+   * goes behind it: nothing mounts it once the old root is detached (its processes are gone: copyLayer).
+   */
+  async function renewLayer(id: string, layers: string[]): Promise<void> {
+    const t0 = performance.now();
+    const p = paths(id);
+    const [spec, ids, cur] = await Promise.all([readSpec(id), identities.read(p.dir), currentUpper(p)]);
+    if (!identities.usesHelper(ids)) throw new Error(`machine ${id} does not boot through the mount helper: its root cannot be swapped`);
+    for (const layer of layers) if (!existsSync(layer)) throw new Error(`template layer ${layer} is missing`);
+    const init = await firstPid(id, p);
+    const n = cur.n + 1;
+    const next = { upper: `upper-${n}`, work: `work-${n}` };
+    const upper = join(p.layer.mountPoint, next.upper);
+    const work = join(p.layer.mountPoint, next.work);
+    await Promise.all([rm(upper, { recursive: true, force: true }), rm(work, { recursive: true, force: true })]);
+    await Promise.all([mkdir(upper), mkdir(work)]);
+    // As mountWritableLayer makes the first: the merged root's top dir takes its owner and mode from the upper dir.
+    await chmod(upper, 0o755);
+    await chown(upper, CANONICAL_BASE, CANONICAL_BASE);
+    await identities.swapRoot(ids, { dir: p.dir, layers, disk: p.layer.mountPoint, rootfs: p.rootfs, upper: next }, init);
+    await Promise.all([writeFile(join(p.dir, UPPER_FILE), next.upper), writeFile(p.spec, JSON.stringify({ ...spec, layers }))]);
+    const before = removals.get(id) ?? Promise.resolve();
+    removals.set(
+      id,
+      before
+        .then(() => Promise.all([rm(cur.upper, { recursive: true, force: true }), rm(cur.work, { recursive: true, force: true })]))
+        .then(
+          () => undefined,
+          (err: unknown) => opts.log.warn({ err, machine_id: id }, "removing a build step's upper dir failed"),
+        ),
+    );
+    opts.log.debug({ machine_id: id, layers: layers.length, renewed_ms: Math.round((performance.now() - t0) * 10) / 10 }, "build machine's root renewed");
+  }
+
+  /** Waits for the removal of a build machine's last upper dir before its disk goes. */
+  async function settleRemovals(id: string): Promise<void> {
+    const pending = removals.get(id);
+    if (!pending) return;
+    await pending;
+    removals.delete(id);
   }
 
   async function writeEtc(spec: MachineSpec, p: Paths) {
@@ -628,7 +725,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
   async function destroy(id: string, opts: { leftover?: boolean } = {}): Promise<void> {
     const p = paths(id);
     await cli.remove(id);
-    await Promise.all([releaseNetwork(id, p), removeCgroups(cgroups, `kiln/${id}`)]);
+    await Promise.all([releaseNetwork(id, p), removeCgroups(cgroups, `kiln/${id}`), settleRemovals(id)]);
     await unmountRoot(p);
     // The range goes back while the dir still names it (see id-ranges.ts), and the dir only once nothing is mounted
     // under it: rm -r through a live overlay would write whiteouts, not free space.
@@ -854,6 +951,8 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     hibernate,
     resume,
     ...(opts.runtime === "runc" ? { takeSnapshotDisk } : {}),
+    // A step's processes are ended through the cgroup freezer: without one, each step boots its own build machine.
+    ...(opts.runtime === "runc" && cgroups.enforced.includes("freezer") ? { copyLayer, renewLayer } : {}),
     memorySnapshotsUnsupported: memoryUnsupported,
     snapshot,
 
@@ -882,20 +981,14 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     async captureLayer(id, destDir) {
       const p = paths(id);
       await cli.remove(id);
-      await Promise.all([releaseNetwork(id, p), removeCgroups(cgroups, `kiln/${id}`)]);
+      await Promise.all([releaseNetwork(id, p), removeCgroups(cgroups, `kiln/${id}`), settleRemovals(id)]);
       // Only the overlay root comes down first: the upper dir lives on the machine's own disk image, so it is copied
       // out (ownership already in the machines' range, whiteout devices and opaque xattrs kept) before the image goes.
       if (existsSync(p.rootfs) && isMounted(p.rootfs)) {
         await exec("umount", [p.rootfs]).catch(() => exec("umount", ["-l", p.rootfs]));
         if (isMounted(p.rootfs)) throw new Error(`${p.rootfs} is still mounted`);
       }
-      await mkdir(destDir, { recursive: true });
-      try {
-        await exec("cp", ["-a", "--preserve=all", `${p.layer.upper}/.`, destDir], { maxBuffer: 1024 * 1024 });
-      } catch (err) {
-        await rm(destDir, { recursive: true, force: true });
-        throw new Error(`taking the layer of ${id} failed: ${((err as { stderr?: string }).stderr || (err as Error).message).trim()}`);
-      }
+      await copyUpper(id, (await currentUpper(p)).upper, destDir);
       await unmountWritableLayer(p.layer);
       await identities.unmountLeftovers(p.dir);
       // What is left (bundle, the disk image, sockets) goes as in destroy; the runtime already has no container.

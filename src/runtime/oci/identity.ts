@@ -146,10 +146,10 @@ export function createMachineIdentities(opts: IdentityOptions) {
 
     /**
      * runc: gives the machine running as `pid` another disk image (`root.image`.taking, or a reflink of
-     * `root.cloneFrom`), mounts its overlay root again over it and swaps that in as its root, its processes running on
-     * (see --swap-into in idmount.c).
+     * `root.cloneFrom`) — or, without `image`, new upper and work dirs on its own disk — mounts its overlay root again
+     * over it and swaps that in as its root, its processes running on (see --swap-into in idmount.c).
      */
-    async swapRoot(identity: MachineIdentity, root: { dir: string; layers: string[]; disk: string; rootfs: string; image: string; cloneFrom?: string }, pid: number): Promise<void> {
+    async swapRoot(identity: MachineIdentity, root: { dir: string; layers: string[]; disk: string; rootfs: string; image?: string; cloneFrom?: string; upper?: { upper: string; work: string } }, pid: number): Promise<void> {
       const { helper } = await setup;
       if (!helper.path) throw new Error(`swapping the root of a running machine needs the mount helper: ${helper.problem}`);
       if (opts.runtime !== "runc") throw new Error("only a runc machine's root can be swapped while it runs");
@@ -158,6 +158,7 @@ export function createMachineIdentities(opts: IdentityOptions) {
         root: { scratch: scratchDir(root.dir), layers: root.layers, disk: root.disk, rootfs: root.rootfs },
         image: root.image,
         cloneFrom: root.cloneFrom,
+        upper: root.upper,
       };
       const [command, args] = swapCommand(helper.path, plan, pid);
       try {

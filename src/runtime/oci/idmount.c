@@ -26,8 +26,13 @@
 //         and disk mounts are attached under SCRATCH only while overlayfs takes them (it keeps private copies).
 //     --bind SRC DST | --bind-ro SRC DST
 //         an idmapped copy of mount SRC attached at DST, for the runtime to bind into the machine (needs --idmap).
-//     --swap-into PID --image FILE [--clone-from SRC]
-//         with --rootfs and no COMMAND, ROOTFS and DISK being the running machine's: first its host mounts of ROOTFS
+//     --upper NAME --work NAME
+//         the overlay's upper and work dirs are DISK/NAME (default upper and work): a build machine's next step gets a
+//         new, empty pair on the same disk (names of letters, digits, '-' and '.').
+//     --swap-into PID [--image FILE [--clone-from SRC]]
+//         without --image (a build machine's next step): only the host's mount of ROOTFS is detached (its root still
+//         holds it), the disk stays as it is, and the new overlay over it becomes the root as below.
+//         With --rootfs and no COMMAND, ROOTFS and DISK being the running machine's: first its host mounts of ROOTFS
 //         and DISK are detached (its root still holds them), its disk image FILE is unlinked (its loop device holds it
 //         until the old root goes) and FILE.taking (made here as a reflink of SRC with --clone-from) takes its name and
 //         is loop-mounted on DISK (ext4, as the driver mounts disks); then the overlay is mounted and becomes the root
@@ -449,6 +454,7 @@ int main(int argc, char **argv) {
 
   struct userns_request machine = {0};
   const char *scratch = NULL, *disk = NULL, *rootfs = NULL, *idmap = NULL, *nofile = NULL, *swap_pid = NULL, *image = NULL, *clone_from = NULL;
+  const char *upper = "upper", *work = "work";
   const char *lower[MAX_ITEMS], *bind_src[MAX_ITEMS], *bind_dst[MAX_ITEMS];
   int bind_ro[MAX_ITEMS];
   int lowers = 0, binds = 0, has_map = 0;
@@ -497,13 +503,18 @@ int main(int argc, char **argv) {
       parse_num(v);
       swap_pid = v;
     } else if (strcmp(a, "--image") == 0) image = v;
+    else if (strcmp(a, "--upper") == 0 || strcmp(a, "--work") == 0) {
+      if (!*v || strlen(v) > 64 || strspn(v, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-.") != strlen(v) || v[0] == '.') usage("bad --upper or --work");
+      if (a[2] == 'u') upper = v;
+      else work = v;
+    }
     else if (strcmp(a, "--clone-from") == 0) clone_from = v;
     else usage("unknown option");
   }
   if (rootfs && (!scratch || !disk || lowers == 0)) usage("--rootfs needs --scratch, --disk and at least one --lower");
   if (machine.link && (!has_map || machine.owner == 0)) usage("--userns needs --owner and --map");
   if (binds > 0 && !idmap) usage("--bind needs --idmap");
-  if (swap_pid && (!rootfs || !image || command || machine.link || binds > 0)) usage("--swap-into needs --rootfs and --image, and no --userns, --bind or COMMAND");
+  if (swap_pid && (!rootfs || command || machine.link || binds > 0)) usage("--swap-into needs --rootfs, and no --userns, --bind or COMMAND");
   if ((image || clone_from) && !swap_pid) usage("--image and --clone-from go with --swap-into");
 
   char machine_map[64], ids_map[96];
@@ -526,10 +537,11 @@ int main(int argc, char **argv) {
 
   // Checked while the machine's root is still mounted at ROOTFS (take_disk detaches it).
   int machine_ns = swap_pid ? open_machine_ns(swap_pid, rootfs) : -1;
-  if (swap_pid) take_disk(image, clone_from, rootfs, disk);
+  if (swap_pid && image) take_disk(image, clone_from, rootfs, disk);
+  else if (swap_pid && umount2(rootfs, MNT_DETACH)) die("umount", rootfs);
   if (rootfs) {
     // Overlayfs' option string is one page: layers go by short names relative to SCRATCH when idmapped.
-    size_t cap = 64 + strlen(disk) * 2;
+    size_t cap = 64 + strlen(disk) * 2 + strlen(upper) + strlen(work);
     for (int i = 0; i < lowers; i++) cap += strlen(lower[i]) + 12;
     char *opts = malloc(cap);
     if (!opts) die("malloc", NULL);
@@ -544,10 +556,10 @@ int main(int argc, char **argv) {
       }
       attach_idmapped(disk, "disk", ns, 0);
       for (int i = lowers - 1; i >= 0; i--) n += (size_t)snprintf(opts + n, cap - n, "%d%s", i, i ? ":" : "");
-      snprintf(opts + n, cap - n, ",upperdir=disk/upper,workdir=disk/work");
+      snprintf(opts + n, cap - n, ",upperdir=disk/%s,workdir=disk/%s", upper, work);
     } else {
       for (int i = lowers - 1; i >= 0; i--) n += (size_t)snprintf(opts + n, cap - n, "%s%s", lower[i], i ? ":" : "");
-      snprintf(opts + n, cap - n, ",upperdir=%s/upper,workdir=%s/work", disk, disk);
+      snprintf(opts + n, cap - n, ",upperdir=%s/%s,workdir=%s/%s", disk, upper, disk, work);
     }
     if (mount("overlay", rootfs, "overlay", 0, opts)) die("mount overlay on", rootfs);
     if (ns >= 0) {

@@ -81,15 +81,18 @@ export function bootCommand(helper: string, plan: BootPlan, command: [string, st
 }
 
 /**
- * The helper's command line that gives the running machine whose first process is `pid` another disk (`image`.taking,
- * or a reflink of `cloneFrom`, becomes `image`, mounted on `root.disk`), mounts its overlay root anew at `root.rootfs`
- * and makes it the machine's root (runc: `--swap-into` in idmount.c).
+ * The helper's command line that gives the running machine whose first process is `pid` a new overlay root at
+ * `root.rootfs` and makes it the machine's root (runc: `--swap-into` in idmount.c). With `image`, the machine takes
+ * another disk (`image`.taking, or a reflink of `cloneFrom`, becomes `image`, mounted on `root.disk`); without, it
+ * keeps its disk and the overlay's upper and work dirs are `upper` and `work` on it (a build machine's next step).
  */
-export function swapCommand(helper: string, plan: { idmap?: BootPlan["idmap"]; root: NonNullable<BootPlan["root"]>; image: string; cloneFrom?: string }, pid: number): [string, string[]] {
+export function swapCommand(helper: string, plan: { idmap?: BootPlan["idmap"]; root: NonNullable<BootPlan["root"]>; image?: string; cloneFrom?: string; upper?: { upper: string; work: string } }, pid: number): [string, string[]] {
   const args = ["boot"];
   if (plan.idmap) args.push("--idmap", `${plan.idmap.canonical}:${plan.idmap.hostBase}:${plan.idmap.count}`);
   args.push("--scratch", plan.root.scratch, "--disk", plan.root.disk, "--rootfs", plan.root.rootfs);
   for (const layer of plan.root.layers) args.push("--lower", layer);
-  args.push("--image", plan.image, ...(plan.cloneFrom ? ["--clone-from", plan.cloneFrom] : []), "--swap-into", String(pid));
+  if (plan.upper) args.push("--upper", plan.upper.upper, "--work", plan.upper.work);
+  if (plan.image) args.push("--image", plan.image, ...(plan.cloneFrom ? ["--clone-from", plan.cloneFrom] : []));
+  args.push("--swap-into", String(pid));
   return [helper, args];
 }
