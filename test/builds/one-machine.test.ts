@@ -204,6 +204,34 @@ test("a step's background writer, held fd and cwd are gone before its layer is t
   assert.deepEqual(leftovers(), []);
 });
 
+test("a step's stopped process, one in its own pid namespace and a double-forked one are gone before the next step: woken there, none writes", { skip }, async () => {
+  const { out, entries } = await build([
+    {
+      type: "run",
+      command: [
+        // Stopped by itself: were it left, the next step's `kill -CONT -1` would wake it to write into that step's layer.
+        "sh -c 'kill -STOP $$; while :; do echo woke >> /stopped; sleep 0.01; done' </dev/null >/dev/null 2>&1 &",
+        // In a pid namespace of its own (where the machine may make one), and double-forked away from the step's shell.
+        "unshare -Urpf sh -c 'while :; do echo n >> /nested; sleep 0.01; done' </dev/null >/dev/null 2>&1 &",
+        "sh -c '(while :; do echo d >> /double; sleep 0.01; done) &' </dev/null >/dev/null 2>&1",
+        "while [ ! -s /double ]; do :; done",
+        "for i in $(seq 50); do [ -s /nested ] && break; sleep 0.02; done",
+        'echo "nested=$([ -s /nested ] && echo ran || echo refused)"',
+      ].join("\n"),
+    },
+    { type: "run", command: "kill -CONT -1 2>/dev/null; sleep 0.3; ls / | sed 's/^/root=/'; true" },
+    { type: "run", command: "sleep 0.3; true" },
+  ]);
+  assert.ok(["ran", "refused"].includes(printed(entries, 1, "nested") ?? ""), output(entries, 1).join("\n"));
+  const roots = output(entries, 2).filter((l) => l.startsWith("root="));
+  assert.ok(roots.includes("root=double"), roots.join(" ")); // step 1's file, seen from step 2 (the check sees what step 2 sees)
+  assert.ok(!roots.includes("root=stopped"), "the stopped process did not wake in step 2");
+  const [first, second, third] = await Promise.all(out.layers.map((l) => tree(l.dir)));
+  assert.ok(first.some((l) => l.startsWith("double ")));
+  for (const layer of [second, third]) assert.ok(!layer.some((l) => /^(stopped|nested|double)/.test(l)), layer.join("\n"));
+  assert.deepEqual(leftovers(), []);
+});
+
 test("a step cannot leave a mount, a /proc change or a way to the host's layer dirs for the next one", { skip }, async () => {
   const canary = `canary-${randomBytes(6).toString("hex")}`;
   const layersDir = join(dataDir, "layers-canary");
