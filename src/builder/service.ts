@@ -58,6 +58,8 @@ export interface BuildService {
   recoverInterrupted(lostHosts?: string[], reason?: string): Promise<number>;
   collect: ReturnType<typeof createBuildRetention>["collect"];
   startCollector(intervalMs?: number): void;
+  /** Resolves once finished builds' machines are destroyed and the next build's machine (booted ahead) has started. */
+  settle(): Promise<void>;
   close(): Promise<void>;
   isLive(buildId: string): boolean;
 }
@@ -237,6 +239,9 @@ export function createBuildService(deps: {
       lostHosts.length ? recoverInterrupted(db, () => false, lostHosts, reason) : recoverInterrupted(db, (id) => running.has(id), deps.hostId ? [deps.hostId] : [], reason),
     collect: retention.collect,
     startCollector,
+    settle: async () => {
+      await native.settle?.();
+    },
     close,
     isLive: logs.isLive,
   };
