@@ -1,6 +1,6 @@
-// A killed server's ready copies of snapshot disks (snapshot-spares.ts) go at the next start — also an image whose
-// directory was removed first (a kill between discardLayer's two removals), which no directory names any more; a live
-// server's copies stay.
+// A killed server's ready copies of snapshot disks (snapshot-spares.ts) go at the next start; an image whose directory
+// was removed first (a kill between discardLayer's two removals), which no directory names any more, goes once the
+// disk pool is open (the first copy made, or the close); a live server's copies stay.
 
 import { test } from "node:test";
 import assert from "node:assert/strict";
@@ -37,8 +37,12 @@ test("snapshot spares: the sweep removes a killed server's copies, stray images 
     const pool = { dir: poolDir, copies: "reflink" } as unknown as DiskPool;
     const spares = createSnapshotSpares({ dir, pool: async () => pool, owner: 0, max: 4, log });
     await spares.sweep();
-    assert.deepEqual(await readdir(dir), [liveName], "the dead server's copy goes, the live server's stays");
-    assert.deepEqual(await readdir(images), [`${liveName}.img`], "the stray image goes too; the live server's stays");
+    assert.deepEqual(await readdir(dir), [liveName], "at start the dead server's copy goes, the live server's stays");
+    assert.deepEqual((await readdir(images)).sort(), [`${liveName}.img`, `${strayName}.img`].sort(), "the start's sweep leaves the pool closed: the stray image waits");
+    // Once the pool is open anyway (here the close; else the first copy made), the stray image goes.
+    await spares.close();
+    assert.deepEqual(await readdir(images), [`${liveName}.img`], "the stray image goes; the live server's stays");
+    assert.deepEqual(await readdir(dir), [liveName]);
   } finally {
     live.kill("SIGKILL");
     await rm(root, { recursive: true, force: true });
