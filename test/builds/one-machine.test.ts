@@ -204,7 +204,7 @@ test("a step's background writer, held fd and cwd are gone before its layer is t
   assert.deepEqual(leftovers(), []);
 });
 
-test("a step's stopped process, one in its own pid namespace and a double-forked one are gone before the next step: woken there, none writes", { skip }, async () => {
+test("a step's stopped process, one in its own pid namespace and a double-forked one are gone before the next step: woken there, none writes", { skip: skip ?? (runtime !== "runc" && "runsc boots a machine per step") }, async () => {
   const { out, entries } = await build([
     {
       type: "run",
@@ -229,6 +229,27 @@ test("a step's stopped process, one in its own pid namespace and a double-forked
   const [first, second, third] = await Promise.all(out.layers.map((l) => tree(l.dir)));
   assert.ok(first.some((l) => l.startsWith("double ")));
   for (const layer of [second, third]) assert.ok(!layer.some((l) => /^(stopped|nested|double)/.test(l)), layer.join("\n"));
+  assert.deepEqual(leftovers(), []);
+});
+
+test("what a step leaves in memory (/dev/shm, /dev/mqueue, System V IPC) is gone in the next step, as in a machine of its own", { skip: skip ?? (runtime !== "runc" && "runsc boots a machine per step") }, async () => {
+  const { entries } = await build([
+    {
+      type: "run",
+      command: [
+        "echo hidden > /dev/shm/x; mkdir -p /dev/shm/d/e; echo deep > /dev/shm/d/e/f; ln -s /etc /dev/shm/link",
+        "ipcmk -M 4096 >/dev/null && ipcmk -Q >/dev/null && ipcmk -S 1 >/dev/null",
+        'echo "ipc=$(ipcs | grep -c ^0x)"; echo "shm=$(ls -A /dev/shm | wc -l)"',
+      ].join("\n"),
+    },
+    { type: "run", command: 'echo "ipc=$(ipcs | grep -c ^0x)"; echo "shm=$(ls -A /dev/shm | wc -l)"; echo "mq=$(ls -A /dev/mqueue 2>/dev/null | wc -l)"; ls /etc/hostname >/dev/null && echo etc=kept' },
+  ]);
+  assert.equal(printed(entries, 1, "ipc"), "3", output(entries, 1).join("\n"));
+  assert.equal(printed(entries, 1, "shm"), "3", output(entries, 1).join("\n"));
+  assert.equal(printed(entries, 2, "ipc"), "0", "no System V object of step 1 in step 2");
+  assert.equal(printed(entries, 2, "shm"), "0", "no file of step 1's /dev/shm in step 2");
+  assert.equal(printed(entries, 2, "mq"), "0");
+  assert.equal(printed(entries, 2, "etc"), "kept", "a link in /dev/shm is removed, not followed");
   assert.deepEqual(leftovers(), []);
 });
 

@@ -3,8 +3,11 @@
 // (tini, the runtime's first process) and the guest agent (tini's first child). Nothing of step N then writes into
 // step N's layer after it is captured, or into step N+1's.
 
-import { readdirSync, readFileSync } from "node:fs";
+import { execFile } from "node:child_process";
+import { lstatSync, readdirSync, readFileSync } from "node:fs";
+import { rm } from "node:fs/promises";
 import { join } from "node:path";
+import { promisify } from "node:util";
 import type { CgroupFreezer } from "./cgroups.ts";
 
 /** How long the killed processes may take to be gone (they are SIGKILLed: the kernel's time, not theirs). */
@@ -99,4 +102,27 @@ export async function endStepProcesses(opts: { freezer: CgroupFreezer; dir: stri
     if (performance.now() > deadline) throw new Error(`${left.length} processes of the step were still there ${GONE_WAIT_MS} ms after they were killed`);
     await new Promise((r) => setTimeout(r, 1));
   }
+}
+
+/**
+ * What a step leaves in memory rather than in its layer — files in /dev/shm and /dev/mqueue (tmpfs and mqueue mounts,
+ * not the overlay), System V shared memory, semaphores and message queues — is removed once its processes are gone:
+ * the next step would otherwise read state that no layer below it holds and no cache key names (a step that hits the
+ * cache in a fresh machine would not see it). Through the init's root and IPC namespace from the host: the machine's
+ * own tools may be missing, and machine root cannot make either path lead elsewhere (/dev and /dev/shm are mount
+ * points it cannot move; entries are removed without following links).
+ */
+export async function clearStepMemory(init: number): Promise<void> {
+  for (const dir of ["dev/shm", "dev/mqueue"]) {
+    const path = `/proc/${init}/root/${dir}`;
+    let names: string[] = [];
+    try {
+      if (!lstatSync(path).isDirectory()) continue;
+      names = readdirSync(path);
+    } catch {
+      continue;
+    }
+    await Promise.all(names.map((n) => rm(join(path, n), { recursive: true, force: true })));
+  }
+  await promisify(execFile)("nsenter", ["-t", String(init), "--ipc", "--", "ipcrm", "--all"], { timeout: GONE_WAIT_MS });
 }
