@@ -232,17 +232,25 @@ test("a step's stopped process, one in its own pid namespace and a double-forked
   assert.deepEqual(leftovers(), []);
 });
 
-test("what a step leaves in memory (/dev/shm, /dev/mqueue, System V IPC) is gone in the next step, as in a machine of its own", { skip: skip ?? (runtime !== "runc" && "runsc boots a machine per step") }, async () => {
+test("what a step leaves in memory (/dev, /dev/shm, /dev/mqueue, System V IPC) is gone in the next step, as in a machine of its own", { skip: skip ?? (runtime !== "runc" && "runsc boots a machine per step") }, async () => {
   const { entries } = await build([
     {
       type: "run",
       command: [
         "echo hidden > /dev/shm/x; mkdir -p /dev/shm/d/e; echo deep > /dev/shm/d/e/f; ln -s /etc /dev/shm/link",
+        // /dev itself is the runtime's tmpfs, not the overlay: a file, a dir, and a runtime link replaced by a file.
+        "echo hidden > /dev/hidden; mkdir /dev/dd; ln -s /etc /dev/etc; rm /dev/stdout; echo no > /dev/stdout",
         "ipcmk -M 4096 >/dev/null && ipcmk -Q >/dev/null && ipcmk -S 1 >/dev/null",
         'echo "ipc=$(ipcs | grep -c ^0x)"; echo "shm=$(ls -A /dev/shm | wc -l)"',
       ].join("\n"),
     },
-    { type: "run", command: 'echo "ipc=$(ipcs | grep -c ^0x)"; echo "shm=$(ls -A /dev/shm | wc -l)"; echo "mq=$(ls -A /dev/mqueue 2>/dev/null | wc -l)"; ls /etc/hostname >/dev/null && echo etc=kept' },
+    {
+      type: "run",
+      command: [
+        'echo "ipc=$(ipcs | grep -c ^0x)"; echo "shm=$(ls -A /dev/shm | wc -l)"; echo "mq=$(ls -A /dev/mqueue 2>/dev/null | wc -l)"; ls /etc/hostname >/dev/null && echo etc=kept',
+        'echo "dev=$(ls -A /dev | tr "\\n" " ")"; echo "stdout=$(stat -c %F /dev/stdout 2>/dev/null || echo none)"',
+      ].join("\n"),
+    },
   ]);
   assert.equal(printed(entries, 1, "ipc"), "3", output(entries, 1).join("\n"));
   assert.equal(printed(entries, 1, "shm"), "3", output(entries, 1).join("\n"));
@@ -250,6 +258,9 @@ test("what a step leaves in memory (/dev/shm, /dev/mqueue, System V IPC) is gone
   assert.equal(printed(entries, 2, "shm"), "0", "no file of step 1's /dev/shm in step 2");
   assert.equal(printed(entries, 2, "mq"), "0");
   assert.equal(printed(entries, 2, "etc"), "kept", "a link in /dev/shm is removed, not followed");
+  // The runtime's entries only; the link step 1 replaced by a file is gone (not made again: see clearDev).
+  assert.equal(printed(entries, 2, "dev"), "fd full mqueue null ptmx pts random shm stderr stdin tty urandom zero ", "/dev holds the runtime's entries only");
+  assert.equal(printed(entries, 2, "stdout"), "none", "the file step 1 put in place of a runtime link is gone");
   assert.deepEqual(leftovers(), []);
 });
 
