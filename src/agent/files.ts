@@ -7,7 +7,6 @@ import type { Stats } from "node:fs";
 import { pipeline } from "node:stream/promises";
 import type { Readable } from "node:stream";
 import { dirname, join } from "node:path";
-import { randomBytes } from "node:crypto";
 import type { FileInfo, UserInfo } from "./protocol.ts";
 import { groupName, userName } from "./users.ts";
 import { AgentFailure, fsFailure } from "./errors.ts";
@@ -158,7 +157,7 @@ export async function writeFileAtomic(path: string, body: Readable, opts: { mode
   if (existing?.isDirectory()) throw new AgentFailure("invalid_request", `${path} is a directory`);
   await makeDirs(dirname(path), opts.owner);
   // The name tells a watch (src/agent/watch.ts) whether the rename into place replaces a file: r, or n for new.
-  const temp = join(dirname(path), `${UPLOAD_PREFIX}${existing ? "r" : "n"}${randomBytes(6).toString("hex")}`);
+  const temp = join(dirname(path), `${UPLOAD_PREFIX}${existing ? "r" : "n"}${process.getBuiltinModule("node:crypto").randomBytes(6).toString("hex")}`);
   try {
     await pipeline(body, createWriteStream(temp, { mode: 0o600 }));
     await chmod(temp, opts.mode ?? (existing ? existing.mode & 0o7777 : 0o644));

@@ -7,27 +7,43 @@ import { createServer } from "node:http";
 import { connect } from "node:net";
 import type { IncomingMessage, ServerResponse } from "node:http";
 import { unlinkSync, existsSync, mkdirSync } from "node:fs";
-import { randomUUID } from "node:crypto";
 import { dirname, isAbsolute } from "node:path";
 import { AgentFailure } from "./errors.ts";
 import { checkSpawnRequest, execOnce, resolveUser, setMachineEnvs } from "./process.ts";
 import { fileInfo, listDir, makeDirs, move, remove, writeFileAtomic } from "./files.ts";
 import { lookupUser } from "./users.ts";
-import { listServices, restartService, serviceLogs, serviceState, startService, stopAllServices, stopService } from "./services.ts";
 import { constants as fsc } from "node:fs";
 import { lstat, open } from "node:fs/promises";
 import { AGENT_SOCKET_DEFAULT } from "./protocol.ts";
 import type { AgentHealth, ExecRequest, FileList } from "./protocol.ts";
 import { LIST_DEFAULT_LIMIT, LIST_MAX_DEPTH, LIST_MAX_LIMIT, validAfter } from "./list-pages.ts";
-import { handleGitRun, sweepScratch } from "./git.ts";
-import { handleCode, stopAllKernels } from "./kernels/index.ts";
+import { sweepScratch } from "./git-scratch.ts";
+import { getCompileCacheDir } from "node:module";
 
 // stdout and stderr are a host file on the machine's own disk (runtime.log): a full disk must not end the agent.
 process.stdout.on("error", () => undefined);
 process.stderr.on("error", () => undefined);
 
-const bootId = randomUUID();
+/**
+ * Tells one start of the agent from another (PTY sessions are scoped to it). Not a secret and not trusted by anyone,
+ * so Math.random's bits do: node:crypto would cost every machine's boot ≈ 3 ms of CPU to load.
+ */
+const bootId = randomUuidShape();
 const startedAt = Date.now();
+
+// What a machine that never uses them must not pay for at boot (compiling them, their heap): git runs, code
+// kernels and services load on their first request. Each is loaded once; stopping the agent stops only what loaded.
+let gitModule: Promise<typeof import("./git.ts")> | undefined;
+let kernelsModule: Promise<typeof import("./kernels/index.ts")> | undefined;
+let servicesModule: Promise<typeof import("./services.ts")> | undefined;
+const git = () => (gitModule ??= import("./git.ts"));
+const kernels = () => (kernelsModule ??= import("./kernels/index.ts"));
+const services = () => (servicesModule ??= import("./services.ts"));
+
+function randomUuidShape(): string {
+  const hex = Array.from({ length: 32 }, () => Math.floor(Math.random() * 16).toString(16)).join("");
+  return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-4${hex.slice(13, 16)}-${hex.slice(16, 20)}-${hex.slice(20)}`;
+}
 
 function socketPath(): string {
   const i = process.argv.indexOf("--socket");
@@ -90,7 +106,7 @@ async function route(req: IncomingMessage, res: ServerResponse) {
   const key = `${req.method} ${url.pathname}`;
   switch (key) {
     case "GET /health": {
-      const body: AgentHealth = { ok: true, boot_id: bootId, pid: process.pid, uptime_ms: Date.now() - startedAt };
+      const body: AgentHealth = { ok: true, boot_id: bootId, pid: process.pid, uptime_ms: Date.now() - startedAt, compile_cache: getCompileCacheDir() ?? null };
       return send(res, 200, body);
     }
     case "PUT /envs": {
@@ -174,10 +190,10 @@ async function route(req: IncomingMessage, res: ServerResponse) {
     }
     case "POST /git/run": {
       const body = await readJson(req);
-      return send(res, 200, await handleGitRun(req, res, body));
+      return send(res, 200, await (await git()).handleGitRun(req, res, body));
     }
   }
-  if (url.pathname.startsWith("/code/") && (await handleCode(req, res, url.pathname, readJson, send))) return;
+  if (url.pathname.startsWith("/code/") && (await (await kernels()).handleCode(req, res, url.pathname, readJson, send))) return;
   if (url.pathname === "/services" || url.pathname.startsWith("/services/")) return serviceRoute(req, res, url);
   if (req.method === "GET" && url.pathname.startsWith("/users/")) {
     const user = lookupUser(decodeURIComponent(url.pathname.slice("/users/".length)));
@@ -188,6 +204,7 @@ async function route(req: IncomingMessage, res: ServerResponse) {
 }
 
 async function serviceRoute(req: IncomingMessage, res: ServerResponse, url: URL) {
+  const { listServices, restartService, serviceLogs, serviceState, startService, stopService } = await services();
   const [, , rawId, sub] = url.pathname.split("/");
   const id = rawId === undefined ? undefined : decodeURIComponent(rawId);
   if (id === undefined) {
@@ -317,8 +334,8 @@ void sweepScratch();
 
 const stop = () => {
   void streams?.then((s) => s.resetSessions(true));
-  void stopAllKernels();
-  void stopAllServices();
+  void kernelsModule?.then((m) => m.stopAllKernels());
+  void servicesModule?.then((m) => m.stopAllServices());
   server.close(() => process.exit(0));
   setTimeout(() => process.exit(0), 500).unref();
 };
