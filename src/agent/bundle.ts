@@ -4,7 +4,7 @@
 
 import { build } from "esbuild";
 import { spawn } from "node:child_process";
-import { copyFile, cp, mkdir, mkdtemp, rm } from "node:fs/promises";
+import { copyFile, cp, mkdir, mkdtemp, readFile, rm } from "node:fs/promises";
 import { request } from "node:http";
 import { createRequire } from "node:module";
 import { tmpdir } from "node:os";
@@ -37,6 +37,10 @@ export async function bundleAgent(outDir: string): Promise<void> {
   await build({ ...cjs, banner: {}, entryPoints: [join(import.meta.dirname, "start.ts")], outfile: join(outDir, AGENT_ENTRY_FILE) });
   // One file: what only some requests need (terminals and ws, git, kernels, services) is in it but runs on first use.
   await build({ ...cjs, entryPoints: [join(import.meta.dirname, "main.ts")], outfile: join(outDir, AGENT_MAIN_FILE), external: ["@lydell/node-pty", "bufferutil", "utf-8-validate"] });
+  // V8 keeps a module's source for as long as the module lives: ASCII, one byte a character; a single other character
+  // anywhere (esbuild escapes those in strings, not in the comments it keeps) doubles it (≈ 240 KB per machine).
+  const nonAscii = /[^\x00-\x7f]/.exec(await readFile(join(outDir, AGENT_MAIN_FILE), "latin1"));
+  if (nonAscii) throw new Error(`the agent bundle has a non-ASCII character near ${JSON.stringify((await readFile(join(outDir, AGENT_MAIN_FILE), "utf8")).slice(Math.max(0, nonAscii.index - 40), nonAscii.index + 10))}`);
   // Code-interpreter kernels are processes of their own: the Node kernel is a second bundle, the Python bridge a
   // script the machine's python3 runs (both found beside the agent, in kernels/).
   await build({

@@ -137,7 +137,7 @@ async function prepareScratch(auth: GitAuth, origins: string[], uid: number, gid
         "-o StrictHostKeyChecking=accept-new",
         `-o 'UserKnownHostsFile=${dir}/known_hosts ~/.ssh/known_hosts'`,
         "-o ConnectTimeout=20",
-        "-o LogLevel=ERROR", // no "Permanently added … to the list of known hosts" in every summary
+        "-o LogLevel=ERROR", // no "Permanently added ... to the list of known hosts" in every summary
       ].join(" ");
     }
     for (const f of files) await lchown(f, uid, gid);

@@ -10,10 +10,7 @@ import { unlinkSync, existsSync, mkdirSync } from "node:fs";
 import { dirname, isAbsolute } from "node:path";
 import { AgentFailure } from "./errors.ts";
 import { checkSpawnRequest, execOnce, resolveUser, setMachineEnvs } from "./process.ts";
-import { fileInfo, listDir, makeDirs, move, remove, writeFileAtomic } from "./files.ts";
 import { lookupUser } from "./users.ts";
-import { constants as fsc } from "node:fs";
-import { lstat, open } from "node:fs/promises";
 import { AGENT_SOCKET_DEFAULT } from "./protocol.ts";
 import type { AgentHealth, ExecRequest, FileList } from "./protocol.ts";
 import { LIST_DEFAULT_LIMIT, LIST_MAX_DEPTH, LIST_MAX_LIMIT, validAfter } from "./list-pages.ts";
@@ -31,11 +28,14 @@ process.stderr.on("error", () => undefined);
 const bootId = randomUuidShape();
 const startedAt = Date.now();
 
-// What a machine that never uses them must not pay for at boot (compiling them, their heap): git runs, code
-// kernels and services load on their first request. Each is loaded once; stopping the agent stops only what loaded.
+// What a machine that never uses them must not pay for at boot (their code, Node's fs/promises, their heap): files,
+// git runs, code kernels and services load on their first request. Each is loaded once; stopping the agent stops
+// only what loaded.
+let filesModule: Promise<typeof import("./files.ts")> | undefined;
 let gitModule: Promise<typeof import("./git.ts")> | undefined;
 let kernelsModule: Promise<typeof import("./kernels/index.ts")> | undefined;
 let servicesModule: Promise<typeof import("./services.ts")> | undefined;
+const files = () => (filesModule ??= import("./files.ts"));
 const git = () => (gitModule ??= import("./git.ts"));
 const kernels = () => (kernelsModule ??= import("./kernels/index.ts"));
 const services = () => (servicesModule ??= import("./services.ts"));
@@ -131,30 +131,19 @@ async function route(req: IncomingMessage, res: ServerResponse) {
     }
     case "GET /files": {
       const path = absolutePath(q.get("path"));
-      const st = await lstat(path).catch(() => undefined);
-      if (!st) throw new AgentFailure("not_found", `No such file: ${path}`);
-      if (st.isDirectory()) throw new AgentFailure("invalid_request", `${path} is a directory (use files/list)`);
-      // O_NONBLOCK: opening a FIFO (or a device) must not hold one of the few I/O threads every file call shares.
-      const fh = await open(path, fsc.O_RDONLY | fsc.O_NONBLOCK).catch((err: NodeJS.ErrnoException) => {
-        throw err.code === "EACCES" ? new AgentFailure("forbidden", `Permission denied: ${path}`) : new AgentFailure("not_found", `Cannot read ${path}`);
-      });
-      const opened = await fh.stat().catch(() => undefined);
-      if (!opened?.isFile()) {
-        await fh.close();
-        throw new AgentFailure("invalid_request", `${path} is not a regular file`);
-      }
+      const fh = await (await files()).openForDownload(path);
       res.writeHead(200, { "content-type": "application/octet-stream" });
       fh.createReadStream().pipe(res);
       return;
     }
     case "PUT /files": {
       const path = absolutePath(q.get("path"));
-      const info = await writeFileAtomic(path, req, { mode: octal(q.get("mode")), owner: ownerOf(q.get("user")), metadata: metadataParam(q.get("metadata")) });
+      const info = await (await files()).writeFileAtomic(path, req, { mode: octal(q.get("mode")), owner: ownerOf(q.get("user")), metadata: metadataParam(q.get("metadata")) });
       return send(res, 200, info);
     }
     case "POST /files/info": {
       const body = await readJson(req);
-      return send(res, 200, await fileInfo(absolutePath(body.path)));
+      return send(res, 200, await (await files()).fileInfo(absolutePath(body.path)));
     }
     case "GET /files/list": {
       const depth = Number(q.get("depth") ?? 1);
@@ -170,23 +159,23 @@ async function route(req: IncomingMessage, res: ServerResponse) {
         }
         if (!validAfter(after, depth)) throw new AgentFailure("invalid_request", "after must be a JSON array of names within the listing's depth");
       }
-      const page = await listDir(absolutePath(q.get("path")), depth, { limit, after });
+      const page = await (await files()).listDir(absolutePath(q.get("path")), depth, { limit, after });
       const body: FileList = { entries: page.entries, ...(page.next ? { next_after: page.next } : {}) };
       return send(res, 200, body);
     }
     case "POST /files/mkdir": {
       const body = await readJson(req);
       const path = absolutePath(body.path);
-      await makeDirs(path, ownerOf(body.user), octal(body.mode) ?? 0o755);
-      return send(res, 200, await fileInfo(path));
+      await (await files()).makeDirs(path, ownerOf(body.user), octal(body.mode) ?? 0o755);
+      return send(res, 200, await (await files()).fileInfo(path));
     }
     case "DELETE /files": {
-      await remove(absolutePath(q.get("path")), q.get("recursive") === "true");
+      await (await files()).remove(absolutePath(q.get("path")), q.get("recursive") === "true");
       return send(res, 200, { removed: true });
     }
     case "POST /files/move": {
       const body = await readJson(req);
-      return send(res, 200, await move(absolutePath(body.src, "src"), absolutePath(body.dest, "dest"), ownerOf(body.user)));
+      return send(res, 200, await (await files()).move(absolutePath(body.src, "src"), absolutePath(body.dest, "dest"), ownerOf(body.user)));
     }
     case "POST /git/run": {
       const body = await readJson(req);
