@@ -39,8 +39,8 @@ const NOTES = `## Reading these numbers
   process as the benchmark, except the HTTP load generator, which runs in its own process.
 - **Create, warm vs cold.** Kiln keeps \`KILN_WARM_POOL\` (default 2) machines of the base template booted; a create
   of that shape takes one and the pool refills behind it. A burst larger than the pool pays the cold boot: the
-  runtime's \`run\` (≈ the bare-runc baseline) plus the guest agent's Node start (≈ 90 ms here, most of it loading
-  \`node:http\`).
+  runtime's \`run\` (≈ the bare-runc baseline) plus the guest agent's Node start (≈ 35–40 ms of CPU here, most of it
+  Node's own; see docs/snapshots.md).
 - **Exec** costs a process start as another user in its own process group inside the machine (≈ 4 ms on this
   host) plus two local HTTP hops.
 - **gVisor** rows come from a second Kiln with \`KILN_OCI_RUNTIME=runsc\` (ptrace platform) started beside the
