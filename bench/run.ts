@@ -40,9 +40,9 @@ const NOTES = `## Reading these numbers
 - **Create, warm vs cold.** Kiln keeps \`KILN_WARM_POOL\` (default 2) machines of the base template booted, more
   after a burst (the pool follows the create rate up to \`KILN_WARM_POOL_MAX\`, by default what the memory floor
   allows; docs/hot-pools.md), so a row's pool depends on the rows before it: the fleet rows say what it held. A create
-  of that shape takes one and the pool refills behind it, in a boot slot no create is waiting for. A burst larger than the pool pays the cold boot: the
-  runtime's \`run\` (≈ the bare-runc baseline) plus the guest agent's Node start (≈ 90 ms here, most of it loading
-  \`node:http\`).
+  of that shape takes one and the pool refills behind it, in a boot slot no create is waiting for. A burst larger
+  than the pool pays the cold boot: the runtime's \`run\` (≈ the bare-runc baseline) plus the guest agent's Node
+  start (≈ 35–40 ms of CPU here, most of it Node's own; see docs/snapshots.md).
 - **podman** baselines (\`bench/fleet.bench.ts\`) run the base template's rootfs imported into podman once per run
   (\`podman run --rm IMG true\`, \`podman exec C true\`, as root with the ulimits this host accepts); where podman is
   not installed, bare \`runc run\` stands in and the row says so.

@@ -1,13 +1,13 @@
 // File operations inside the machine: metadata from lstat with names from the machine's own passwd/group,
 // atomic writes (temp file + rename, so a failed upload leaves nothing), listing, mkdir -p, remove, move.
 
-import { createWriteStream } from "node:fs";
-import { lstat, readlink, readdir, mkdir, realpath, rm, rename, rmdir, unlink, chown, chmod, stat, readFile, writeFile } from "node:fs/promises";
+import { constants as fsc, createWriteStream } from "node:fs";
+import { lstat, open, readlink, readdir, mkdir, realpath, rm, rename, rmdir, unlink, chown, chmod, stat, readFile, writeFile } from "node:fs/promises";
+import type { FileHandle } from "node:fs/promises";
 import type { Stats } from "node:fs";
 import { pipeline } from "node:stream/promises";
 import type { Readable } from "node:stream";
 import { dirname, join } from "node:path";
-import { randomBytes } from "node:crypto";
 import type { FileInfo, UserInfo } from "./protocol.ts";
 import { groupName, userName } from "./users.ts";
 import { AgentFailure, fsFailure } from "./errors.ts";
@@ -80,6 +80,23 @@ function memoisedOwnerNames(): OwnerNames {
     user: (uid) => users.get(uid) ?? users.set(uid, userName(uid)).get(uid)!,
     group: (gid) => groups.get(gid) ?? groups.set(gid, groupName(gid)).get(gid)!,
   };
+}
+
+/** A regular file opened for reading, for GET /files; anything else is refused. */
+export async function openForDownload(path: string): Promise<FileHandle> {
+  const st = await lstat(path).catch(() => undefined);
+  if (!st) throw new AgentFailure("not_found", `No such file: ${path}`);
+  if (st.isDirectory()) throw new AgentFailure("invalid_request", `${path} is a directory (use files/list)`);
+  // O_NONBLOCK: opening a FIFO (or a device) must not hold one of the few I/O threads every file call shares.
+  const fh = await open(path, fsc.O_RDONLY | fsc.O_NONBLOCK).catch((err: NodeJS.ErrnoException) => {
+    throw err.code === "EACCES" ? new AgentFailure("forbidden", `Permission denied: ${path}`) : new AgentFailure("not_found", `Cannot read ${path}`);
+  });
+  const opened = await fh.stat().catch(() => undefined);
+  if (!opened?.isFile()) {
+    await fh.close();
+    throw new AgentFailure("invalid_request", `${path} is not a regular file`);
+  }
+  return fh;
 }
 
 export async function fileInfo(path: string, st?: Stats, names: OwnerNames = currentOwnerNames): Promise<FileInfo> {
@@ -158,7 +175,7 @@ export async function writeFileAtomic(path: string, body: Readable, opts: { mode
   if (existing?.isDirectory()) throw new AgentFailure("invalid_request", `${path} is a directory`);
   await makeDirs(dirname(path), opts.owner);
   // The name tells a watch (src/agent/watch.ts) whether the rename into place replaces a file: r, or n for new.
-  const temp = join(dirname(path), `${UPLOAD_PREFIX}${existing ? "r" : "n"}${randomBytes(6).toString("hex")}`);
+  const temp = join(dirname(path), `${UPLOAD_PREFIX}${existing ? "r" : "n"}${process.getBuiltinModule("node:crypto").randomBytes(6).toString("hex")}`);
   try {
     await pipeline(body, createWriteStream(temp, { mode: 0o600 }));
     await chmod(temp, opts.mode ?? (existing ? existing.mode & 0o7777 : 0o644));

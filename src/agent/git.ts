@@ -4,18 +4,16 @@
 
 import { spawn } from "node:child_process";
 import type { ChildProcess } from "node:child_process";
-import { chmod, chown, lchown, mkdtemp, readdir, rm, statfs, writeFile } from "node:fs/promises";
+import { chmod, chown, lchown, mkdtemp, rm, statfs, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { AgentFailure } from "./errors.ts";
 import { processEnv, resolveUser, workingDir } from "./process.ts";
 import { killGroup } from "./process-tree.ts";
 import type { GitAuth, GitRunRequest, GitRunResult } from "./protocol.ts";
+import { SCRATCH_PREFIX, SECRETS_ROOT } from "./git-scratch.ts";
 
-const SCRATCH_PREFIX = "kiln-git-";
 const OUTPUT_CAP = 4 * 1024 * 1024;
-/** The machine's memory filesystem (a tmpfs in every machine's spec, runc and gVisor): secrets are written only here. */
-const SECRETS_ROOT = "/dev/shm";
 const TMPFS_MAGIC = 0x01021994;
 
 /**
@@ -61,15 +59,6 @@ export function credentialOrigins(urls: string[] | undefined): string[] {
  * packet exchange) or load configuration past the agent's `-c` options: dropped from a run that carries credentials.
  */
 const UNSAFE_WITH_CREDENTIALS = /^(GIT_TRACE.*|GIT_CURL_VERBOSE|GIT_CONFIG_PARAMETERS|GIT_CONFIG_COUNT|GIT_CONFIG_KEY_\d+|GIT_CONFIG_VALUE_\d+|GIT_SSH|GIT_SSH_VARIANT|GIT_ASKPASS|SSH_ASKPASS.*|SSH_AUTH_SOCK|GIT_TERMINAL_PROMPT)$/;
-
-/** Scratch directories left by an agent that died mid-operation (the machine kept running): removed at start. */
-export async function sweepScratch(): Promise<void> {
-  for (const dir of [tmpdir(), SECRETS_ROOT]) {
-    for (const name of await readdir(dir).catch(() => [] as string[])) {
-      if (name.startsWith(SCRATCH_PREFIX)) await rm(join(dir, name), { recursive: true, force: true }).catch(() => undefined);
-    }
-  }
-}
 
 /** Every credential string (and each line of a key) that must not appear in anything returned or logged. */
 export function secretsOf(auth: GitAuth | undefined): string[] {
@@ -148,7 +137,7 @@ async function prepareScratch(auth: GitAuth, origins: string[], uid: number, gid
         "-o StrictHostKeyChecking=accept-new",
         `-o 'UserKnownHostsFile=${dir}/known_hosts ~/.ssh/known_hosts'`,
         "-o ConnectTimeout=20",
-        "-o LogLevel=ERROR", // no "Permanently added … to the list of known hosts" in every summary
+        "-o LogLevel=ERROR", // no "Permanently added ... to the list of known hosts" in every summary
       ].join(" ");
     }
     for (const f of files) await lchown(f, uid, gid);

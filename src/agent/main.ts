@@ -7,27 +7,43 @@ import { createServer } from "node:http";
 import { connect } from "node:net";
 import type { IncomingMessage, ServerResponse } from "node:http";
 import { unlinkSync, existsSync, mkdirSync } from "node:fs";
-import { randomUUID } from "node:crypto";
 import { dirname, isAbsolute } from "node:path";
 import { AgentFailure } from "./errors.ts";
 import { checkSpawnRequest, execOnce, resolveUser, setMachineEnvs } from "./process.ts";
-import { fileInfo, listDir, makeDirs, move, remove, writeFileAtomic } from "./files.ts";
 import { lookupUser } from "./users.ts";
-import { listServices, restartService, serviceLogs, serviceState, startService, stopAllServices, stopService } from "./services.ts";
-import { constants as fsc } from "node:fs";
-import { lstat, open } from "node:fs/promises";
 import { AGENT_SOCKET_DEFAULT } from "./protocol.ts";
 import type { AgentHealth, ExecRequest, FileList } from "./protocol.ts";
 import { LIST_DEFAULT_LIMIT, LIST_MAX_DEPTH, LIST_MAX_LIMIT, validAfter } from "./list-pages.ts";
-import { handleGitRun, sweepScratch } from "./git.ts";
-import { handleCode, stopAllKernels } from "./kernels/index.ts";
+import { sweepScratch } from "./git-scratch.ts";
+import { getCompileCacheDir } from "node:module";
 
 // stdout and stderr are a host file on the machine's own disk (runtime.log): a full disk must not end the agent.
 process.stdout.on("error", () => undefined);
 process.stderr.on("error", () => undefined);
 
-const bootId = randomUUID();
+/**
+ * Tells one start of the agent from another (PTY sessions are scoped to it). Not a secret and not trusted by anyone,
+ * so Math.random's bits do: node:crypto would cost every machine's boot ≈ 3 ms of CPU to load.
+ */
+const bootId = randomUuidShape();
 const startedAt = Date.now();
+
+// What a machine that never uses them must not pay for at boot (their code, Node's fs/promises, their heap): files,
+// git runs, code kernels and services load on their first request. Each is loaded once; stopping the agent stops
+// only what loaded.
+let filesModule: Promise<typeof import("./files.ts")> | undefined;
+let gitModule: Promise<typeof import("./git.ts")> | undefined;
+let kernelsModule: Promise<typeof import("./kernels/index.ts")> | undefined;
+let servicesModule: Promise<typeof import("./services.ts")> | undefined;
+const files = () => (filesModule ??= import("./files.ts"));
+const git = () => (gitModule ??= import("./git.ts"));
+const kernels = () => (kernelsModule ??= import("./kernels/index.ts"));
+const services = () => (servicesModule ??= import("./services.ts"));
+
+function randomUuidShape(): string {
+  const hex = Array.from({ length: 32 }, () => Math.floor(Math.random() * 16).toString(16)).join("");
+  return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-4${hex.slice(13, 16)}-${hex.slice(16, 20)}-${hex.slice(20)}`;
+}
 
 function socketPath(): string {
   const i = process.argv.indexOf("--socket");
@@ -90,7 +106,7 @@ async function route(req: IncomingMessage, res: ServerResponse) {
   const key = `${req.method} ${url.pathname}`;
   switch (key) {
     case "GET /health": {
-      const body: AgentHealth = { ok: true, boot_id: bootId, pid: process.pid, uptime_ms: Date.now() - startedAt };
+      const body: AgentHealth = { ok: true, boot_id: bootId, pid: process.pid, uptime_ms: Date.now() - startedAt, compile_cache: getCompileCacheDir() ?? null };
       return send(res, 200, body);
     }
     case "PUT /envs": {
@@ -115,30 +131,19 @@ async function route(req: IncomingMessage, res: ServerResponse) {
     }
     case "GET /files": {
       const path = absolutePath(q.get("path"));
-      const st = await lstat(path).catch(() => undefined);
-      if (!st) throw new AgentFailure("not_found", `No such file: ${path}`);
-      if (st.isDirectory()) throw new AgentFailure("invalid_request", `${path} is a directory (use files/list)`);
-      // O_NONBLOCK: opening a FIFO (or a device) must not hold one of the few I/O threads every file call shares.
-      const fh = await open(path, fsc.O_RDONLY | fsc.O_NONBLOCK).catch((err: NodeJS.ErrnoException) => {
-        throw err.code === "EACCES" ? new AgentFailure("forbidden", `Permission denied: ${path}`) : new AgentFailure("not_found", `Cannot read ${path}`);
-      });
-      const opened = await fh.stat().catch(() => undefined);
-      if (!opened?.isFile()) {
-        await fh.close();
-        throw new AgentFailure("invalid_request", `${path} is not a regular file`);
-      }
+      const fh = await (await files()).openForDownload(path);
       res.writeHead(200, { "content-type": "application/octet-stream" });
       fh.createReadStream().pipe(res);
       return;
     }
     case "PUT /files": {
       const path = absolutePath(q.get("path"));
-      const info = await writeFileAtomic(path, req, { mode: octal(q.get("mode")), owner: ownerOf(q.get("user")), metadata: metadataParam(q.get("metadata")) });
+      const info = await (await files()).writeFileAtomic(path, req, { mode: octal(q.get("mode")), owner: ownerOf(q.get("user")), metadata: metadataParam(q.get("metadata")) });
       return send(res, 200, info);
     }
     case "POST /files/info": {
       const body = await readJson(req);
-      return send(res, 200, await fileInfo(absolutePath(body.path)));
+      return send(res, 200, await (await files()).fileInfo(absolutePath(body.path)));
     }
     case "GET /files/list": {
       const depth = Number(q.get("depth") ?? 1);
@@ -154,30 +159,30 @@ async function route(req: IncomingMessage, res: ServerResponse) {
         }
         if (!validAfter(after, depth)) throw new AgentFailure("invalid_request", "after must be a JSON array of names within the listing's depth");
       }
-      const page = await listDir(absolutePath(q.get("path")), depth, { limit, after });
+      const page = await (await files()).listDir(absolutePath(q.get("path")), depth, { limit, after });
       const body: FileList = { entries: page.entries, ...(page.next ? { next_after: page.next } : {}) };
       return send(res, 200, body);
     }
     case "POST /files/mkdir": {
       const body = await readJson(req);
       const path = absolutePath(body.path);
-      await makeDirs(path, ownerOf(body.user), octal(body.mode) ?? 0o755);
-      return send(res, 200, await fileInfo(path));
+      await (await files()).makeDirs(path, ownerOf(body.user), octal(body.mode) ?? 0o755);
+      return send(res, 200, await (await files()).fileInfo(path));
     }
     case "DELETE /files": {
-      await remove(absolutePath(q.get("path")), q.get("recursive") === "true");
+      await (await files()).remove(absolutePath(q.get("path")), q.get("recursive") === "true");
       return send(res, 200, { removed: true });
     }
     case "POST /files/move": {
       const body = await readJson(req);
-      return send(res, 200, await move(absolutePath(body.src, "src"), absolutePath(body.dest, "dest"), ownerOf(body.user)));
+      return send(res, 200, await (await files()).move(absolutePath(body.src, "src"), absolutePath(body.dest, "dest"), ownerOf(body.user)));
     }
     case "POST /git/run": {
       const body = await readJson(req);
-      return send(res, 200, await handleGitRun(req, res, body));
+      return send(res, 200, await (await git()).handleGitRun(req, res, body));
     }
   }
-  if (url.pathname.startsWith("/code/") && (await handleCode(req, res, url.pathname, readJson, send))) return;
+  if (url.pathname.startsWith("/code/") && (await (await kernels()).handleCode(req, res, url.pathname, readJson, send))) return;
   if (url.pathname === "/services" || url.pathname.startsWith("/services/")) return serviceRoute(req, res, url);
   if (req.method === "GET" && url.pathname.startsWith("/users/")) {
     const user = lookupUser(decodeURIComponent(url.pathname.slice("/users/".length)));
@@ -188,6 +193,7 @@ async function route(req: IncomingMessage, res: ServerResponse) {
 }
 
 async function serviceRoute(req: IncomingMessage, res: ServerResponse, url: URL) {
+  const { listServices, restartService, serviceLogs, serviceState, startService, stopService } = await services();
   const [, , rawId, sub] = url.pathname.split("/");
   const id = rawId === undefined ? undefined : decodeURIComponent(rawId);
   if (id === undefined) {
@@ -317,8 +323,8 @@ void sweepScratch();
 
 const stop = () => {
   void streams?.then((s) => s.resetSessions(true));
-  void stopAllKernels();
-  void stopAllServices();
+  void kernelsModule?.then((m) => m.stopAllKernels());
+  void servicesModule?.then((m) => m.stopAllServices());
   server.close(() => process.exit(0));
   setTimeout(() => process.exit(0), 500).unref();
 };

@@ -28,12 +28,23 @@
 /** Where the agent listens inside the machine unless started with --socket or --listen-fd. */
 export const AGENT_SOCKET_DEFAULT = "/run/kiln/agent.sock";
 
+/** The bundle's entry, which machines run (agent/start.ts), and the agent itself beside it (agent/main.ts). */
+export const AGENT_ENTRY_FILE = "agent.cjs";
+export const AGENT_MAIN_FILE = "main.cjs";
+/** The bundle's V8 compile cache, a directory beside its entry (agent/start.ts reads it, agent/bundle.ts makes it). */
+export const AGENT_COMPILE_CACHE_DIR = "compile-cache";
+
 export interface AgentHealth {
   ok: true;
   /** Changes every time the agent starts: PTY sessions are scoped to one boot. */
   boot_id: string;
   pid: number;
   uptime_ms: number;
+  /**
+   * The V8 compile cache the agent's modules load from (the bundle's own, made when the guest runtime was built and
+   * read-only in the machine, see agent/bundle.ts), or null when none is enabled (the agent run from source).
+   */
+  compile_cache?: string | null;
 }
 
 export interface ExecRequest {

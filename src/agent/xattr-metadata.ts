@@ -17,7 +17,7 @@ export const METADATA_XATTR_PREFIX = "user.e2b.";
  */
 export const MAX_SURFACED_METADATA_BYTES = 4096;
 
-/** Where bundle.ts puts the addon, relative to agent.mjs. */
+/** Where bundle.ts puts the addon, relative to the bundle's files. */
 export const XATTR_ADDON = "native/xattr.node";
 
 let addon: typeof Xattr | null | undefined;

@@ -9,6 +9,7 @@ import { startTestKiln } from "../support/kiln.ts";
 import type { TestKiln } from "../support/kiln.ts";
 import { TEST_RUNTIME } from "../support/paths.ts";
 import { containerName } from "../../src/runtime/oci/driver.ts";
+import { GUEST_LOADER } from "../../src/runtime/guest-runtime.ts";
 
 let k: TestKiln;
 before(async () => {
@@ -63,6 +64,25 @@ test("the warm pool hands out booted machines that still honour envs, cwd and us
   assert.ok(!pooled.includes(odd.id), "a machine the pool cannot serve is booted for the request");
   for (let i = 0; i < 200 && pool.stats().ready < pool.stats().size; i++) await new Promise((r) => setTimeout(r, 50));
   assert.equal(pool.stats().ready, pool.stats().size, "the pool refills");
+});
+
+test("the agent is compiled from the bundle's compile cache, which the machine can read but not change", async () => {
+  const m = await create();
+  const { agent } = await k.kiln.services.machines.agentOf(m.id);
+  const dir = (await agent.health()).compile_cache;
+  assert.match(String(dir), /^\/opt\/kiln\/agent\/compile-cache\/v[0-9.]+-/);
+  const root = { user: "root" };
+  assert.notEqual((await sh(m.id, `touch ${dir}/x`, root)).exit_code, 0);
+  assert.match((await sh(m.id, `ls ${dir}`, root)).stdout, /^[0-9a-f]+\n$/);
+  // The machine's own node, started as the agent is, with Node's compile-cache log: V8 takes the cached code here.
+  const probe = await sh(
+    m.id,
+    `mkdir -p /tmp/probe && NODE_DEBUG_NATIVE=COMPILE_CACHE TMPDIR=/tmp/probe /opt/kiln/lib/${GUEST_LOADER} --library-path /opt/kiln/lib /opt/kiln/bin/node /opt/kiln/agent/agent.cjs --socket /tmp/probe/agent.sock 2>/tmp/probe.log & ` +
+      `for i in $(seq 1000); do [ -S /tmp/probe/agent.sock ] && break; sleep 0.01; done; kill $!; wait; cat /tmp/probe.log`,
+    root,
+  );
+  assert.match(probe.stdout, /V8 code cache for CommonJS \/opt\/kiln\/agent\/main\.cjs was accepted/, probe.stdout + probe.stderr);
+  await k.call("DELETE", `/v1/machines/${m.id}`);
 });
 
 test("exec: argv form, exit codes, stdin, envs, user root, cwd", async () => {

@@ -247,9 +247,9 @@ test("a machine that dies of memory says so: failure_reason is out of memory", a
   // raises it; under gVisor the host sees only the sandbox, and the machine's own root still can.
   const procs = `/sys/fs/cgroup/pids/kiln/${m.id}/cgroup.procs`;
   for (const pid of existsSync(procs) ? readFileSync(procs, "utf8").split("\n").filter(Boolean) : []) {
-    if (readFileSync(`/proc/${pid}/cmdline`, "utf8").includes("agent.mjs")) writeFileSync(`/proc/${pid}/oom_score_adj`, "1000");
+    if (readFileSync(`/proc/${pid}/cmdline`, "utf8").includes("agent.cjs")) writeFileSync(`/proc/${pid}/oom_score_adj`, "1000");
   }
-  const storm = "for p in /proc/[0-9]*; do grep -qs agent.mjs $p/cmdline && echo 1000 2>/dev/null > $p/oom_score_adj; done; for i in $(seq 40); do perl -e '$x = \"a\" x 6000000; sleep 60' & done; wait";
+  const storm = "for p in /proc/[0-9]*; do grep -qs agent.cjs $p/cmdline && echo 1000 2>/dev/null > $p/oom_score_adj; done; for i in $(seq 40); do perl -e '$x = \"a\" x 6000000; sleep 60' & done; wait";
   await k.call("POST", `/v1/machines/${m.id}/exec`, { body: { cmd: storm, user: "root", timeout_s: 30 } });
   let view = (await k.call("GET", `/v1/machines/${m.id}`)).body;
   for (let i = 0; i < 100 && view.status !== "destroyed"; i++) {

@@ -23,7 +23,7 @@ async function sh(id: string, cmd: string) {
 
 /** The guest agent's resident memory in KiB, read inside the machine. */
 async function agentRssKiB(id: string): Promise<number> {
-  const out = await sh(id, `for p in /proc/[0-9]*; do grep -q agent.mjs $p/cmdline 2>/dev/null && awk '/^VmRSS/ {print $2}' $p/status; done | sort -n | tail -1`);
+  const out = await sh(id, `for p in /proc/[0-9]*; do grep -q agent.cjs $p/cmdline 2>/dev/null && awk '/^VmRSS/ {print $2}' $p/status; done | sort -n | tail -1`);
   const kib = Number(out.stdout.trim());
   assert.ok(kib > 0, `the agent's RSS was read: ${JSON.stringify(out)}`);
   return kib;

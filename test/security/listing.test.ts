@@ -132,7 +132,7 @@ function agentPeakMb(): number {
   const pids = existsSync(procs) ? readFileSync(procs, "utf8").split("\n").filter(Boolean) : [];
   const agent = pids.find((pid) => {
     const cmd = readFileSync(`/proc/${pid}/cmdline`, "utf8");
-    return cmd.includes("agent.mjs") && !cmd.includes("tini");
+    return cmd.includes("agent.cjs") && !cmd.includes("tini");
   });
   assert.ok(agent, "the agent's host pid");
   return Number(/^VmHWM:\s+(\d+) kB/m.exec(readFileSync(`/proc/${agent}/status`, "utf8"))![1]) / 1024;

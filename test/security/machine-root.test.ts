@@ -72,7 +72,7 @@ test("machine root cannot take the agent's sockets or memory: pidfd_getfd, ptrac
     // that way, so the agent's listening socket and its connections stay its own.
     const fds = await sh(m.id, `python3 -c '
 import os, json
-pid = [p for p in os.listdir("/proc") if p.isdigit() and p != "1" and b"agent.mjs" in open("/proc/%s/cmdline" % p, "rb").read()][0]
+pid = [p for p in os.listdir("/proc") if p.isdigit() and p != "1" and b"agent.cjs" in open("/proc/%s/cmdline" % p, "rb").read()][0]
 out = {}
 for fd in os.listdir("/proc/%s/fd" % pid):
     link = os.readlink("/proc/%s/fd/%s" % (pid, fd))
@@ -179,14 +179,14 @@ test("the agent's output cannot grow a host file past the machine's disk or the 
   const log = join(k.dataDir, "machines", m.id, "disk", "mnt", "runtime.log");
   assert.ok(existsSync(log), "runtime.log is on the machine's own disk");
   // The exec's shell is the agent's child: $PPID is the agent.
-  const inside = await sh(m.id, `grep -q agent.mjs /proc/$PPID/cmdline && dd if=/dev/zero bs=1M count=300 2>&1 >>/proc/$PPID/fd/1 | tail -1`);
+  const inside = await sh(m.id, `grep -q agent.cjs /proc/$PPID/cmdline && dd if=/dev/zero bs=1M count=300 2>&1 >>/proc/$PPID/fd/1 | tail -1`);
   if (GVISOR) {
     // gVisor 20240729 lets machine root open the agent's stdout: the write stops at the machine's own disk.
     assert.match(inside.stdout, /No space left on device|copied/, inside.stdout);
   } else {
     assert.match(inside.stdout, /Permission denied/, `runc: the agent's stdout is not machine root's to open: ${inside.stdout}`);
     // Simulate a writer that got hold of it anyway: 300 MiB from the host into the agent's own fd 1.
-    const agent = machinePids(m.id).find((pid) => readFileSync(`/proc/${pid}/cmdline`, "utf8").includes("agent.mjs") && !readFileSync(`/proc/${pid}/cmdline`, "utf8").includes("tini"));
+    const agent = machinePids(m.id).find((pid) => readFileSync(`/proc/${pid}/cmdline`, "utf8").includes("agent.cjs") && !readFileSync(`/proc/${pid}/cmdline`, "utf8").includes("tini"));
     assert.ok(agent, "the agent's host pid");
     const fd = openSync(`/proc/${agent}/fd/1`, "a");
     const mib = Buffer.alloc(1024 * 1024, 0x41);

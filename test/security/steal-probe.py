@@ -31,7 +31,7 @@ def targets():
         line = cmdline(int(name))
         if int(name) == 1:
             found["init"] = 1
-        elif "agent/agent.mjs" in line and "agent" not in found:
+        elif "agent/agent.cjs" in line and "agent" not in found:
             found["agent"] = int(name)
     return found
 

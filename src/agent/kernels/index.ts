@@ -18,7 +18,7 @@ const START_TIMEOUT_MS = 60_000;
 const INTERRUPT_GRACE_MS = 3_000;
 const DEFAULT_EXECUTE_TIMEOUT_MS = 300_000;
 
-/** Where the agent's own files are: beside agent.mjs in the bundle, beside main.ts when run from source. */
+/** Where the agent's own files are: beside agent.cjs in the bundle, beside main.ts when run from source. */
 const agentDir = dirname(process.argv[1] ?? import.meta.dirname);
 
 /**

@@ -5,6 +5,7 @@
 import { ID_RANGE } from "./idmap.ts";
 import { defaultSeccomp } from "./seccomp.ts";
 import { EXEC_ONLY_LOADER, EXEC_ONLY_TINI, GUEST_LOADER } from "../guest-runtime.ts";
+import { AGENT_ENTRY_FILE } from "../../agent/protocol.ts";
 
 export const GUEST_RUNTIME_PATH = "/opt/kiln";
 export const GUEST_RUN_DIR = "/run/kiln";
@@ -109,7 +110,7 @@ export function machineSpec(input: SpecInput) {
         "--library-path",
         `${GUEST_RUNTIME_PATH}/lib`,
         `${GUEST_RUNTIME_PATH}/bin/node`,
-        `${GUEST_RUNTIME_PATH}/agent/agent.mjs`,
+        `${GUEST_RUNTIME_PATH}/agent/${AGENT_ENTRY_FILE}`,
         ...(input.listenFd ? ["--listen-fd", "3"] : ["--socket", `${GUEST_RUN_DIR}/${AGENT_SOCKET_NAME}`]),
       ],
       env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "LANG=C.UTF-8"],
