@@ -197,7 +197,7 @@ test("a step's background writer, held fd and cwd are gone before its layer is t
   assert.ok(first.some((l) => l.startsWith("bg ")));
   // No process of step 1 is there in step 2: only tini, the agent and step 2's own.
   const procs = output(entries, 2).filter((l) => l.startsWith("proc="));
-  if (runtime === "runc") assert.ok(procs.every((l) => /tini|agent\.mjs|sha256sum|^proc=\/bin\/sh -c|^proc=$|tr |sed /.test(l)), procs.join("\n"));
+  if (runtime === "runc") assert.ok(procs.every((l) => /tini|agent\.cjs|sha256sum|^proc=\/bin\/sh -c|^proc=$|tr |sed /.test(l)), procs.join("\n"));
   assert.ok(!procs.some((l) => /while|echo x|touch/.test(l)), procs.join("\n"));
   // Nothing of step 1 wrote into step 2's or step 3's layer.
   for (const layer of [second, third]) assert.ok(!layer.some((l) => /^(bg|held|late-)/.test(l)), layer.join("\n"));
