@@ -59,7 +59,7 @@ test("a RUN step sees its own PID 1 and no host or machine process, as root only
     assert.ok(Number(printed(events, "count")) <= 8, `the step sees ${printed(events, "count")} processes`);
     assert.deepEqual(printed(events, "map")!.split(/\s+/), ["0", String(BUILD_UID_BASE), "65536"], "root in a RUN is host uid 1,000,000,000, a range no machine uses");
     const ps = lines(events).filter((l) => l.startsWith("ps: "));
-    assert.ok(ps.length >= 2 && ps.every((l) => !/agent\.mjs|tini|kiln|node|buildah|slirp/.test(l)), `no machine, builder or host process is visible:\n${ps.join("\n")}`);
+    assert.ok(ps.length >= 2 && ps.every((l) => !/agent\.cjs|tini|kiln|node|buildah|slirp/.test(l)), `no machine, builder or host process is visible:\n${ps.join("\n")}`);
   } finally {
     await k.call("DELETE", `/v1/machines/${m}`);
   }
