@@ -94,13 +94,37 @@ export function createLogger(opts: { level?: string; pretty?: boolean; destinati
  *
  * Lines are kept as Buffers (sonic-boom's buffer mode): its text mode measures the whole pending string on every
  * line (Buffer.byteLength of a growing concatenation), which cost more per request line than formatting it. While
- * the output does not drain (a stuck pipe), lines past LOG_BUFFER_MAX_BYTES are dropped instead of held.
+ * the output does not drain (a stuck pipe), lines past LOG_BUFFER_MAX_BYTES are dropped instead of held, and counted.
  */
 export function bufferedDestination(dest: number | string): pino.DestinationStream {
   const stream = pino.destination({ dest, sync: false, contentMode: "buffer", minLength: LOG_BUFFER_BYTES, maxWrite: LOG_WRITE_MAX_BYTES, maxLength: LOG_BUFFER_MAX_BYTES, periodicFlush: LOG_FLUSH_MS });
   // pino writes strings; buffer mode takes Buffers. The instance keeps its own flush/flushSync/end (pino's exit flush).
   const writeBuffer = stream.write.bind(stream) as unknown as (data: Buffer) => boolean;
-  stream.write = (line: string) => writeBuffer(Buffer.from(line));
+  // Lines dropped are said, not silent: once the output drains to half the bound, the next line written after them
+  // is preceded by one warning with their count — so a reader of the log knows lines (a security warning among them,
+  // perhaps) went missing, and how many. `pending`: bytes taken and not yet written (sonic-boom's own count is private).
+  let pending = 0;
+  let dropped = 0;
+  let lastDropped = false;
+  stream.on("drop", () => {
+    lastDropped = true;
+    dropped++;
+  });
+  stream.on("write", (n: number) => (pending -= n));
+  const put = (data: Buffer) => {
+    lastDropped = false;
+    const ok = writeBuffer(data);
+    if (!lastDropped) pending += data.length;
+    return ok;
+  };
+  stream.write = (line: string) => {
+    if (dropped > 0 && pending < LOG_BUFFER_MAX_BYTES / 2) {
+      const n = dropped;
+      dropped = 0;
+      put(Buffer.from(`${JSON.stringify({ level: 40, time: Date.now(), pid: process.pid, dropped_lines: n, msg: "log lines dropped: the log output did not drain" })}\n`));
+    }
+    return put(Buffer.from(line));
+  };
   return stream;
 }
 const LOG_BUFFER_BYTES = 32 * 1024;

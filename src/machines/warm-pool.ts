@@ -168,6 +168,9 @@ export function createWarmPool(deps: {
       const make = async (): Promise<LiveMachine | undefined> => {
         // Queued behind creates for a while: not booted once it is no longer wanted (closed, held, shrunk, out of date).
         if (closed || held || shape?.artifactId !== s.artifactId || ready.length + started >= target()) return undefined;
+        // The host's room is asked again as the boot starts: asked only as boots were queued, a burst's boots would all
+        // pass on the memory seen before any of them ran, and grow the pool past the floors once they did.
+        if (!(deps.room?.() ?? true) || (ready.length + started >= size && !(deps.demand?.room?.() ?? true))) return undefined;
         started++;
         try {
           const live = await driver.create(spec);

@@ -204,6 +204,66 @@ test("a step's background writer, held fd and cwd are gone before its layer is t
   assert.deepEqual(leftovers(), []);
 });
 
+test("a step's stopped process, one in its own pid namespace and a double-forked one are gone before the next step: woken there, none writes", { skip: skip ?? (runtime !== "runc" && "runsc boots a machine per step") }, async () => {
+  const { out, entries } = await build([
+    {
+      type: "run",
+      command: [
+        // Stopped by itself: were it left, the next step's `kill -CONT -1` would wake it to write into that step's layer.
+        "sh -c 'kill -STOP $$; while :; do echo woke >> /stopped; sleep 0.01; done' </dev/null >/dev/null 2>&1 &",
+        // In a pid namespace of its own (where the machine may make one), and double-forked away from the step's shell.
+        "unshare -Urpf sh -c 'while :; do echo n >> /nested; sleep 0.01; done' </dev/null >/dev/null 2>&1 &",
+        "sh -c '(while :; do echo d >> /double; sleep 0.01; done) &' </dev/null >/dev/null 2>&1",
+        "while [ ! -s /double ]; do :; done",
+        "for i in $(seq 50); do [ -s /nested ] && break; sleep 0.02; done",
+        'echo "nested=$([ -s /nested ] && echo ran || echo refused)"',
+      ].join("\n"),
+    },
+    { type: "run", command: "kill -CONT -1 2>/dev/null; sleep 0.3; ls / | sed 's/^/root=/'; true" },
+    { type: "run", command: "sleep 0.3; true" },
+  ]);
+  assert.ok(["ran", "refused"].includes(printed(entries, 1, "nested") ?? ""), output(entries, 1).join("\n"));
+  const roots = output(entries, 2).filter((l) => l.startsWith("root="));
+  assert.ok(roots.includes("root=double"), roots.join(" ")); // step 1's file, seen from step 2 (the check sees what step 2 sees)
+  assert.ok(!roots.includes("root=stopped"), "the stopped process did not wake in step 2");
+  const [first, second, third] = await Promise.all(out.layers.map((l) => tree(l.dir)));
+  assert.ok(first.some((l) => l.startsWith("double ")));
+  for (const layer of [second, third]) assert.ok(!layer.some((l) => /^(stopped|nested|double)/.test(l)), layer.join("\n"));
+  assert.deepEqual(leftovers(), []);
+});
+
+test("what a step leaves in memory (/dev, /dev/shm, /dev/mqueue, System V IPC) is gone in the next step, as in a machine of its own", { skip: skip ?? (runtime !== "runc" && "runsc boots a machine per step") }, async () => {
+  const { entries } = await build([
+    {
+      type: "run",
+      command: [
+        "echo hidden > /dev/shm/x; mkdir -p /dev/shm/d/e; echo deep > /dev/shm/d/e/f; ln -s /etc /dev/shm/link",
+        // /dev itself is the runtime's tmpfs, not the overlay: a file, a dir, and a runtime link replaced by a file.
+        "echo hidden > /dev/hidden; mkdir /dev/dd; ln -s /etc /dev/etc; rm /dev/stdout; echo no > /dev/stdout",
+        "ipcmk -M 4096 >/dev/null && ipcmk -Q >/dev/null && ipcmk -S 1 >/dev/null",
+        'echo "ipc=$(ipcs | grep -c ^0x)"; echo "shm=$(ls -A /dev/shm | wc -l)"',
+      ].join("\n"),
+    },
+    {
+      type: "run",
+      command: [
+        'echo "ipc=$(ipcs | grep -c ^0x)"; echo "shm=$(ls -A /dev/shm | wc -l)"; echo "mq=$(ls -A /dev/mqueue 2>/dev/null | wc -l)"; ls /etc/hostname >/dev/null && echo etc=kept',
+        'echo "dev=$(ls -A /dev | tr "\\n" " ")"; echo "stdout=$(stat -c %F /dev/stdout 2>/dev/null || echo none)"',
+      ].join("\n"),
+    },
+  ]);
+  assert.equal(printed(entries, 1, "ipc"), "3", output(entries, 1).join("\n"));
+  assert.equal(printed(entries, 1, "shm"), "3", output(entries, 1).join("\n"));
+  assert.equal(printed(entries, 2, "ipc"), "0", "no System V object of step 1 in step 2");
+  assert.equal(printed(entries, 2, "shm"), "0", "no file of step 1's /dev/shm in step 2");
+  assert.equal(printed(entries, 2, "mq"), "0");
+  assert.equal(printed(entries, 2, "etc"), "kept", "a link in /dev/shm is removed, not followed");
+  // The runtime's entries only; the link step 1 replaced by a file is gone (not made again: see clearDev).
+  assert.equal(printed(entries, 2, "dev"), "fd full mqueue null ptmx pts random shm stderr stdin tty urandom zero ", "/dev holds the runtime's entries only");
+  assert.equal(printed(entries, 2, "stdout"), "none", "the file step 1 put in place of a runtime link is gone");
+  assert.deepEqual(leftovers(), []);
+});
+
 test("a step cannot leave a mount, a /proc change or a way to the host's layer dirs for the next one", { skip }, async () => {
   const canary = `canary-${randomBytes(6).toString("hex")}`;
   const layersDir = join(dataDir, "layers-canary");

@@ -213,3 +213,42 @@ test("above its size the pool boots only while the host is above the admission f
     }
   }
 });
+
+test("a burst's boots above the size ask for room as each starts, not only as they are queued: memory one took stops the rest", async () => {
+  // The host has room for one idle machine above the pool's size: once a second machine is up, room() says no — as a
+  // real floor would once the first boot's memory was taken. Boots go one at a time (one slot), as behind creates.
+  const real = k.kiln.services.driver;
+  let booted = 0;
+  // Counted once up, as memory is taken once a machine runs (not when its boot is queued or started).
+  const driver = {
+    ...real,
+    create: async (spec: Parameters<typeof real.create>[0]) => {
+      const live = await real.create(spec);
+      booted++;
+      return live;
+    },
+  };
+  const base = await k.kiln.services.templates.resolve("local/base");
+  const shape = { artifactId: base.artifact.id, layers: base.layers, vcpus: 1, memoryMb: 1024 };
+  const want = { artifactId: base.artifact.id, vcpus: 1, memoryMb: 1024, diskMb: DEFAULT_DISK_MB, internet: true, network: false };
+  const { createBootQueue } = await import("../../src/machines/boot-queue.ts");
+  const p = createWarmPool({ driver, size: 1, demand: { max: 4, room: () => booted < 2 }, boots: createBootQueue(1), log: k.kiln.log });
+  const taken: string[] = [];
+  try {
+    p.configure(shape);
+    await poolUntil(p, "its size", (s) => s.ready >= 1);
+    // Four asks within a second: the target is 4; the size's refill starts, and three boots above it are queued while
+    // room() still says yes (nothing of the refill is up yet).
+    for (let i = 0; i < 4; i++) {
+      const live = p.take(want);
+      if (live) taken.push(live.id);
+    }
+    assert.equal(p.stats().size, 4);
+    await poolUntil(p, "its boots settled", (s) => s.booting === 0 && s.ready >= 1);
+    assert.equal(booted, 2, "the size's refill booted, and no boot above it once the host had no room");
+    assert.equal(p.stats().ready, 1, JSON.stringify(p.stats()));
+  } finally {
+    await p.close();
+    await Promise.all(taken.map((id) => real.destroy(id)));
+  }
+});

@@ -3,8 +3,11 @@
 // (tini, the runtime's first process) and the guest agent (tini's first child). Nothing of step N then writes into
 // step N's layer after it is captured, or into step N+1's.
 
-import { readdirSync, readFileSync } from "node:fs";
+import { execFile } from "node:child_process";
+import { lstatSync, readdirSync, readFileSync } from "node:fs";
+import { readlink, rm } from "node:fs/promises";
 import { join } from "node:path";
+import { promisify } from "node:util";
 import type { CgroupFreezer } from "./cgroups.ts";
 
 /** How long the killed processes may take to be gone (they are SIGKILLed: the kernel's time, not theirs). */
@@ -99,4 +102,58 @@ export async function endStepProcesses(opts: { freezer: CgroupFreezer; dir: stri
     if (performance.now() > deadline) throw new Error(`${left.length} processes of the step were still there ${GONE_WAIT_MS} ms after they were killed`);
     await new Promise((r) => setTimeout(r, 1));
   }
+}
+
+/**
+ * What a step leaves in memory rather than in its layer — files in /dev, /dev/shm and /dev/mqueue (tmpfs and mqueue
+ * mounts, not the overlay), System V shared memory, semaphores and message queues — is removed once its processes are gone:
+ * the next step would otherwise read state that no layer below it holds and no cache key names (a step that hits the
+ * cache in a fresh machine would not see it). Through the init's root and IPC namespace from the host: the machine's
+ * own tools may be missing, and machine root cannot make either path lead elsewhere (/dev and /dev/shm are mount
+ * points it cannot move; entries are removed without following links).
+ */
+export async function clearStepMemory(init: number): Promise<void> {
+  await clearDev(init);
+  for (const dir of ["dev/shm", "dev/mqueue"]) {
+    const path = `/proc/${init}/root/${dir}`;
+    let names: string[] = [];
+    try {
+      if (!lstatSync(path).isDirectory()) continue;
+      names = readdirSync(path);
+    } catch {
+      continue;
+    }
+    await Promise.all(names.map((n) => rm(join(path, n), { recursive: true, force: true })));
+  }
+  await promisify(execFile)("nsenter", ["-t", String(init), "--ipc", "--", "ipcrm", "--all"], { timeout: GONE_WAIT_MS });
+}
+
+/** The runtime's links in /dev (runc's defaults): kept while they are still the runtime's. */
+const DEV_LINKS: Record<string, string> = { fd: "/proc/self/fd", stdin: "/proc/self/fd/0", stdout: "/proc/self/fd/1", stderr: "/proc/self/fd/2", ptmx: "pts/ptmx" };
+/** The runtime's devices and mounts in /dev (bind mounts and mount points a machine cannot remove or replace). */
+const DEV_MOUNTS = new Set(["null", "zero", "full", "random", "urandom", "tty", "pts", "shm", "mqueue", "console"]);
+
+/** /dev as the runtime made it, less what a step removed: whatever else it put there (its links replaced too) goes. */
+async function clearDev(init: number): Promise<void> {
+  const dev = `/proc/${init}/root/dev`;
+  let names: string[];
+  try {
+    if (!lstatSync(dev).isDirectory()) return;
+    names = readdirSync(dev);
+  } catch {
+    return;
+  }
+  await Promise.all(
+    names
+      .filter((n) => !DEV_MOUNTS.has(n))
+      .map(async (n) => {
+        const path = join(dev, n);
+        const link = DEV_LINKS[n];
+        if (link !== undefined && (await readlink(path).catch(() => undefined)) === link) return;
+        // A runtime link a step replaced is removed, not made again: made as the host's root it could not be (the tmpfs
+        // maps none of the host's ids), and run in the machine's namespaces a tool would be the machine's own binary
+        // outside its cgroup and pid namespace. The step broke its own /dev; nothing of it reaches the next step.
+        await rm(path, { recursive: true, force: true });
+      }),
+  );
 }

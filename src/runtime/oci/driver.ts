@@ -33,7 +33,7 @@ import { createSnapshotSpares } from "./snapshot-spares.ts";
 import { createEgress } from "./egress.ts";
 import { createRuntimeCli, RUNSC_MIN_RELEASE } from "./runtime-cli.ts";
 import { pidAlive } from "../pid-alive.ts";
-import { endStepProcesses } from "./build-steps.ts";
+import { clearStepMemory, endStepProcesses } from "./build-steps.ts";
 
 export { HOST_ID_BASE, ID_RANGE } from "./idmap.ts";
 export { containerName } from "./runtime-cli.ts";
@@ -359,6 +359,7 @@ export function createOciDriver(opts: OciDriverOptions): MachineDriver {
     const t0 = performance.now();
     const dir = cgroups.version === "v2" ? join("/sys/fs/cgroup", KILN_CGROUP, id) : join("/sys/fs/cgroup/freezer", KILN_CGROUP, id);
     const { killed } = await endStepProcesses({ freezer, dir, init });
+    await clearStepMemory(init);
     const tKilled = performance.now();
     await copyUpper(id, (await currentUpper(p)).upper, destDir);
     const ms = (a: number, b: number) => Math.round((b - a) * 10) / 10;

@@ -13,7 +13,7 @@
 
 import { randomBytes } from "node:crypto";
 import { existsSync } from "node:fs";
-import { mkdir, readdir, rename } from "node:fs/promises";
+import { mkdir, readdir, rename, rm } from "node:fs/promises";
 import { join } from "node:path";
 import type { Logger } from "../../log.ts";
 import type { DiskPool } from "./disk-pool.ts";
@@ -46,6 +46,7 @@ export function createSnapshotSpares(opts: { dir: string; pool: () => Promise<Di
   const token = randomBytes(4).toString("hex");
   let closed = false;
   let swept: Promise<void> | undefined;
+  let imagesSwept: Promise<void> | undefined;
 
   const imagesDir = async () => join((await opts.pool()).dir, "spares");
   const layerOf = async (name: string) => layerAt(join(opts.dir, name), join(await imagesDir(), `${name}.img`));
@@ -57,6 +58,7 @@ export function createSnapshotSpares(opts: { dir: string; pool: () => Promise<Di
   async function make(snapshotId: string, disk: string): Promise<void> {
     await (swept ??= sweepNow());
     const pool = await opts.pool();
+    await (imagesSwept ??= sweepImages());
     // Without reflinks a copy would hold every byte of the snapshot's disk a second time, read and written in full.
     if (pool.copies !== "reflink") return;
     // The least recently used copies make room: those ready and those being made (this one too) stay within the bound.
@@ -92,6 +94,17 @@ export function createSnapshotSpares(opts: { dir: string; pool: () => Promise<Di
     // made before its image, so every image has one.
     const names = await readdir(opts.dir).catch(() => [] as string[]);
     await Promise.all(names.filter((n) => !ours(n) && !others(n)).map(discard));
+  }
+
+  /**
+   * Images whose directory went first: a server killed between the two removals of discardLayer (they run side by
+   * side) left them, named by no directory. Removed once the disk pool is open anyway (the first copy, the close):
+   * the start's sweep does not open the pool for them.
+   */
+  async function sweepImages(): Promise<void> {
+    const images = await imagesDir();
+    const strays = (await readdir(images).catch(() => [] as string[])).filter((f) => f.endsWith(".img") && !ours(f.slice(0, -4)) && !others(f.slice(0, -4)));
+    await Promise.all(strays.map((f) => rm(join(images, f), { force: true })));
   }
 
   return {
@@ -144,6 +157,7 @@ export function createSnapshotSpares(opts: { dir: string; pool: () => Promise<Di
       await Promise.all(names.map(discard));
       // A killed server's copies go too, even when this one never made one.
       await sweepNow();
+      await sweepImages();
     },
   };
 }
