@@ -33,6 +33,29 @@ function procStat(pid: number): ProcStat | undefined {
   }
 }
 
+/**
+ * Whether a process runs no more code: gone, or a zombie whose threads are all gone too (a thread group's leader is a
+ * zombie as soon as it exits, while its other threads may still run).
+ */
+function ended(pid: number): boolean {
+  const state = procStat(pid)?.state;
+  if (state === undefined || state === "X") return true;
+  if (state !== "Z") return false;
+  try {
+    return readdirSync(`/proc/${pid}/task`).every((tid) => Number(tid) === pid || ["Z", "X", undefined].includes(taskState(pid, Number(tid))));
+  } catch {
+    return true; // reaped meanwhile
+  }
+}
+
+function taskState(pid: number, tid: number): string | undefined {
+  try {
+    return readFileSync(`/proc/${pid}/task/${tid}/stat`, "utf8").replace(/^.*\) /s, "").split(" ")[0];
+  } catch {
+    return undefined;
+  }
+}
+
 /** Every process of the cgroup dir `dir` and of the cgroups below it. */
 export function cgroupMembers(dir: string): number[] {
   const out: number[] = [];
@@ -97,7 +120,7 @@ export async function endStepProcesses(opts: { freezer: CgroupFreezer; dir: stri
   }
   const deadline = performance.now() + GONE_WAIT_MS;
   for (;;) {
-    const left = cgroupMembers(opts.dir).filter((pid) => !keep.has(pid) && !["Z", "X", undefined].includes(procStat(pid)?.state));
+    const left = cgroupMembers(opts.dir).filter((pid) => !keep.has(pid) && !ended(pid));
     if (left.length === 0) return { killed };
     if (performance.now() > deadline) throw new Error(`${left.length} processes of the step were still there ${GONE_WAIT_MS} ms after they were killed`);
     await new Promise((r) => setTimeout(r, 1));
