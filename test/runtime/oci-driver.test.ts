@@ -107,7 +107,7 @@ test("a machine has its own pid 1 (tini), hostname and process table", opt, asyn
   const listen = runtime === "runc" ? "--listen-fd 3" : "--socket /run/kiln/agent.sock";
   // runc: tini and the agent's loader are the exec-only copies (neither process is dumpable; see guest-runtime.ts).
   const start = runtime === "runc" ? "/opt/kiln/exec-only/tini -s -- /opt/kiln/exec-only/ld\\.so" : "/opt/kiln/bin/tini -s -- /opt/kiln/lib/ld-linux[^ ]*";
-  assert.match(pid1, new RegExp(`^${start} --library-path /opt/kiln/lib /opt/kiln/bin/node /opt/kiln/agent/agent\\.mjs ${listen}`));
+  assert.match(pid1, new RegExp(`^${start} --library-path /opt/kiln/lib /opt/kiln/bin/node /opt/kiln/agent/agent\\.cjs ${listen}`));
   if (runtime === "runc") {
     // The agent's socket is handed in as a file descriptor: no path inside the machine could be swapped for a symlink.
     assert.equal((await sh(m, "test -e /run/kiln/agent.sock && echo visible || echo absent")).trim(), "absent");
