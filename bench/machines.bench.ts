@@ -89,11 +89,19 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
 
   // idle machines: memory each costs
   const memAvailable = () => Number(/MemAvailable:\s+(\d+)/.exec(execFileSync("cat", ["/proc/meminfo"], { encoding: "utf8" }))![1]) * 1024;
+  // The base pool grows with a run of creates (KILN_WARM_POOL_MAX): its idle machines are counted with the held ones.
+  const pooled = async () => {
+    for (let w = 0; w < 500 && pool.stats().booting > 0; w++) await new Promise((r) => setTimeout(r, 20));
+    return pool.stats().ready;
+  };
+  const pooledBefore = await pooled();
   const before = memAvailable();
   const idle: string[] = [];
   for (let i = 0; i < IDLE; i++) idle.push((await json(ctx, "POST", "/v1/machines", { template: "local/base" })).id);
+  const pooledAfter = await pooled();
   await new Promise((r) => setTimeout(r, 2000));
-  const perMachine = (before - memAvailable()) / IDLE / 2 ** 20;
+  const held = IDLE + pooledAfter - pooledBefore;
+  const perMachine = (before - memAvailable()) / held / 2 ** 20;
   for (const m of idle) await json(ctx, "DELETE", `/v1/machines/${m}`);
   const hostGiB = Number(/MemTotal:\s+(\d+)/.exec(execFileSync("cat", ["/proc/meminfo"], { encoding: "utf8" }))![1]) / 2 ** 20;
   results.push({
@@ -101,8 +109,8 @@ export async function run(ctx: BenchContext): Promise<BenchResult[]> {
     unit: "MiB",
     better: "lower",
     median: perMachine,
-    goal: "≥ 300 machines on 24 GiB (≤ ~80 MiB each)",
-    note: `≈ ${Math.floor((hostGiB * 1024 * 0.9) / perMachine)} idle machines fit in 90% of this host's ${hostGiB.toFixed(0)} GiB`,
+    goal: "≥ 2,000 idle machines on 24 GiB (≤ 10 MiB each)",
+    note: `host MemAvailable before/after over ${held} machines (${IDLE} created, ${pooledAfter - pooledBefore} more in the pool): agent, tini, slirp4netns, kernel; ≈ ${Math.floor((hostGiB * 1024 * 0.9) / perMachine)} idle machines fit in 90% of this host's ${hostGiB.toFixed(0)} GiB`,
   });
   return results;
 }
