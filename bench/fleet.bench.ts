@@ -12,7 +12,7 @@ import { mkdir, mkdtemp, rm, writeFile, readFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { api, bareRun } from "./api.ts";
-import { median, percentile } from "./report.ts";
+import { median, percentile, timed } from "./report.ts";
 import type { BenchResult } from "./report.ts";
 import type { BenchContext } from "./run.ts";
 
@@ -105,17 +105,6 @@ async function liveChildrenCpuMs(): Promise<number> {
     ms += (Number(f[11]) + Number(f[12]) + Number(f[13]) + Number(f[14])) * 10;
   }
   return ms;
-}
-
-/** Times `fn` n times, one after another. */
-async function timed(n: number, fn: () => Promise<unknown>): Promise<number[]> {
-  const times: number[] = [];
-  for (let i = 0; i < n; i++) {
-    const t0 = performance.now();
-    await fn();
-    times.push(performance.now() - t0);
-  }
-  return times;
 }
 
 /** `n` bare `runc run /bin/true` on `layer` at once: each one's time from its start to its exit. */

@@ -4,7 +4,7 @@
 
 import { request } from "undici";
 import { api } from "./api.ts";
-import { median, percentile } from "./report.ts";
+import { median, percentile, timed } from "./report.ts";
 import type { BenchResult } from "./report.ts";
 import type { BenchContext } from "./run.ts";
 import { startTestKiln } from "../test/support/kiln.ts";
@@ -47,16 +47,6 @@ async function execute(url: string, key: string, id: string, body: Record<string
   const text = await res.body.text();
   if (res.statusCode !== 200 || !text.includes('"type":"end"')) throw new Error(`execute: ${res.statusCode} ${text}`);
   return text;
-}
-
-async function timed(n: number, fn: () => Promise<unknown>): Promise<number[]> {
-  const times: number[] = [];
-  for (let i = 0; i < n; i++) {
-    const t0 = performance.now();
-    await fn();
-    times.push(performance.now() - t0);
-  }
-  return times;
 }
 
 const row = (name: string, times: number[], baselineName: string, baseline: number[], extra: Partial<BenchResult> = {}): BenchResult => ({
