@@ -27,20 +27,10 @@ import type { StepT } from "../../src/builder/steps/index.ts";
 import { BuildFailure } from "../../src/builder/failure.ts";
 import { createAgentClient } from "../../src/runtime/agent-client.ts";
 import { TEST_CACHE_DIR } from "../support/paths.ts";
+import { driverSkipReason, runtime } from "../support/runtime.ts";
 
 const exec = promisify(execFile);
-const runtime = (process.env.KILN_OCI_RUNTIME as "runc" | "runsc" | undefined) ?? "runc";
-
-function skipReason(): string | undefined {
-  if (process.getuid?.() !== 0) return "the oci driver needs root";
-  try {
-    execFileSync(runtime, ["--version"], { stdio: "ignore" });
-  } catch {
-    return `${runtime} is not installed`;
-  }
-  return undefined;
-}
-const skip = skipReason();
+const skip = driverSkipReason();
 
 const log = createLogger({ level: "warn", pretty: false });
 let dataDir: string;

@@ -4,7 +4,7 @@
 
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { execFile, execFileSync } from "node:child_process";
+import { execFile } from "node:child_process";
 import { existsSync, readFileSync, statSync } from "node:fs";
 import { mkdtemp, mkdir, rm, writeFile } from "node:fs/promises";
 import { createServer } from "node:net";
@@ -22,20 +22,10 @@ import { createLogger } from "../../src/log.ts";
 import { createAgentClient } from "../../src/runtime/agent-client.ts";
 import type { AgentClient } from "../../src/runtime/agent-client.ts";
 import { TEST_CACHE_DIR } from "../support/paths.ts";
+import { driverSkipReason, runtime } from "../support/runtime.ts";
 
 const exec = promisify(execFile);
-const runtime = (process.env.KILN_OCI_RUNTIME as "runc" | "runsc" | undefined) ?? "runc";
-
-function skipReason(): string | undefined {
-  if (process.getuid?.() !== 0) return "the oci driver needs root (mounts, user namespaces, cgroups)";
-  try {
-    execFileSync(runtime, ["--version"], { stdio: "ignore" });
-  } catch {
-    return `${runtime} is not installed`;
-  }
-  return undefined;
-}
-const skip = skipReason();
+const skip = driverSkipReason();
 if (skip) process.stderr.write(`skipping the oci driver tests: ${skip}\n`);
 
 const log = createLogger({ level: "warn", pretty: false });
